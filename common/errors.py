@@ -1,0 +1,112 @@
+"""One error family for every role.
+
+Each class carries the HTTP status it maps to, so a service turns any `BagpipeError` raised
+by a sans-IO core into the right 4xx/5xx answer in one place, and a client turns the answer
+back into the same class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class BagpipeError(Exception):
+    """Root of every error this project raises on purpose."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.code, "message": self.message, **self.fields}
+
+
+class ConfigError(BagpipeError):
+    """A cluster spec, data file or command-line value is invalid; names the field."""
+
+    code = "config"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}", field=field)
+        self.field = field
+
+
+class BadRequest(BagpipeError):
+    status = 400
+    code = "bad_request"
+
+
+class WireError(BadRequest):
+    """A binary body does not follow the wire format."""
+
+    code = "bad_body"
+
+
+class Unauthorized(BagpipeError):
+    status = 401
+    code = "unauthorized"
+
+
+class NotFound(BagpipeError):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(BagpipeError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class Conflict(BagpipeError):
+    """The request is well formed but contradicts stored state (e.g. a stale version)."""
+
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(BagpipeError):
+    status = 413
+    code = "payload_too_large"
+
+
+class Unavailable(BagpipeError):
+    """A peer could not be reached or stopped answering."""
+
+    status = 503
+    code = "unavailable"
+
+
+class TimedOut(BagpipeError):
+    """A wait (for a version, a peer, a response) ran past its limit."""
+
+    status = 504
+    code = "timeout"
+
+
+_BY_CODE: dict[str, type[BagpipeError]] = {
+    cls.code: cls
+    for cls in (
+        BagpipeError,
+        BadRequest,
+        WireError,
+        Unauthorized,
+        NotFound,
+        MethodNotAllowed,
+        Conflict,
+        PayloadTooLarge,
+        Unavailable,
+        TimedOut,
+    )
+}
+
+
+def error_from_json(status: int, payload: dict[str, Any]) -> BagpipeError:
+    """Rebuild the error a peer answered with, keeping its class where it is known."""
+    cls = _BY_CODE.get(str(payload.get("error")), BagpipeError)
+    fields = {k: v for k, v in payload.items() if k not in ("error", "message")}
+    err = cls(str(payload.get("message", f"HTTP {status}")), **fields)
+    return err

@@ -1,0 +1,81 @@
+"""A small metrics registry rendered as Prometheus text (exposition format 0.0.4).
+
+Counters and gauges keyed by name and label set; summaries keep sum and count. A service
+owns one `Registry` and passes it to what it instruments: no module-level globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _labels(labels: dict[str, str] | None) -> Labels:
+    return tuple(sorted((labels or {}).items()))
+
+
+def _fmt_labels(labels: Labels, extra: Iterable[tuple[str, str]] = ()) -> str:
+    items = [*labels, *extra]
+    if not items:
+        return ""
+    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in items)
+    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(items, escaped)) + "}"
+
+
+@dataclass
+class _Family:
+    name: str
+    kind: str  # "counter" | "gauge" | "summary"
+    help: str
+    values: dict[Labels, list[float]] = field(default_factory=dict)
+
+
+class Registry:
+    """Named metric families; `render()` gives the Prometheus text page."""
+
+    def __init__(self, prefix: str = "bagpipe") -> None:
+        self._prefix = prefix
+        self._families: dict[str, _Family] = {}
+
+    def _family(self, name: str, kind: str, help: str) -> _Family:
+        full = f"{self._prefix}_{name}"
+        fam = self._families.get(full)
+        if fam is None:
+            fam = self._families[full] = _Family(full, kind, help)
+        elif fam.kind != kind:
+            raise ValueError(f"metric {full} is a {fam.kind}, not a {kind}")
+        return fam
+
+    def inc(self, name: str, amount: float = 1.0, labels: dict[str, str] | None = None, help: str = "") -> None:
+        cell = self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])
+        cell[0] += amount
+
+    def set(self, name: str, value: float, labels: dict[str, str] | None = None, help: str = "") -> None:
+        self._family(name, "gauge", help).values[_labels(labels)] = [float(value)]
+
+    def observe(self, name: str, value: float, labels: dict[str, str] | None = None, help: str = "") -> None:
+        cell = self._family(name, "summary", help).values.setdefault(_labels(labels), [0.0, 0.0])
+        cell[0] += value
+        cell[1] += 1
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value (a summary's sum); 0 if never recorded."""
+        fam = self._families.get(f"{self._prefix}_{name}")
+        cell = fam.values.get(_labels(labels)) if fam else None
+        return cell[0] if cell else 0.0
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for fam in self._families.values():
+            if fam.help:
+                lines.append(f"# HELP {fam.name} {fam.help}")
+            lines.append(f"# TYPE {fam.name} {fam.kind}")
+            for labels, cell in fam.values.items():
+                if fam.kind == "summary":
+                    lines.append(f"{fam.name}_sum{_fmt_labels(labels)} {cell[0]:.9g}")
+                    lines.append(f"{fam.name}_count{_fmt_labels(labels)} {int(cell[1])}")
+                else:
+                    lines.append(f"{fam.name}{_fmt_labels(labels)} {cell[0]:.17g}")
+        return "\n".join(lines) + "\n"

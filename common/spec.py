@@ -1,0 +1,276 @@
+"""The cluster spec: one TOML file, parsed once into frozen, validated dataclasses.
+
+Every role reads the same file. A bad value raises `ConfigError` naming the field
+(``oracle.lookahead: must be >= 0``); unknown keys are refused too, so a typo never silently
+falls back to a default. Sections owned by one role (data, model, optimizer, planner) are
+parsed by that role's own parser; this module only assembles them.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from common.errors import ConfigError
+
+T = TypeVar("T")
+Transport = Literal["h2", "http1"]
+Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
+MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
+TOKEN_ENV = "BAGPIPE_TOKEN"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """A service address; port 0 means "any free port" (local clusters only)."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: Any, field: str) -> Endpoint:
+        if not isinstance(text, str) or ":" not in text:
+            raise ConfigError(field, f"must be 'host:port', got {text!r}")
+        host, _, port = text.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(field, f"must be 'host:port' with a port in 0..65535, got {text!r}")
+        return cls(host=host.strip("[]"), port=int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSection:
+    transport: Transport = "h2"
+    token: str = ""
+    max_body_bytes: int = 256 << 20
+    request_timeout_s: float = 30.0
+    fetch_timeout_s: float = 120.0
+    retries: int = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class OracleSection:
+    address: Endpoint
+    mode: Mode = "bagpipe"
+    lookahead: int = 200
+    prefetch_lead: int = 8
+    cache_rows: int = 65536
+    max_ahead: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class PsSection:
+    addresses: tuple[Endpoint, ...]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainersSection:
+    count: int = 2
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    rendezvous: Endpoint
+    threads: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    batch_size: int = 512
+    epochs: int = 1
+    max_iterations: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    dir: Path
+    every: int = 0
+    restart: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    seed: int
+    source: Path
+    cluster: ClusterSection
+    oracle: OracleSection
+    ps: PsSection
+    trainers: TrainersSection
+    train: TrainSection
+    checkpoint: CheckpointSection
+    sections: dict[str, dict[str, Any]]
+    """Raw role-owned sections (data, model, optimizer), each parsed by its role."""
+
+    def token(self) -> str:
+        """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""
+        token = self.cluster.token or os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ConfigError("cluster.token", f"empty: set it in the spec or in ${TOKEN_ENV}")
+        return token
+
+
+class _Section:
+    """Typed reads from one TOML table that remember the field path and refuse leftovers."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError(path, "must be a table")
+        self.raw = dict(raw)
+        self.path = path
+
+    def get(self, key: str, kind: type[T] | tuple[type, ...], default: T) -> T:
+        value = self.raw.pop(key, default)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and type(value) is int:
+            value = float(value)
+        if type(value) not in kinds:
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"{self.path}.{key}", f"must be {names}, got {value!r}")
+        return value  # type: ignore[return-value]
+
+    def int(self, key: str, default: int, *, low: int | None = None) -> int:
+        value = self.get(key, int, default)
+        if low is not None and value < low:
+            raise ConfigError(f"{self.path}.{key}", f"must be >= {low}, got {value}")
+        return value
+
+    def float(self, key: str, default: float, *, positive: bool = True) -> float:
+        value = self.get(key, float, default)
+        if positive and not value > 0:
+            raise ConfigError(f"{self.path}.{key}", f"must be > 0, got {value}")
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...], default: str) -> Any:
+        value = self.get(key, str, default)
+        if value not in options:
+            raise ConfigError(f"{self.path}.{key}", f"must be one of {', '.join(options)}; got {value!r}")
+        return value
+
+    def endpoint(self, key: str, default: str) -> Endpoint:
+        return Endpoint.parse(self.get(key, str, default), f"{self.path}.{key}")
+
+    def done(self) -> None:
+        if self.raw:
+            unknown = sorted(self.raw)[0]
+            raise ConfigError(f"{self.path}.{unknown}", "unknown field")
+
+
+def _parse(raw: dict[str, Any], key: str, build: Callable[[_Section], T]) -> T:
+    section = _Section(raw.pop(key, {}), key)
+    value = build(section)
+    section.done()
+    return value
+
+
+def _cluster(s: _Section) -> ClusterSection:
+    return ClusterSection(
+        transport=s.choice("transport", ("h2", "http1"), "h2"),
+        token=s.get("token", str, ""),
+        max_body_bytes=s.int("max_body_mib", 256, low=1) << 20,
+        request_timeout_s=s.float("request_timeout_s", 30.0),
+        fetch_timeout_s=s.float("fetch_timeout_s", 120.0),
+        retries=s.int("retries", 5, low=0),
+    )
+
+
+def _oracle(s: _Section) -> OracleSection:
+    return OracleSection(
+        address=s.endpoint("address", "127.0.0.1:0"),
+        mode=s.choice("mode", MODES, "bagpipe"),
+        lookahead=s.int("lookahead", 200, low=0),
+        prefetch_lead=s.int("prefetch_lead", 8, low=0),
+        cache_rows=s.int("cache_rows", 65536, low=1),
+        max_ahead=s.int("max_ahead", 64, low=1),
+    )
+
+
+def _ps(s: _Section) -> PsSection:
+    shards = s.int("shards", 2, low=1)
+    addresses = s.get("addresses", list, [])
+    if addresses and len(addresses) != shards:
+        raise ConfigError("ps.addresses", f"lists {len(addresses)} addresses for {shards} shards")
+    parsed = tuple(Endpoint.parse(a, f"ps.addresses[{i}]") for i, a in enumerate(addresses))
+    return PsSection(addresses=parsed or tuple(Endpoint(host="127.0.0.1", port=0) for _ in range(shards)))
+
+
+def _trainers(s: _Section) -> TrainersSection:
+    return TrainersSection(
+        count=s.int("count", 2, low=1),
+        device=s.choice("device", ("auto", "cpu", "cuda"), "auto"),
+        backend=s.choice("backend", ("auto", "gloo", "nccl"), "auto"),
+        rendezvous=s.endpoint("rendezvous", "127.0.0.1:0"),
+        threads=s.int("threads", 1, low=1),
+    )
+
+
+def _train(s: _Section) -> TrainSection:
+    return TrainSection(
+        batch_size=s.int("batch_size", 512, low=1),
+        epochs=s.int("epochs", 1, low=1),
+        max_iterations=s.int("max_iterations", 0, low=0),
+        eval_every=s.int("eval_every", 0, low=0),
+        log_every=s.int("log_every", 10, low=1),
+    )
+
+
+def _checkpoint(s: _Section, name: str) -> CheckpointSection:
+    directory = Path(s.get("dir", str, f"runs/{name}/checkpoints"))
+    return CheckpointSection(
+        dir=directory.resolve(),  # relative to the working directory, like runs/
+        every=s.int("every", 0, low=0),
+        restart=s.get("restart", bool, False),
+    )
+
+
+ROLE_SECTIONS = ("data", "model", "optimizer")
+
+
+def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
+    """Build a ClusterSpec from a parsed TOML document; `source` anchors relative paths."""
+    raw = dict(raw)
+    top = _Section({k: raw.pop(k) for k in ("name", "seed") if k in raw}, "spec")
+    name = top.get("name", str, source.stem)
+    seed = top.int("seed", 0, low=0)
+    spec = ClusterSpec(
+        name=name,
+        seed=seed,
+        source=source,
+        cluster=_parse(raw, "cluster", _cluster),
+        oracle=_parse(raw, "oracle", _oracle),
+        ps=_parse(raw, "ps", _ps),
+        trainers=_parse(raw, "trainers", _trainers),
+        train=_parse(raw, "train", _train),
+        checkpoint=_parse(raw, "checkpoint", lambda s: _checkpoint(s, name)),
+        sections={key: _Section(raw.pop(key, {}), key).raw for key in ROLE_SECTIONS},
+    )
+    if raw:
+        raise ConfigError(sorted(raw)[0], "unknown section")
+    if spec.train.batch_size % spec.trainers.count:
+        raise ConfigError(
+            "train.batch_size",
+            f"{spec.train.batch_size} is not divisible by trainers.count = {spec.trainers.count}",
+        )
+    return spec
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a spec file; ConfigError names the file on a TOML syntax error."""
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("spec", f"no such file: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("spec", f"{path}: {exc}") from None
+    return parse_spec(raw, path)

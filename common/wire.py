@@ -1,0 +1,119 @@
+"""Binary wire format shared by every body that carries arrays.
+
+A message is::
+
+    u32 LE  header length H
+    H bytes orjson header {"meta": {...}, "arrays": [[name, dtype, shape], ...]}
+    padding to a multiple of 8
+    each array's raw little-endian bytes, each padded to a multiple of 8
+
+Decoding returns read-only `np.frombuffer` views into the body: no copy of the payload.
+Only the fixed-size little-endian dtypes below travel, so a peer can never make us build an
+object array or read past the body.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from common.errors import WireError
+
+ALIGN = 8
+_LEN = struct.Struct("<I")
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name) for name in ("<f4", "<f8", "<i4", "<i8", "<u8", "<i2", "|u1", "|i1")
+}
+MAX_HEADER_BYTES = 1 << 20
+
+
+def _pad(n: int) -> int:
+    return -n % ALIGN
+
+
+def encode_parts(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+    """The message as a list of buffers, so large arrays are not copied before sending."""
+    specs = []
+    payload: list[bytes | memoryview] = []
+    for name, arr in arrays.items():
+        arr = np.asarray(arr)
+        dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+        key = dtype.str
+        if key not in DTYPES:
+            raise WireError(f"array {name!r}: dtype {arr.dtype} cannot travel", array=name)
+        arr = np.require(arr, dtype=DTYPES[key], requirements="C")
+        specs.append([name, key, list(arr.shape)])
+        payload.append(memoryview(arr.reshape(-1)).cast("B"))
+        if pad := _pad(arr.nbytes):
+            payload.append(bytes(pad))
+    header = orjson.dumps({"meta": dict(meta), "arrays": specs})
+    head = _LEN.pack(len(header)) + header + bytes(_pad(_LEN.size + len(header)))
+    return [head, *payload]
+
+
+def encode(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
+    return b"".join(encode_parts(meta, arrays or {}))
+
+
+def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Split a message into its meta dict and zero-copy array views; raise WireError if malformed."""
+    view = memoryview(body).cast("B")
+    if len(view) < _LEN.size:
+        raise WireError(f"body of {len(view)} bytes is shorter than the 4-byte header length")
+    (hlen,) = _LEN.unpack_from(view, 0)
+    if hlen > MAX_HEADER_BYTES or _LEN.size + hlen > len(view):
+        raise WireError(f"header length {hlen} does not fit in a body of {len(view)} bytes")
+    try:
+        header = orjson.loads(view[_LEN.size : _LEN.size + hlen])
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
+        raise WireError("header must be an object with an object 'meta'")
+    pos = _LEN.size + hlen
+    pos += _pad(pos)
+    arrays: dict[str, np.ndarray] = {}
+    for spec in _array_specs(header.get("arrays", [])):
+        name, dtype, shape = spec
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        if pos + nbytes > len(view):
+            raise WireError(f"array {name!r} runs past the end of the body", array=name)
+        arrays[name] = np.frombuffer(view, dtype=dtype, count=count, offset=pos).reshape(shape)
+        pos += nbytes + _pad(nbytes)
+    if pos != len(view):
+        raise WireError(f"{len(view) - pos} unexpected bytes after the last array")
+    return header.get("meta", {}), arrays
+
+
+def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    if not isinstance(raw, list):
+        raise WireError("'arrays' must be a list")
+    specs = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
+            raise WireError(f"array spec {item!r} must be [name, dtype, shape]")
+        name, dtype, shape = item
+        if dtype not in DTYPES:
+            raise WireError(f"array {name!r}: dtype {dtype!r} is not allowed", array=name)
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise WireError(f"array {name!r}: shape {shape!r} is invalid", array=name)
+        specs.append((name, DTYPES[dtype], tuple(shape)))
+    return specs
+
+
+def require(arrays: Mapping[str, np.ndarray], name: str, dtype: str, ndim: int) -> np.ndarray:
+    """The named array, checked for dtype and rank; WireError naming it otherwise."""
+    if name not in arrays:
+        raise WireError(f"missing array {name!r}", array=name)
+    arr = arrays[name]
+    if arr.dtype != np.dtype(dtype) or arr.ndim != ndim:
+        raise WireError(
+            f"array {name!r} must be {ndim}-d {np.dtype(dtype)}, got {arr.ndim}-d {arr.dtype}",
+            array=name,
+        )
+    return arr

@@ -1,0 +1,85 @@
+"""Shard checkpoints on disk: one directory per checkpoint, published by an atomic rename.
+
+A checkpoint is written into ``<dir>/.tmp-<name>`` (arrays as .npy, then ``meta.json``
+last), fsynced, and renamed to ``<dir>/<name>``; a crash at any point leaves either the
+previous state or a complete checkpoint, never a torn one. Temporary leftovers are removed
+on the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from common.errors import NotFound
+from ps.store import Snapshot
+
+_ARRAYS = ("local", "rows", "state", "versions")
+
+
+def checkpoint_name(checkpoint_id: int) -> str:
+    return f"ckpt-{checkpoint_id:010d}"
+
+
+def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dict) -> tuple[Path, int]:
+    """Write `snap` atomically; returns the final path and the bytes written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    final = directory / checkpoint_name(checkpoint_id)
+    tmp = directory / f".tmp-{checkpoint_name(checkpoint_id)}"
+    tmp.mkdir()
+    written = 0
+    for name in _ARRAYS:
+        written += _write_fsynced(tmp / f"{name}.npy", getattr(snap, name))
+    body = orjson.dumps({**meta, "checkpoint": checkpoint_id, "rows": int(len(snap.local))})
+    written += _write_fsynced(tmp / "meta.json", body)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    return final, written
+
+
+def load_snapshot(directory: Path, checkpoint_id: int) -> tuple[Snapshot, dict]:
+    """Read a complete checkpoint; NotFound if it is absent or incomplete."""
+    path = directory / checkpoint_name(checkpoint_id)
+    if not (path / "meta.json").is_file():
+        raise NotFound(f"no complete checkpoint {checkpoint_id} in {directory}")
+    meta = orjson.loads((path / "meta.json").read_bytes())
+    arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+    return Snapshot(**arrays), meta
+
+
+def list_checkpoints(directory: Path) -> list[int]:
+    """Ids of the complete checkpoints in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    ids = []
+    for path in directory.glob("ckpt-*"):
+        if (path / "meta.json").is_file():
+            ids.append(int(path.name.removeprefix("ckpt-")))
+    return sorted(ids)
+
+
+def _write_fsynced(path: Path, data: np.ndarray | bytes) -> int:
+    with open(path, "wb") as fh:
+        if isinstance(data, bytes):
+            fh.write(data)
+        else:
+            np.save(fh, data, allow_pickle=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return fh.tell()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

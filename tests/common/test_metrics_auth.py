@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+
+from common.auth import bearer, check_bearer, new_token
+from common.errors import Unauthorized
+from common.metrics import Registry
+
+
+def test_registry_renders_prometheus_text() -> None:
+    reg = Registry()
+    reg.inc("requests_total", labels={"route": "/v1/fetch"}, help="Requests served")
+    reg.inc("requests_total", 2, labels={"route": "/v1/fetch"})
+    reg.set("waiting", 3)
+    reg.observe("wait_seconds", 0.25)
+    reg.observe("wait_seconds", 0.5)
+    text = reg.render()
+    assert "# HELP bagpipe_requests_total Requests served\n" in text
+    assert "# TYPE bagpipe_requests_total counter\n" in text
+    assert 'bagpipe_requests_total{route="/v1/fetch"} 3\n' in text
+    assert "bagpipe_waiting 3\n" in text
+    assert "bagpipe_wait_seconds_sum 0.75\nbagpipe_wait_seconds_count 2\n" in text
+    assert reg.value("requests_total", {"route": "/v1/fetch"}) == 3
+
+
+def test_label_values_are_escaped() -> None:
+    reg = Registry("x")
+    reg.inc("n", labels={"path": 'a"b\\c\nd'})
+    assert 'x_n{path="a\\"b\\\\c\\nd"} 1' in reg.render()
+
+
+def test_a_name_keeps_its_kind() -> None:
+    reg = Registry()
+    reg.inc("n")
+    with pytest.raises(ValueError, match="counter"):
+        reg.set("n", 1)
+
+
+def test_bearer_check() -> None:
+    token = new_token()
+    check_bearer(bearer(token)["authorization"], token)
+    for header in (None, "", "Basic abc", f"Bearer {token}x", "Bearer "):
+        with pytest.raises(Unauthorized):
+            check_bearer(header, token)

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from common.errors import WireError
+from common.wire import decode, encode, encode_parts, require
+
+DTYPES = ["<f4", "<f8", "<i4", "<i8", "|u1"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**31), 2**31), max_size=3),
+    arrays=st.lists(
+        st.sampled_from(DTYPES).flatmap(
+            lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+        ),
+        max_size=4,
+    ),
+)
+def test_round_trip_is_exact(meta: dict, arrays: list[np.ndarray]) -> None:
+    named = {f"a{i}": a for i, a in enumerate(arrays)}
+    got_meta, got = decode(encode(meta, named))
+    assert got_meta == meta
+    assert list(got) == list(named)
+    for name, arr in named.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape
+        assert got[name].tobytes() == arr.tobytes()
+
+
+def test_decode_is_zero_copy_and_aligned() -> None:
+    body = bytearray(encode({}, {"x": np.arange(3, dtype=np.int8), "y": np.ones((4, 4), np.float32)}))
+    _, arrays = decode(body)
+    assert arrays["y"].ctypes.data % 8 == (np.frombuffer(body, np.uint8).ctypes.data % 8)
+    body[-1] ^= 0xFF  # the view sees changes to the buffer: nothing was copied
+    assert arrays["y"][-1, -1] != 1.0
+
+
+def test_parts_join_to_the_message() -> None:
+    arrays = {"k": np.arange(7, dtype=np.int64)}
+    assert b"".join(bytes(p) for p in encode_parts({"op": 1}, arrays)) == encode({"op": 1}, arrays)
+
+
+def test_big_endian_input_travels_as_little_endian() -> None:
+    _, got = decode(encode({}, {"x": np.arange(3, dtype=">i4")}))
+    assert got["x"].dtype == np.dtype("<i4") and got["x"].tolist() == [0, 1, 2]
+
+
+def test_object_arrays_are_refused() -> None:
+    with pytest.raises(WireError, match="cannot travel"):
+        encode({}, {"x": np.array(["a"], dtype=object)})
+
+
+def _raw(header: dict, payload: bytes = b"") -> bytes:
+    head = orjson.dumps(header)
+    pad = -(4 + len(head)) % 8
+    return len(head).to_bytes(4, "little") + head + bytes(pad) + payload
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"", "shorter than"),
+        (b"\xff\xff\xff\x00abc", "does not fit"),
+        ((5).to_bytes(4, "little") + b"{nope", "not valid JSON"),
+        (_raw([1, 2]), "must be an object"),
+        (_raw({"arrays": {}}), "must be a list"),
+        (_raw({"arrays": [["x", "<f4"]]}), r"\[name, dtype, shape\]"),
+        (_raw({"arrays": [["x", "|O", [1]]]}), "not allowed"),
+        (_raw({"arrays": [["x", "<f4", [-1]]]}), "shape"),
+        (_raw({"arrays": [["x", "<f4", [2**40, 2**40]]]}), "runs past the end"),
+        (_raw({"arrays": [["x", "<f4", [4]]]}, bytes(8)), "runs past the end"),
+        (_raw({"arrays": []}, bytes(8)), "unexpected bytes"),
+    ],
+)
+def test_malformed_bodies_raise_wire_error(body: bytes, message: str) -> None:
+    with pytest.raises(WireError, match=message):
+        decode(body)
+
+
+def test_require_checks_presence_dtype_and_rank() -> None:
+    _, arrays = decode(encode({}, {"k": np.zeros(3, np.int64), "r": np.zeros((3, 2), np.float32)}))
+    assert require(arrays, "k", "<i8", 1).shape == (3,)
+    with pytest.raises(WireError, match="missing"):
+        require(arrays, "nope", "<i8", 1)
+    with pytest.raises(WireError, match="must be 1-d int64"):
+        require(arrays, "r", "<i8", 1)

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.errors import BadRequest, Conflict, NotFound
+from common.init import initial_rows
+from common.keys import TableLayout
+from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
+from ps.store import ShardConfig, ShardStore
+
+LAYOUT = TableLayout((50, 30))
+
+
+def make_store(shard: int = 1, num_shards: int = 3, state_width: int = 1) -> ShardStore:
+    cfg = ShardConfig(
+        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=4, state_width=state_width,
+        state_init=0.5, seed=7,
+    )
+    return ShardStore(cfg)
+
+
+def test_first_read_is_the_initial_value_for_any_shard_count() -> None:
+    keys = np.array([1, 4, 76])
+    for num_shards in (1, 3):
+        store = make_store(shard=1 % num_shards, num_shards=num_shards)
+        rows, state, versions = store.gather(store.check_keys(keys))
+        assert np.array_equal(rows, initial_rows(LAYOUT, 7, keys, 4))
+        assert (state == 0.5).all() and (versions == -1).all()
+
+
+def test_write_back_then_gather_returns_it() -> None:
+    store = make_store()
+    keys = np.array([4, 7])
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    state = np.array([[1.0], [2.0]], np.float32)
+    local = store.check_write(keys, rows, state, version=3)
+    store.write_back(local, rows, state, 3)
+    got_rows, got_state, got_versions = store.gather(store.check_keys(np.array([7, 4, 10])))
+    assert np.array_equal(got_rows[:2], rows[::-1])
+    assert np.array_equal(got_state[:2], state[::-1])
+    assert got_versions.tolist() == [3, 3, -1]
+    assert np.array_equal(got_rows[2], initial_rows(LAYOUT, 7, np.array([10]), 4)[0])
+
+
+def test_ready_compares_versions() -> None:
+    store = make_store()
+    local = store.check_keys(np.array([4, 7]))
+    assert store.ready(local, np.array([-1, -1]))
+    assert not store.ready(local, np.array([0, -1]))
+    store.write_back(local[:1], np.zeros((1, 4), np.float32), np.zeros((1, 1), np.float32), 0)
+    assert store.ready(local, np.array([0, -1]))
+
+
+@pytest.mark.parametrize(
+    ("keys", "rows_shape", "state_shape", "version", "error", "message"),
+    [
+        ([4, 200], (2, 4), (2, 1), 1, BadRequest, "outside"),
+        ([4, 5], (2, 4), (2, 1), 1, BadRequest, "belongs to shard 2"),
+        ([4], (1, 3), (1, 1), 1, BadRequest, "rows must have shape"),
+        ([4], (1, 4), (1, 2), 1, BadRequest, "state must have shape"),
+        ([4, 4], (2, 4), (2, 1), 1, BadRequest, "same key twice"),
+        ([4], (1, 4), (1, 1), -2, BadRequest, "version must be"),
+        ([4], (1, 4), (1, 1), 5, Conflict, "not newer"),
+    ],
+)
+def test_bad_write_backs_change_nothing(keys, rows_shape, state_shape, version, error, message) -> None:
+    store = make_store()
+    good = store.check_keys(np.array([4]))
+    store.write_back(good, np.ones((1, 4), np.float32), np.ones((1, 1), np.float32), 5)
+    before = store.snapshot()
+    with pytest.raises(error, match=message):
+        store.check_write(
+            np.array(keys), np.zeros(rows_shape, np.float32), np.zeros(state_shape, np.float32), version
+        )
+    after = store.snapshot()
+    for name in ("local", "rows", "state", "versions"):
+        assert np.array_equal(getattr(before, name), getattr(after, name))
+
+
+def test_non_finite_rows_are_refused() -> None:
+    store = make_store()
+    rows = np.full((1, 4), np.nan, np.float32)
+    with pytest.raises(BadRequest, match="finite"):
+        store.check_write(np.array([4]), rows, np.zeros((1, 1), np.float32), 0)
+
+
+def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    store = make_store()
+    local = store.check_keys(np.array([4, 7, 13]))
+    store.gather(local[:1])  # touched by a read only
+    store.write_back(local[1:], np.full((2, 4), 3.0, np.float32), np.full((2, 1), 9.0, np.float32), 2)
+    path, nbytes = save_snapshot(tmp_path, 2, store.snapshot(), {"shard": 1})
+    assert path.name == "ckpt-0000000002" and nbytes > 0
+    expected = store.gather(store.check_keys(np.array([4, 7, 13, 10])))
+
+    store.write_back(local, np.zeros((3, 4), np.float32), np.zeros((3, 1), np.float32), 9)
+    snap, meta = load_snapshot(tmp_path, 2)
+    assert meta["shard"] == 1 and meta["checkpoint"] == 2
+    store.restore(snap)
+    got = store.gather(store.check_keys(np.array([4, 7, 13, 10])))
+    for want, have in zip(expected, got):
+        assert np.array_equal(want, have)
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
+    store = make_store()
+    save_snapshot(tmp_path, 1, store.snapshot(), {})
+    (tmp_path / ".tmp-ckpt-0000000002").mkdir()  # a crash mid-save
+    (tmp_path / "ckpt-0000000003").mkdir()  # renamed dir without meta can't exist, but be safe
+    assert list_checkpoints(tmp_path) == [1]
+    with pytest.raises(NotFound):
+        load_snapshot(tmp_path, 3)
+    save_snapshot(tmp_path, 4, store.snapshot(), {})
+    assert not (tmp_path / ".tmp-ckpt-0000000002").exists()
+    assert list_checkpoints(tmp_path) == [1, 4]
+
+
+def test_restore_refuses_a_snapshot_of_another_shape() -> None:
+    small = make_store(state_width=1)
+    small.gather(small.check_keys(np.array([4])))
+    other = make_store(state_width=0)
+    with pytest.raises(BadRequest, match="state"):
+        other.restore(small.snapshot())
