@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import ConfigError
+from trainer.optim import (
+    SGD,
+    OptimizerSpec,
+    RowWiseAdagrad,
+    build_dense_optimizer,
+    build_embedding_optimizer,
+    parse_optimizer_spec,
+)
+
+
+def test_sgd_by_hand() -> None:
+    rows = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
+    grad = torch.tensor([[0.5, -1.0], [2.0, 0.0]])
+    opt = SGD(lr=0.1)
+    state = opt.initial_state(2)
+    assert opt.state_width == 0 and state.shape == (2, 0)
+    opt.step(rows, state, grad)
+    torch.testing.assert_close(rows, torch.tensor([[0.95, 2.1], [2.8, -4.0]]))
+
+
+def test_rowwise_adagrad_by_hand() -> None:
+    opt = RowWiseAdagrad(lr=0.5, eps=0.0, initial_accumulator=1.0)
+    rows = torch.tensor([[1.0, 1.0], [0.0, 2.0]])
+    state = opt.initial_state(2)
+    assert opt.state_width == 1
+    torch.testing.assert_close(state, torch.tensor([[1.0], [1.0]]))
+    # Row 0: mean(3², 1²) = 5 -> acc 6. Row 1: mean(4², 4²) = 16 -> acc 17.
+    opt.step(rows, state, torch.tensor([[3.0, 1.0], [4.0, -4.0]]))
+    torch.testing.assert_close(state, torch.tensor([[6.0], [17.0]]))
+    s6, s17 = math.sqrt(6.0), math.sqrt(17.0)
+    torch.testing.assert_close(
+        rows,
+        torch.tensor([[1 - 0.5 * 3 / s6, 1 - 0.5 * 1 / s6], [-0.5 * 4 / s17, 2 + 0.5 * 4 / s17]]),
+    )
+    # The accumulator keeps growing: a second identical step moves each row less.
+    before = rows.clone()
+    opt.step(rows, state, torch.tensor([[3.0, 1.0], [4.0, -4.0]]))
+    torch.testing.assert_close(state, torch.tensor([[11.0], [33.0]]))
+    torch.testing.assert_close(before[0, 0] - rows[0, 0], torch.tensor(0.5 * 3 / math.sqrt(11.0)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 6),
+    d=st.integers(1, 5),
+    lr=st.floats(1e-3, 1.0),
+    eps=st.floats(1e-10, 1e-2),
+    init=st.floats(0.0, 2.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rowwise_adagrad_matches_the_formula_in_float64(
+    n: int, d: int, lr: float, eps: float, init: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    rows0 = rng.standard_normal((n, d)).astype(np.float32)
+    grad = rng.standard_normal((n, d)).astype(np.float32)
+    acc0 = np.full((n, 1), np.float32(init), dtype=np.float64)
+    acc = acc0 + (grad.astype(np.float64) ** 2).mean(axis=1, keepdims=True)
+    expected = rows0 - lr * grad / (np.sqrt(acc) + eps)
+
+    opt = RowWiseAdagrad(lr=lr, eps=eps, initial_accumulator=init)
+    rows, state = torch.from_numpy(rows0.copy()), opt.initial_state(n)
+    opt.step(rows, state, torch.from_numpy(grad))
+    np.testing.assert_allclose(state.numpy(), acc, rtol=1e-5)
+    np.testing.assert_allclose(rows.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), RowWiseAdagrad(lr=0.1)], ids=["sgd", "adagrad"])
+def test_step_at_updates_only_the_indexed_rows(opt: SGD | RowWiseAdagrad) -> None:
+    table = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    state = opt.initial_state(6)
+    index = torch.tensor([4, 1])
+    grad = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+
+    expected_rows, expected_state = table[index].clone(), state[index].clone()
+    opt.step(expected_rows, expected_state, grad)
+    untouched = torch.tensor([0, 2, 3, 5])
+    before = table[untouched].clone()
+
+    opt.step_at(table, state, index, grad)
+    torch.testing.assert_close(table[index], expected_rows)
+    torch.testing.assert_close(state[index], expected_state)
+    torch.testing.assert_close(table[untouched], before)
+    assert (state[untouched] == 0).all()
+
+
+def test_step_rejects_mismatched_shapes_and_dtypes() -> None:
+    opt = RowWiseAdagrad(lr=0.1)
+    rows, grad = torch.zeros(3, 2), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="state"):
+        opt.step(rows, torch.zeros(3, 2), grad)
+    with pytest.raises(ValueError, match="grad"):
+        opt.step(rows, opt.initial_state(3), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="float32"):
+        opt.step(rows, opt.initial_state(3), grad.double())
+
+
+def test_parse_defaults_and_builders() -> None:
+    spec = parse_optimizer_spec({})
+    assert spec == OptimizerSpec()
+    assert build_embedding_optimizer(spec) == SGD(lr=0.01)
+    spec = parse_optimizer_spec(
+        {
+            "embedding": "rowwise_adagrad",
+            "embedding_lr": 1,
+            "dense": "adagrad",
+            "dense_lr": 0.05,
+            "eps": 1e-6,
+            "initial_accumulator": 0.1,
+        }
+    )
+    expected = RowWiseAdagrad(lr=1, eps=1e-6, initial_accumulator=0.1)
+    assert build_embedding_optimizer(spec) == expected
+    dense = build_dense_optimizer(spec, [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(dense, torch.optim.Adagrad)
+    group = dense.param_groups[0]
+    assert (group["lr"], group["eps"], group["initial_accumulator_value"]) == (0.05, 1e-6, 0.1)
+    sgd = build_dense_optimizer(OptimizerSpec(dense_lr=0.3), [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["lr"] == 0.3
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"embedding": "adam"}, "optimizer.embedding"),
+        ({"dense": "rowwise_adagrad"}, "optimizer.dense"),
+        ({"embedding_lr": 0}, "optimizer.embedding_lr"),
+        ({"dense_lr": "0.1"}, "optimizer.dense_lr"),
+        ({"dense_lr": math.inf}, "optimizer.dense_lr"),
+        ({"eps": True}, "optimizer.eps"),
+        ({"initial_accumulator": -1.0}, "optimizer.initial_accumulator"),
+        ({"lr": 0.1}, "optimizer.lr"),
+    ],
+)
+def test_bad_fields_raise_config_error_naming_them(section: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_optimizer_spec(section)
+    assert info.value.field == field

@@ -1,0 +1,55 @@
+"""Recommendation models as plain `nn.Module`s (no torch.distributed here).
+
+Every model maps ``forward(dense (B, num_dense) float32, emb (B, F, d) float32) -> (B,)``
+logits, where `emb` holds the already-looked-up embedding row of each of the F categorical
+features (one per table). The embedding tables themselves live outside the model (PS, cache,
+or a reference table), so `model.parameters()` are exactly the dense, DDP-replicated ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from common.errors import ConfigError
+from trainer.models.dcn import DCN
+from trainer.models.deepfm import DeepFM
+from trainer.models.dlrm import DLRM
+from trainer.models.spec import MODEL_NAMES, ModelSpec, parse_model_spec
+from trainer.models.wide_deep import WideDeep
+
+__all__ = [
+    "DCN",
+    "DLRM",
+    "MODEL_NAMES",
+    "DeepFM",
+    "ModelSpec",
+    "WideDeep",
+    "build_model",
+    "parse_model_spec",
+]
+
+_MODELS: dict[str, Callable[[ModelSpec, int, int], nn.Module]] = {
+    "dlrm": DLRM,
+    "deepfm": DeepFM,
+    "wide_deep": WideDeep,
+    "dcn": DCN,
+}
+
+
+def build_model(spec: ModelSpec, num_dense: int, num_tables: int) -> nn.Module:
+    """The model `spec` names, for `num_dense` dense and `num_tables` categorical features.
+
+    Parameters are drawn from torch's global generator with PyTorch's default `nn.Linear`
+    init, in a fixed construction order: the caller seeds it (``torch.manual_seed(seed)``)
+    right before this call, so every trainer and the reference build identical models.
+    """
+    if type(num_dense) is not int or num_dense < 0:
+        raise ConfigError("num_dense", f"must be an integer >= 0, got {num_dense!r}")
+    if type(num_tables) is not int or num_tables <= 0:
+        raise ConfigError("num_tables", f"must be a positive integer, got {num_tables!r}")
+    if spec.name == "dlrm" and num_dense == 0 and num_tables < 2:
+        # Without dense input DLRM's only features are pairwise dots of the embeddings.
+        raise ConfigError("num_tables", "DLRM without dense features needs at least 2 tables")
+    return _MODELS[spec.name](spec, num_dense, num_tables)

@@ -1,0 +1,185 @@
+"""Row-wise embedding optimizers and the dense optimizer factory (DESIGN §5).
+
+An embedding optimizer updates a set of rows from their gradients, each row on its own:
+whoever holds a row (a trainer's cache, the reference trainer) applies the same arithmetic,
+so every holder ends with the same bits. Its per-row state is a plain float32 ``[n, s]``
+tensor that travels with the row to the parameter server and back.
+
+The gradient handed to `step` is the already-combined one: the sum of the row's per-use
+gradients over the global batch of a loss that is the mean over that batch (with T trainers:
+summed across trainers, divided by T). Rows not used in a batch are not stepped.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+import torch
+
+from common.errors import ConfigError
+
+EmbeddingOptimizerName = Literal["sgd", "rowwise_adagrad"]
+DenseOptimizerName = Literal["sgd", "adagrad"]
+
+
+class EmbeddingOptimizer(ABC):
+    """Updates rows ``[n, d]`` and their state ``[n, state_width]`` in place from a gradient."""
+
+    @property
+    @abstractmethod
+    def state_width(self) -> int:
+        """Number of float32 state values kept per row."""
+
+    def initial_state(self, n: int) -> torch.Tensor:
+        """State of `n` rows never updated: ``[n, state_width]`` float32 on the CPU."""
+        return torch.zeros(n, self.state_width, dtype=torch.float32)
+
+    def step(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply one update to `rows` and `state` in place.
+
+        They must be the caller's storage (or views of it): a fancy-indexed gather such as
+        ``table[idx]`` is a copy, so gather, step, and scatter back (see `step_at`).
+        """
+        _check_shapes(rows, state, grad, self.state_width)
+        self._update(rows, state, grad)
+
+    def step_at(
+        self, table: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        """Update rows ``table[index]`` and ``state[index]`` in place; `index` must be unique.
+
+        A repeated index would be updated once with one of its gradients, never the sum:
+        combine the gradients of a repeated row before calling.
+        """
+        rows, row_state = table[index], state[index]
+        self.step(rows, row_state, grad)
+        table[index] = rows
+        state[index] = row_state
+
+    @abstractmethod
+    def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD(EmbeddingOptimizer):
+    """``rows -= lr * grad``; no state."""
+
+    lr: float
+
+    @property
+    def state_width(self) -> int:
+        return 0
+
+    def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        rows.add_(grad, alpha=-self.lr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad(EmbeddingOptimizer):
+    """Row-wise Adagrad as TorchRec/FBGEMM's ``EXACT_ROWWISE_ADAGRAD``; one state value per row.
+
+    ``acc += mean(grad², dim=1)`` then ``rows -= lr * grad / (sqrt(acc) + eps)``, with the
+    accumulator starting at `initial_accumulator`.
+    """
+
+    lr: float
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+
+    @property
+    def state_width(self) -> int:
+        return 1
+
+    def initial_state(self, n: int) -> torch.Tensor:
+        return torch.full((n, 1), self.initial_accumulator, dtype=torch.float32)
+
+    def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        state.add_(grad.square().mean(dim=1, keepdim=True))  # (n, 1)
+        rows.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+
+
+def _check_shapes(rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, width: int) -> None:
+    if rows.dim() != 2 or grad.shape != rows.shape:
+        raise ValueError(
+            f"rows {tuple(rows.shape)} and grad {tuple(grad.shape)} must both be [n, d]"
+        )
+    if state.shape != (rows.shape[0], width):
+        raise ValueError(f"state is {tuple(state.shape)}, expected ({rows.shape[0]}, {width})")
+    for name, t in (("rows", rows), ("state", state), ("grad", grad)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """The `[optimizer]` section.
+
+    `eps` and `initial_accumulator` apply to whichever of the two optimizers is Adagrad.
+    """
+
+    embedding: EmbeddingOptimizerName = "sgd"
+    embedding_lr: float = 0.01
+    dense: DenseOptimizerName = "sgd"
+    dense_lr: float = 0.01
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.embedding", self.embedding, get_args(EmbeddingOptimizerName))
+        _check_choice("optimizer.dense", self.dense, get_args(DenseOptimizerName))
+        _check_number("optimizer.embedding_lr", self.embedding_lr, positive=True)
+        _check_number("optimizer.dense_lr", self.dense_lr, positive=True)
+        _check_number("optimizer.eps", self.eps, positive=True)
+        _check_number("optimizer.initial_accumulator", self.initial_accumulator, positive=False)
+
+
+def parse_optimizer_spec(section: dict[str, Any]) -> OptimizerSpec:
+    """Build an `OptimizerSpec` from a parsed TOML `[optimizer]` table (every key optional).
+
+    An unknown key or a bad value raises `ConfigError` naming the field.
+    """
+    known = {f.name for f in fields(OptimizerSpec)}
+    for key in section:
+        if key not in known:
+            raise ConfigError(
+                f"optimizer.{key}", f"unknown field; known fields are {sorted(known)}"
+            )
+    return OptimizerSpec(**section)
+
+
+def build_embedding_optimizer(spec: OptimizerSpec) -> EmbeddingOptimizer:
+    if spec.embedding == "sgd":
+        return SGD(lr=spec.embedding_lr)
+    return RowWiseAdagrad(
+        lr=spec.embedding_lr, eps=spec.eps, initial_accumulator=spec.initial_accumulator
+    )
+
+
+def build_dense_optimizer(
+    spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    """Plain ``torch.optim.SGD`` or ``torch.optim.Adagrad`` over the dense parameters."""
+    if spec.dense == "sgd":
+        return torch.optim.SGD(params, lr=spec.dense_lr)
+    return torch.optim.Adagrad(
+        params, lr=spec.dense_lr, eps=spec.eps, initial_accumulator_value=spec.initial_accumulator
+    )
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(field, f"must be one of {list(choices)}, got {value!r}")
+
+
+def _check_number(field: str, value: object, *, positive: bool) -> None:
+    # bool is an int subclass; `true` in a TOML file is never meant as a rate.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(field, f"must be > 0, got {value!r}")
+    if not positive and value < 0:
+        raise ConfigError(field, f"must be >= 0, got {value!r}")
