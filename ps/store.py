@@ -91,6 +91,7 @@ class ShardStore:
                 f"key {int(keys[i])} is already at version {int(self._versions[local[i]])}; "
                 f"write-back version {version} is not newer",
                 key=int(keys[i]),
+                stored=int(self._versions[local[i]]),
             )
         return local
 

@@ -1,0 +1,76 @@
+"""HTTP/2 (h2c) and HTTP/1.1 transport shared by every role (DESIGN §7).
+
+Servers serve a `Router` of handlers; clients share one interface (`Client`), so the data
+plane is chosen by name in the cluster spec (`connect_client`). Run services on uvloop with
+`run` (or `new_event_loop` as an `asyncio.Runner` loop factory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, Literal, TypeVar
+
+import uvloop
+
+from common.transport.h2client import H2Client
+from common.transport.h2server import H2Server
+from common.transport.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    Body,
+    Client,
+    ClientResponse,
+    Handler,
+    Request,
+    Response,
+    Router,
+    StreamResponse,
+)
+from common.transport.http1 import Http1Client, Http1Server
+from common.transport.stream import MessageReader, encode_message, read_messages
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "Body",
+    "Client",
+    "ClientResponse",
+    "H2Client",
+    "H2Server",
+    "Handler",
+    "Http1Client",
+    "Http1Server",
+    "MessageReader",
+    "Request",
+    "Response",
+    "Router",
+    "StreamResponse",
+    "connect_client",
+    "encode_message",
+    "new_event_loop",
+    "read_messages",
+    "run",
+]
+
+T = TypeVar("T")
+TransportKind = Literal["h2", "http1"]
+
+
+def connect_client(
+    kind: TransportKind, host: str, port: int, token: str | None, timeout: float = 30.0
+) -> Client:
+    """A client for `kind`; it connects lazily, on its first request."""
+    if kind == "h2":
+        return H2Client(host, port, token=token, timeout=timeout)
+    if kind == "http1":
+        return Http1Client(host, port, token=token, timeout=timeout)
+    raise ValueError(f"unknown transport {kind!r} (expected 'h2' or 'http1')")
+
+
+def new_event_loop() -> uvloop.Loop:
+    return uvloop.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to completion on a fresh uvloop event loop."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)

@@ -1,0 +1,226 @@
+"""Transport-neutral HTTP types, the route table and the one dispatch both servers share.
+
+A handler receives a fully buffered `Request` and returns a `Response` or a `StreamResponse`.
+It raises a `BagpipeError` to answer with that error's status and JSON body; any other
+exception becomes a logged 500, so a handler bug never takes a connection down.
+"""
+
+from __future__ import annotations
+
+import abc
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from common.errors import (
+    BagpipeError,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+    error_from_json,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+JSON = "application/json"
+
+Body = bytes | Sequence[bytes | memoryview]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One buffered request. Header names are lower-case; `path` is percent-decoded."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(kw_only=True)
+class Response:
+    """A complete answer. `body` may be a list of buffers: they are sent without joining."""
+
+    status: int = 200
+    body: bytes | list[bytes | memoryview] = b""
+    content_type: str = "application/octet-stream"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, obj: Any, status: int = 200) -> Response:
+        return cls(status=status, body=orjson.dumps(obj, default=str), content_type=JSON)
+
+
+@dataclass(kw_only=True)
+class StreamResponse:
+    """An answer sent chunk by chunk as `chunks` yields them.
+
+    The server advances `chunks` only when the peer's flow-control window (HTTP/2) or the
+    socket (HTTP/1.1) accepts the previous chunk, and closes it (`aclose`) when the peer goes
+    away: a producer that yields lazily is paced by its consumer.
+    """
+
+    status: int = 200
+    content_type: str = "application/octet-stream"
+    chunks: AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    handler: Handler
+    public: bool
+
+
+class Router:
+    """Explicit route table: exact (method, path) pairs, no patterns."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, dict[str, Route]] = {}
+
+    def add(self, method: str, path: str, handler: Handler, *, public: bool = False) -> None:
+        """Register `handler`; `public` routes (health, metrics) skip the token check."""
+        by_method = self._routes.setdefault(path, {})
+        method = method.upper()
+        if method in by_method:
+            raise ValueError(f"route {method} {path} registered twice")
+        by_method[method] = Route(handler=handler, public=public)
+
+    def resolve(self, method: str, path: str) -> Route:
+        """The route for a request; raises NotFound (404) or MethodNotAllowed (405)."""
+        by_method = self._routes.get(path)
+        if by_method is None:
+            raise NotFound(f"no route for {path}", path=path)
+        route = by_method.get(method.upper())
+        if route is None:
+            raise MethodNotAllowed(
+                f"{method} not allowed on {path}", path=path, allowed=sorted(by_method)
+            )
+        return route
+
+
+class TokenCheck:
+    """Bearer-token check in constant time; `token=None` disables it (tests, tools)."""
+
+    def __init__(self, token: str | None) -> None:
+        self._expected = None if token is None else f"Bearer {token}".encode()
+
+    def check(self, headers: dict[str, str]) -> None:
+        if self._expected is None:
+            return
+        given = headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            raise Unauthorized("missing or wrong bearer token")
+
+
+def error_response(err: BagpipeError) -> Response:
+    return Response.json(err.to_json(), status=err.status)
+
+
+async def dispatch(router: Router, auth: TokenCheck, request: Request) -> Response | StreamResponse:
+    """Route, authenticate and run one request; every failure becomes an error answer."""
+    try:
+        route = router.resolve(request.method, request.path)
+        if not route.public:
+            auth.check(request.headers)
+        result = await route.handler(request)
+    except BagpipeError as err:
+        return error_response(err)
+    except Exception:
+        logger.exception("handler for %s %s failed", request.method, request.path)
+        return error_response(BagpipeError("internal server error"))
+    if not isinstance(result, Response | StreamResponse):
+        logger.error("handler for %s %s returned %r", request.method, request.path, result)
+        return error_response(BagpipeError("internal server error"))
+    return result
+
+
+def body_parts(body: Body) -> list[bytes | memoryview]:
+    return [body] if isinstance(body, bytes | bytearray | memoryview) else list(body)
+
+
+def body_length(parts: Sequence[bytes | memoryview]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {} if token is None else {"authorization": f"Bearer {token}"}
+
+
+def raise_for_answer(status: int, body: bytes) -> None:
+    """Raise the error a non-2xx answer carries, rebuilt with `error_from_json`."""
+    if 200 <= status < 300:
+        return
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        payload = {"message": f"HTTP {status}: {body[:200]!r}"}
+    raise error_from_json(status, payload)
+
+
+class Client(abc.ABC):
+    """What every transport's client offers; `connect_client` picks one from the spec."""
+
+    @abc.abstractmethod
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Body = b"",
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> ClientResponse:
+        """One exchange, any status. Raises Unavailable (peer unreachable or gone) or
+        TimedOut (`timeout`, default the client's, bounds the whole exchange)."""
+
+    @abc.abstractmethod
+    def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Body = b"",
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[bytes]:
+        """The response body chunk by chunk, as it arrives; flow-control credit is returned
+        only as chunks are taken, so a slow consumer slows the producer. `timeout` bounds the
+        wait for the headers and for each chunk. A non-2xx answer raises its error. Wrap in
+        `contextlib.aclosing` to cancel the stream at once when leaving early."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Drop the connection(s); in-flight requests fail with Unavailable."""
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Body = b"",
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> bytes:
+        """The body of a 2xx answer; any other answer raises the error it carries."""
+        resp = await self.request(method, path, body=body, headers=headers, timeout=timeout)
+        raise_for_answer(resp.status, resp.body)
+        return resp.body

@@ -1,0 +1,226 @@
+"""The same routes over HTTP/1.1 keep-alive with aiohttp: for tools (curl, Prometheus) and
+as the alternative data plane named in the cluster spec."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import warnings
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+from aiohttp import web
+
+from common.errors import PayloadTooLarge, TimedOut, Unavailable
+from common.transport.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    Body,
+    Client,
+    ClientResponse,
+    Request,
+    Response,
+    Router,
+    StreamResponse,
+    TokenCheck,
+    auth_headers,
+    body_parts,
+    dispatch,
+    error_response,
+    raise_for_answer,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Http1Server:
+    """Serves a `Router` with aiohttp; same auth, limits and error JSON as `H2Server`.
+
+    `port=0` binds a free port, reported by `.port`. `stop()` lets in-flight requests finish
+    for up to `grace` seconds.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        grace: float = 5.0,
+    ) -> None:
+        self._router = router
+        self._auth = TokenCheck(token)
+        self._max_body_bytes = max_body_bytes
+        self._host, self._port, self._grace = host, port, grace
+        self._runner: web.AppRunner | None = None
+        self._bound_port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._bound_port is None:
+            raise RuntimeError("server not started")
+        return self._bound_port
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=self._max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=self._grace)
+        await runner.setup()
+        await web.TCPSite(runner, self._host, self._port).start()
+        self._runner = runner
+        self._bound_port = int(runner.addresses[0][1])
+        logger.info("http/1.1 server listening on %s:%d", self._host, self._bound_port)
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _handle(self, raw: web.Request) -> web.StreamResponse:
+        try:
+            body = await raw.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self._max_body_bytes
+            err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+            return _plain(error_response(err))
+        request = Request(
+            method=raw.method,
+            path=raw.path,
+            query=dict(raw.query),
+            headers={k.lower(): v for k, v in raw.headers.items()},
+            body=body,
+        )
+        result = await dispatch(self._router, self._auth, request)
+        if isinstance(result, Response):
+            return _plain(result)
+        return await _stream(raw, result)
+
+
+def _plain(response: Response) -> web.Response:
+    body = response.body if isinstance(response.body, bytes) else b"".join(response.body)
+    headers = {"Content-Type": response.content_type, **response.headers}
+    return web.Response(status=response.status, body=body, headers=headers)
+
+
+async def _stream(raw: web.Request, response: StreamResponse) -> web.StreamResponse:
+    out = web.StreamResponse(
+        status=response.status, headers={"Content-Type": response.content_type, **response.headers}
+    )
+    chunks = response.chunks
+    try:
+        await out.prepare(raw)
+        # write() waits for the socket to drain: the producer is paced by the reader.
+        async for chunk in chunks:
+            await out.write(chunk)
+        await out.write_eof()
+    except ConnectionError as exc:
+        logger.debug("stream to %s dropped: %s", raw.remote, exc)
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    return out
+
+
+class Http1Client(Client):
+    """`H2Client`'s interface over an aiohttp keep-alive pool (one session, lazily made)."""
+
+    def __init__(
+        self, host: str, port: int, *, token: str | None = None, timeout: float = 30.0
+    ) -> None:
+        self._base = f"http://{host}:{port}"
+        self._timeout = timeout
+        self._auth = auth_headers(token)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._auth, connector=aiohttp.TCPConnector(limit=0)
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Body = b"",
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> ClientResponse:
+        limit = self._timeout if timeout is None else timeout
+        with _translate(f"{method} {path} to {self._base}", limit):
+            async with self._client().request(
+                method,
+                self._base + path,
+                data=_joined(body),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=limit),
+            ) as resp:
+                data = await resp.read()
+                return ClientResponse(
+                    status=resp.status,
+                    headers={k.lower(): v for k, v in resp.headers.items()},
+                    body=data,
+                )
+
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Body = b"",
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[bytes]:
+        limit = self._timeout if timeout is None else timeout
+        what = f"{method} {path} to {self._base}"
+        per_read = aiohttp.ClientTimeout(total=None, sock_connect=limit, sock_read=limit)
+        with _translate(what, limit):
+            resp = await self._client().request(
+                method, self._base + path, data=_joined(body), headers=headers, timeout=per_read
+            )
+        try:
+            if not 200 <= resp.status < 300:
+                with _translate(what, limit):
+                    raise_for_answer(resp.status, await resp.read())
+            while True:
+                with _translate(what, limit):
+                    chunk = await resp.content.readany()
+                if not chunk:
+                    break
+                yield chunk
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()  # an unfinished body cannot be reused: drop that connection
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def _joined(body: Body) -> aiohttp.BytesPayload:
+    parts = body_parts(body)
+    data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+    # aiohttp warns that one large write "might lock the event loop"; it is one memcpy into
+    # the transport buffer, cheaper than the 64 KiB reads of the BytesIO it suggests.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        return aiohttp.BytesPayload(data)
+
+
+@contextlib.contextmanager
+def _translate(what: str, limit: float) -> Iterator[None]:
+    """aiohttp and socket errors into our family, once, at the boundary."""
+    try:
+        yield
+    except (TimeoutError, asyncio.TimeoutError):
+        raise TimedOut(f"{what} timed out after {limit}s", timeout=limit) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise Unavailable(f"{what} failed: {exc}") from exc

@@ -1,0 +1,91 @@
+"""Entry point of one PS shard process: `python launch.py SPEC --role ps --index N`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from common.job import Job
+from common.runtime import make_server, wait_for_stop_signal, write_ready_file
+from ps.checkpoint import list_checkpoints, load_snapshot
+from ps.service import PsService
+from ps.store import ShardConfig, ShardStore
+
+log = logging.getLogger(__name__)
+
+
+def shard_checkpoint_dir(job: Job, index: int) -> Path:
+    return job.spec.checkpoint.dir / f"ps-{index}"
+
+
+def build_service(job: Job, index: int) -> PsService:
+    spec = job.spec
+    config = ShardConfig(
+        shard=index,
+        num_shards=spec.ps.num_shards,
+        layout=job.layout,
+        dim=job.dim,
+        state_width=job.state_width,
+        state_init=job.state_init,
+        seed=spec.seed,
+    )
+    return PsService(
+        ShardStore(config),
+        checkpoint_dir=shard_checkpoint_dir(job, index),
+        fetch_timeout_s=spec.cluster.fetch_timeout_s,
+    )
+
+
+async def run_ps(job: Job, index: int, *, token: str, restore: int | None, ready_file: Path | None) -> None:
+    """Serve shard `index` until SIGTERM/SIGINT. `restore` = −1 means the latest checkpoint."""
+    spec = job.spec
+    if not 0 <= index < spec.ps.num_shards:
+        raise SystemExit(f"--index {index} is outside 0..{spec.ps.num_shards - 1}")
+    service = build_service(job, index)
+    if restore is not None:
+        _restore(service, restore)
+    address = spec.ps.addresses[index]
+    servers = [
+        make_server(
+            spec.cluster.transport, service.router(), host=address.host, port=address.port,
+            token=token, max_body_bytes=spec.cluster.max_body_bytes,
+        )
+    ]
+    if spec.cluster.transport == "h2":
+        # The same routes over HTTP/1.1 for tools that speak only that (Prometheus, browsers).
+        admin_port = address.port + 1 if address.port else 0
+        servers.append(
+            make_server("http1", service.router(), host=address.host, port=admin_port,
+                        token=token, max_body_bytes=spec.cluster.max_body_bytes)
+        )
+    for server in servers:
+        await server.start()
+    info = {
+        "role": "ps",
+        "index": index,
+        "host": address.host,
+        "port": servers[0].port,
+        "http1_port": servers[-1].port,
+        "rows": service.store.num_rows,
+    }
+    log.info("PS shard %d/%d serving %s on %s:%d (HTTP/1.1 on port %d), %d rows of dim %d",
+             index, spec.ps.num_shards, spec.cluster.transport, address.host, info["port"],
+             info["http1_port"], service.store.num_rows, job.dim)
+    write_ready_file(ready_file, info)
+    try:
+        await wait_for_stop_signal()
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+def _restore(service: PsService, checkpoint_id: int) -> None:
+    if checkpoint_id < 0:
+        available = list_checkpoints(service.checkpoint_dir)
+        if not available:
+            log.info("no checkpoint in %s: starting empty", service.checkpoint_dir)
+            return
+        checkpoint_id = available[-1]
+    snap, _ = load_snapshot(service.checkpoint_dir, checkpoint_id)
+    service.store.restore(snap)
+    log.info("restored checkpoint %d (%d rows)", checkpoint_id, len(snap.local))

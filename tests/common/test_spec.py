@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.errors import ConfigError
+from common.spec import Endpoint, load_spec, parse_spec
+
+SRC = Path("/tmp/specs/demo.toml")
+
+
+def test_defaults_make_a_local_cluster() -> None:
+    spec = parse_spec({}, SRC)
+    assert spec.name == "demo"
+    assert spec.ps.num_shards == 2
+    assert all(e == Endpoint(host="127.0.0.1", port=0) for e in spec.ps.addresses)
+    assert spec.oracle.mode == "bagpipe" and spec.cluster.transport == "h2"
+    assert spec.trainers.count == 2
+    assert spec.cluster.max_body_bytes == 256 << 20
+
+
+def test_values_are_read_and_typed() -> None:
+    spec = parse_spec(
+        {
+            "name": "x",
+            "seed": 3,
+            "cluster": {"transport": "http1", "request_timeout_s": 5, "max_body_mib": 8},
+            "oracle": {"mode": "static-cache", "lookahead": 10, "prefetch_lead": 0, "cache_rows": 7},
+            "ps": {"shards": 2, "addresses": ["10.0.0.1:7000", "[::1]:7001"]},
+            "trainers": {"count": 4, "rendezvous": "host:29500"},
+            "train": {"batch_size": 64},
+            "model": {"name": "dlrm"},
+        },
+        SRC,
+    )
+    assert spec.cluster.request_timeout_s == 5.0 and spec.cluster.max_body_bytes == 8 << 20
+    assert spec.oracle.lookahead == 10 and spec.oracle.prefetch_lead == 0
+    assert spec.ps.addresses[1] == Endpoint(host="::1", port=7001)
+    assert spec.trainers.rendezvous == Endpoint(host="host", port=29500)
+    assert spec.sections["model"] == {"name": "dlrm"}
+    assert spec.sections["data"] == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"oracle": {"lookahead": -1}}, "oracle.lookahead"),
+        ({"oracle": {"mode": "fast"}}, "oracle.mode"),
+        ({"oracle": {"cache_rows": "many"}}, "oracle.cache_rows"),
+        ({"oracle": {"lookahed": 3}}, "oracle.lookahed"),
+        ({"cluster": {"transport": "h3"}}, "cluster.transport"),
+        ({"cluster": {"request_timeout_s": 0}}, "cluster.request_timeout_s"),
+        ({"ps": {"shards": 2, "addresses": ["a:1"]}}, "ps.addresses"),
+        ({"ps": {"shards": 1, "addresses": ["nohost"]}}, "ps.addresses[0]"),
+        ({"ps": {"shards": 1, "addresses": ["h:99999"]}}, "ps.addresses[0]"),
+        ({"trainers": {"count": 0}}, "trainers.count"),
+        ({"train": {"batch_size": 10}, "trainers": {"count": 3}}, "train.batch_size"),
+        ({"train": {"epochs": True}}, "train.epochs"),
+        ({"checkpoint": {"restart": "yes"}}, "checkpoint.restart"),
+        ({"seed": -1}, "spec.seed"),
+        ({"extra": {}}, "extra"),
+        ({"oracle": 3}, "oracle"),
+    ],
+)
+def test_bad_fields_are_named(raw: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_spec(raw, SRC)
+    assert info.value.field == field
+
+
+def test_load_spec_reports_syntax_errors_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[oracle\nmode = 1\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_spec(path)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_spec(tmp_path / "missing.toml")
+
+
+def test_token_from_spec_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BAGPIPE_TOKEN", raising=False)
+    assert parse_spec({"cluster": {"token": "abc"}}, SRC).token() == "abc"
+    with pytest.raises(ConfigError, match="cluster.token"):
+        parse_spec({}, SRC).token()
+    monkeypatch.setenv("BAGPIPE_TOKEN", "env")
+    assert parse_spec({}, SRC).token() == "env"

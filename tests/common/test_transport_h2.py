@@ -1,0 +1,235 @@
+"""HTTP/2-only behaviour: flow-control backpressure, stream cancellation, GOAWAY, interop,
+and the sans-IO connection setup (two h2 connections wired together in memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import h2.events
+import pytest
+from hyperframe.frame import DataFrame
+
+from common.errors import TimedOut, Unavailable
+from common.transport import H2Client, H2Server, Request, Router, StreamResponse, run
+from common.transport.h2base import MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from tests.common.transport_fixtures import TOKEN, Service, make_client, make_server
+
+CHUNK = 64 * 1024
+BOUNDED = 10.0  # seconds: upper bound on waits for a condition that should come quickly
+
+
+@pytest.fixture
+async def service() -> Service:
+    return Service()
+
+
+@pytest.fixture
+async def server(service: Service) -> AsyncIterator[H2Server]:
+    srv = make_server("h2", service.router())
+    await srv.start()
+    yield srv  # type: ignore[misc]
+    service.release_slow.set()
+    await srv.stop()
+
+
+async def _works(client: H2Client) -> None:
+    assert await client.call("POST", "/echo", body=b"ok") == b"ok"
+
+
+class _Producer:
+    """An endless stream that records how far it was advanced and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.produced = 0
+        self.consumed = 0  # bytes, updated by the test's reader
+        self.overrun = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.window_filled = asyncio.Event()
+
+    def limit(self) -> int:
+        # Window credit returns as chunks are taken, one chunk may wait inside the server's
+        # send loop and one may be in the reader's hands: nothing else may be in flight.
+        return (self.consumed + STREAM_WINDOW) // CHUNK + 3
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                self.produced += 1
+                if self.produced > self.limit():
+                    self.overrun.set()
+                if self.produced * CHUNK >= self.consumed + STREAM_WINDOW:
+                    self.window_filled.set()
+                yield bytes(CHUNK)
+        finally:
+            self.closed.set()
+
+    async def handler(self, request: Request) -> StreamResponse:
+        return StreamResponse(chunks=self.chunks())
+
+
+async def _no_overrun(producer: _Producer) -> None:
+    """Give a broken sender a fair chance to run ahead; the window must stop it."""
+    await asyncio.wait_for(producer.window_filled.wait(), BOUNDED)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(producer.overrun.wait(), 0.3)
+    assert not producer.overrun.is_set(), (producer.produced, producer.consumed)
+
+
+async def test_flow_control_backpressures_the_producer() -> None:
+    producer = _Producer()
+    router = Router()
+    router.add("GET", "/directives", producer.handler)
+    srv = H2Server(router, token=TOKEN)
+    await srv.start()
+    client = H2Client("127.0.0.1", srv.port, token=TOKEN)
+    try:
+        async with contextlib.aclosing(client.stream("GET", "/directives")) as chunks:
+            for target in (CHUNK, 3 * 1024 * 1024, 20 * 1024 * 1024):
+                async for chunk in chunks:
+                    producer.consumed += len(chunk)
+                    if producer.consumed >= target:
+                        break
+                producer.window_filled.clear()
+                await _no_overrun(producer)
+        # Leaving the stream resets it: the server stops advancing and closes the producer.
+        await asyncio.wait_for(producer.closed.wait(), BOUNDED)
+        assert (await client.request("GET", "/elsewhere")).status == 404  # connection alive
+    finally:
+        await client.close()
+        await srv.stop()
+
+
+async def test_timeout_resets_only_its_stream(server: H2Server, service: Service) -> None:
+    client = make_client("h2", server.port)
+    try:
+        with pytest.raises(TimedOut):
+            await client.call("POST", "/slow", timeout=0.2)
+        # RST_STREAM reached the server: it cancelled that handler, and nothing else.
+        await asyncio.wait_for(service.slow_cancelled.wait(), BOUNDED)
+        await _works(client)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+
+
+async def test_stop_fails_in_flight_with_unavailable(service: Service) -> None:
+    srv = make_server("h2", service.router(), grace=0.1)
+    await srv.start()
+    client = make_client("h2", srv.port)
+    try:
+        slow = asyncio.create_task(client.call("POST", "/slow"))
+        await asyncio.wait_for(service.slow_started.wait(), BOUNDED)
+        await srv.stop()
+        with pytest.raises(Unavailable):
+            await slow
+        assert service.slow_cancelled.is_set()
+    finally:
+        await client.close()
+
+
+async def test_stop_lets_in_flight_requests_finish(service: Service) -> None:
+    srv = make_server("h2", service.router(), grace=BOUNDED)
+    await srv.start()
+    client = make_client("h2", srv.port)
+    try:
+        slow = asyncio.create_task(client.call("POST", "/slow"))
+        await asyncio.wait_for(service.slow_started.wait(), BOUNDED)
+        stopping = asyncio.create_task(srv.stop())
+        service.release_slow.set()
+        assert await slow == b"late"
+        await stopping
+    finally:
+        await client.close()
+
+
+async def test_lost_connection_fails_in_flight_then_reconnects(
+    server: H2Server, service: Service
+) -> None:
+    client = make_client("h2", server.port)
+    try:
+        slow = asyncio.create_task(client.call("POST", "/slow"))
+        await asyncio.wait_for(service.slow_started.wait(), BOUNDED)
+        await client.close()
+        with pytest.raises(Unavailable):
+            await slow
+        await asyncio.wait_for(service.slow_cancelled.wait(), BOUNDED)  # server noticed
+        await _works(client)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+
+
+async def _curl(*args: str, stdin: bytes = b"") -> tuple[int, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        "/usr/bin/curl", "--http2-prior-knowledge", "-sS", "--max-time", "20", *args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate(stdin)
+    return proc.returncode or 0, out
+
+
+async def test_curl_speaks_h2c_to_the_server(server: H2Server) -> None:
+    base = f"http://127.0.0.1:{server.port}"
+    report = "%{http_code} %{http_version}"
+    rc, out = await _curl("-o", "/dev/null", "-w", report, f"{base}/v1/health")
+    assert (rc, out) == (0, b"200 2")
+    body = bytes(range(256)) * 12_000  # 3 MiB: several 1 MiB frames and window updates
+    auth = f"Authorization: Bearer {TOKEN}"
+    rc, out = await _curl("-H", auth, "--data-binary", "@-", f"{base}/echo", stdin=body)
+    assert (rc, out) == (0, body)
+
+
+def test_runs_on_uvloop() -> None:
+    async def main() -> bytes:
+        srv = make_server("h2", Service().router())
+        await srv.start()
+        client = make_client("h2", srv.port)
+        try:
+            assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+            return await client.call("POST", "/echo", body=bytes(5_000_000))
+        finally:
+            await client.close()
+            await srv.stop()
+
+    assert run(main()) == bytes(5_000_000)
+
+
+# -- sans-IO: two connections wired together in memory ------------------------------------
+def _handshake() -> tuple[h2.connection.H2Connection, h2.connection.H2Connection]:
+    client, server = new_connection(client_side=True), new_connection(client_side=False)
+    initiate(client)
+    initiate(server)
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    return client, server
+
+
+def test_large_frames_may_arrive_with_the_settings_ack() -> None:
+    client, server = _handshake()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, [(":method", "POST"), (":path", "/"), (":scheme", "http"),
+                                    (":authority", "x")])
+    body = bytes(3 * MAX_FRAME_SIZE)
+    client.send_data(stream_id, body[:MAX_FRAME_SIZE])
+    client.send_data(stream_id, body[MAX_FRAME_SIZE:2 * MAX_FRAME_SIZE], end_stream=True)
+    # One read holds the client's SETTINGS ACK and two 1 MiB DATA frames: the frame limit
+    # and the 16 MiB stream window must already hold on the server.
+    events = server.receive_data(client.data_to_send())
+    data = [e for e in events if isinstance(e, h2.events.DataReceived)]
+    assert [len(e.data) for e in data] == [MAX_FRAME_SIZE, MAX_FRAME_SIZE]
+    assert server.remote_settings.initial_window_size == STREAM_WINDOW
+
+
+def test_received_data_frames_are_not_hex_formatted(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: DataFrame) -> str:
+        raise AssertionError("a received DATA frame was formatted")
+
+    monkeypatch.setattr(DataFrame, "_body_repr", refuse)
+    client, server = _handshake()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, [(":method", "POST"), (":path", "/"), (":scheme", "http"),
+                                    (":authority", "x")])
+    client.send_data(stream_id, bytes(MAX_FRAME_SIZE), end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    received = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
+    assert sum(map(len, received)) == MAX_FRAME_SIZE

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from common.keys import TableLayout
+from common.spec import Endpoint
+from common.transport import H2Server, Http1Server
+from ps.client import PsClient
+from ps.service import PsService
+from ps.store import ShardConfig, ShardStore
+
+TOKEN = "test-token"
+LAYOUT = TableLayout((100, 50))
+DIM = 4
+MAX_BODY = 1 << 20
+
+
+@dataclass
+class Cluster:
+    services: list[PsService]
+    servers: list[H2Server | Http1Server]
+    client: PsClient
+    transport: str
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [Endpoint(host="127.0.0.1", port=s.port) for s in self.servers]
+
+
+def make_service(shard: int, num_shards: int, checkpoint_dir: Path, fetch_timeout_s: float = 5.0) -> PsService:
+    cfg = ShardConfig(
+        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=DIM, state_width=1, state_init=0.1, seed=3
+    )
+    return PsService(ShardStore(cfg), checkpoint_dir=checkpoint_dir / f"ps-{shard}", fetch_timeout_s=fetch_timeout_s)
+
+
+def make_server(kind: str, service: PsService, port: int = 0) -> H2Server | Http1Server:
+    cls = H2Server if kind == "h2" else Http1Server
+    return cls(service.router(), host="127.0.0.1", port=port, token=TOKEN, max_body_bytes=MAX_BODY)
+
+
+@pytest.fixture(params=["h2", "http1"])
+async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
+    kind = request.param
+    services = [make_service(s, 2, tmp_path) for s in range(2)]
+    servers = [make_server(kind, svc) for svc in services]
+    for server in servers:
+        await server.start()
+    endpoints = [Endpoint(host="127.0.0.1", port=s.port) for s in servers]
+    client = PsClient(endpoints, token=TOKEN, dim=DIM, state_width=1, transport=kind, timeout_s=10, retries=1, backoff_s=0.05)
+    yield Cluster(services, servers, client, kind)
+    await client.close()
+    for server in servers:
+        await server.stop()

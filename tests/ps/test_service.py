@@ -1,0 +1,195 @@
+"""A real PS (two shards) on loopback ports, over HTTP/2 and HTTP/1.1."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import numpy as np
+import orjson
+import pytest
+
+from common.errors import BadRequest, Conflict, TimedOut
+from common.init import initial_rows
+from common.transport import connect_client
+from common.wire import encode
+from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service
+
+
+def rows_for(keys: np.ndarray, value: float) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.tile(keys.astype(np.float32)[:, None] + value, (1, DIM))
+    return rows, np.full((len(keys), 1), value, np.float32)
+
+
+async def test_first_fetch_is_the_initial_rows(cluster: Cluster) -> None:
+    keys = np.array([0, 1, 99, 100, 149], dtype=np.int64)
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, initial_rows(LAYOUT, 3, keys, DIM))
+    assert (got.state == np.float32(0.1)).all()
+    assert (got.versions == -1).all()
+
+
+async def test_concurrent_write_backs_and_fetches(cluster: Cluster) -> None:
+    batches = [np.arange(i * 10, i * 10 + 10, dtype=np.int64) for i in range(15)]
+    await asyncio.gather(*(cluster.client.write_back(k, *rows_for(k, 0.5), version=2) for k in batches))
+    results = await asyncio.gather(*(cluster.client.fetch(k) for k in batches))
+    for keys, got in zip(batches, results):
+        want_rows, want_state = rows_for(keys, 0.5)
+        assert np.array_equal(got.rows, want_rows)
+        assert np.array_equal(got.state, want_state)
+        assert (got.versions == 2).all()
+
+
+async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
+    keys = np.array([3, 4, 5], dtype=np.int64)
+    fetch = asyncio.create_task(cluster.client.fetch(keys, np.array([-1, 7, 7])))
+    await _until(lambda: sum(len(s._waiters) for s in cluster.services) == 2)
+    assert not fetch.done()
+    await cluster.client.write_back(keys[1:], *rows_for(keys[1:], 1.0), version=7)
+    got = await asyncio.wait_for(fetch, 5)
+    assert got.versions.tolist() == [-1, 7, 7]
+    assert np.array_equal(got.rows[1:], rows_for(keys[1:], 1.0)[0])
+
+
+async def test_a_fetch_that_cannot_be_served_times_out(cluster: Cluster) -> None:
+    with pytest.raises(TimedOut, match="did not reach their version"):
+        await cluster.client.fetch(np.array([8], dtype=np.int64), np.array([1]), wait_s=0.2)
+    assert all(not s._waiters for s in cluster.services)
+    await cluster.client.fetch(np.array([8], dtype=np.int64))  # still serving
+
+
+async def test_stale_write_back_is_refused_and_changes_nothing(cluster: Cluster) -> None:
+    keys = np.array([10, 12], dtype=np.int64)
+    await cluster.client.write_back(keys, *rows_for(keys, 2.0), version=5)
+    with pytest.raises(Conflict, match="not newer"):
+        await cluster.client.write_back(keys, *rows_for(keys, 9.0), version=5)
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, rows_for(keys, 2.0)[0]) and (got.versions == 5).all()
+
+
+async def test_checkpoint_then_restore_brings_back_the_rows(cluster: Cluster) -> None:
+    keys = np.arange(0, 150, 7, dtype=np.int64)
+    await cluster.client.write_back(keys, *rows_for(keys, 3.0), version=1)
+    answers = await cluster.client.checkpoint(1)
+    assert [a["id"] for a in answers] == [1, 1] and all(a["bytes"] > 0 for a in answers)
+    await cluster.client.write_back(keys, *rows_for(keys, 4.0), version=2)
+    await cluster.client.restore(1)
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, rows_for(keys, 3.0)[0]) and (got.versions == 1).all()
+    health = await cluster.client.health()
+    assert [h["checkpoints"] for h in health] == [[1], [1]]
+
+
+async def test_metrics_count_rows_and_bytes(cluster: Cluster) -> None:
+    keys = np.arange(20, dtype=np.int64)
+    await cluster.client.fetch(keys)
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=None)
+    try:
+        text = (await raw.call("GET", "/metrics")).decode()
+    finally:
+        await raw.close()
+    assert 'bagpipe_rows_total{op="fetch"} 10' in text
+    assert f'bagpipe_bytes_out_total{{op="fetch"}} {10 * (DIM + 1) * 4}' in text
+
+
+def fetch_body(keys: list[int], **arrays: np.ndarray) -> bytes:
+    return encode({}, {"keys": np.array(keys, dtype=np.int64), **arrays})
+
+
+def write_body(version: object, keys: list[int], rows: np.ndarray | None = None, state: np.ndarray | None = None) -> bytes:
+    n = len(keys)
+    return encode(
+        {"version": version},
+        {
+            "keys": np.array(keys, dtype=np.int64),
+            "rows": np.zeros((n, DIM), np.float32) if rows is None else rows,
+            "state": np.zeros((n, 1), np.float32) if state is None else state,
+        },
+    )
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/fetch", b"\x01\x02", 400, "shorter than"),
+    ("POST", "/v1/fetch", encode({}, {"keys": np.zeros(2, np.int32)}), 400, "int64"),
+    ("POST", "/v1/fetch", encode({}, {"nokeys": np.zeros(2, np.int64)}), 400, "missing array"),
+    ("POST", "/v1/fetch", fetch_body([0, 150]), 400, "outside"),
+    ("POST", "/v1/fetch", fetch_body([1]), 400, "belongs to shard 1"),
+    ("POST", "/v1/fetch", fetch_body([0, 2], min_versions=np.zeros(3, np.int64)), 400, "one entry per key"),
+    ("POST", "/v1/fetch", encode({"timeout_s": -1}, {"keys": np.zeros(1, np.int64)}), 400, "timeout_s"),
+    ("POST", "/v1/write_back", write_body("3", [0]), 400, "version must be an integer"),
+    ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM + 1), np.float32)), 400, "rows must have shape"),
+    ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
+    ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
+    ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
+    ("POST", "/v1/checkpoint", b"{bad json", 400, "JSON"),
+    ("POST", "/v1/checkpoint", orjson.dumps({"id": -3}), 400, "non-negative"),
+    ("POST", "/v1/restore", orjson.dumps({"id": 42}), 404, "no complete checkpoint"),
+    ("GET", "/v1/fetch", b"", 405, ""),
+    ("POST", "/v1/nope", b"", 404, ""),
+    ("POST", "/v1/fetch", bytes(MAX_BODY + 1), 413, ""),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "message"), BAD_REQUESTS)
+async def test_bad_requests_get_4xx_and_nothing_changes(
+    cluster: Cluster, method: str, path: str, body: bytes, status: int, message: str
+) -> None:
+    keys = np.array([0, 2], dtype=np.int64)
+    await cluster.client.write_back(keys, *rows_for(keys, 1.0), version=1)
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=TOKEN)
+    try:
+        answer = await raw.request(method, path, body=body)
+        assert answer.status == status
+        payload = orjson.loads(answer.body)
+        assert message in payload["message"] and payload["error"]
+        # the same connection and the server keep serving, and the data is intact
+        ok = await raw.request("GET", "/v1/health")
+        assert ok.status == 200
+    finally:
+        await raw.close()
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, rows_for(keys, 1.0)[0]) and (got.versions == 1).all()
+
+
+async def test_requests_without_the_token_are_refused(cluster: Cluster) -> None:
+    for token in (None, "wrong"):
+        raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=token)
+        try:
+            answer = await raw.request("POST", "/v1/fetch", body=fetch_body([0]))
+            assert answer.status == 401
+            assert (await raw.request("GET", "/v1/health")).status == 200  # public
+        finally:
+            await raw.close()
+
+
+async def test_client_errors_carry_the_server_message(cluster: Cluster) -> None:
+    with pytest.raises(BadRequest, match="outside"):
+        await cluster.client.fetch(np.array([500], dtype=np.int64))
+
+
+async def test_curl_reads_health_over_http2_prior_knowledge(tmp_path) -> None:
+    service = make_service(0, 1, tmp_path)
+    server = make_server("h2", service)
+    await server.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "curl", "-sS", "--http2-prior-knowledge", "-o", "-", "-w", "\n%{http_version} %{http_code}",
+            f"http://127.0.0.1:{server.port}/v1/health",
+            stdout=subprocess.PIPE,
+        )
+        out, _ = await proc.communicate()
+    finally:
+        await server.stop()
+    body, _, status = out.decode().rpartition("\n")
+    assert status == "2 200"
+    assert orjson.loads(body)["role"] == "ps"
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Wait for a condition that another task makes true (bounded; yields to the loop)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
