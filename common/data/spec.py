@@ -1,0 +1,166 @@
+"""The ``[data]`` section of the cluster spec, parsed into a frozen, validated `DataSpec`.
+
+A bad or unknown key raises ``ConfigError("data.<field>", ...)``; nothing silently falls
+back to a default. Relative paths are resolved against the folder of the spec file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from common.errors import ConfigError
+
+Format = Literal["criteo", "criteo-terabyte", "avazu", "synthetic", "preprocessed"]
+FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu", "synthetic", "preprocessed")
+RAW_FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu")
+Hashing = Literal["hash", "dictionary"]
+OnError = Literal["fail", "skip"]
+
+# Criteo Kaggle cardinalities after the usual dictionary encoding (shared/data/README.md).
+CRITEO_KAGGLE_SIZES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+CRITEO_NUM_DENSE = 13
+# Avazu: hour of day and weekday map directly (row 0 stays the missing row, as everywhere);
+# the 21 other columns hash into 2**20 rows each unless the spec says otherwise.
+AVAZU_DIRECT_SIZES: tuple[int, ...] = (25, 8)
+AVAZU_HASHED_COLUMNS = 21
+AVAZU_DEFAULT_HASHED_SIZE = 1 << 20
+AVAZU_SIZES: tuple[int, ...] = AVAZU_DIRECT_SIZES + (AVAZU_DEFAULT_HASHED_SIZE,) * 21
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where the data comes from and how categorical values become rows.
+
+    `table_sizes` is empty only where the data decides it: dictionary hashing without a
+    cap, or a preprocessed directory (sizes come from its manifest). Otherwise it holds one
+    size per table and every row id is in ``[0, size)``; row 0 is the missing-value row.
+    """
+
+    format: Format
+    path: str | None = None
+    cache_dir: str | None = None
+    table_sizes: tuple[int, ...] = ()
+    hashing: Hashing = "hash"
+    min_frequency: int = 1
+    eval_fraction: float = 0.0
+    seed: int = 0
+    on_error: OnError = "fail"
+    # synthetic only
+    rows: int = 1_000_000
+    top1_share: float = 0.92
+    drift: float = 0.0
+    click_rate: float = 0.25
+    num_dense: int = CRITEO_NUM_DENSE
+
+    def __post_init__(self) -> None:
+        _check_choice("format", self.format, FORMATS)
+        _check_choice("hashing", self.hashing, ("hash", "dictionary"))
+        _check_choice("on_error", self.on_error, ("fail", "skip"))
+        if self.format != "synthetic" and not self.path:
+            raise ConfigError("data.path", f"is required for format {self.format!r}")
+        object.__setattr__(self, "table_sizes", self._default_sizes())
+        for t, n in enumerate(self.table_sizes):
+            if type(n) is not int or n < 1:
+                raise ConfigError(f"data.table_sizes[{t}]", f"must be a positive integer, got {n!r}")
+        if self.hashing == "dictionary" and any(n < 2 for n in self.table_sizes):
+            raise ConfigError("data.table_sizes", "dictionary tables need >= 2 rows (missing, rare)")
+        _check_int("min_frequency", self.min_frequency, 1)
+        _check_int("rows", self.rows, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("num_dense", self.num_dense, 0)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError("data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
+        if not 0.01 < self.top1_share < 1.0:
+            raise ConfigError("data.top1_share", f"must be in (0.01, 1), got {self.top1_share}")
+        if not 0.0 < self.click_rate < 1.0:
+            raise ConfigError("data.click_rate", f"must be in (0, 1), got {self.click_rate}")
+        if not (self.drift >= 0.0 and math.isfinite(self.drift)):
+            raise ConfigError("data.drift", f"must be a finite number >= 0, got {self.drift}")
+        if self.format == "avazu" and self.table_sizes:
+            self._check_avazu_sizes()
+
+    def _default_sizes(self) -> tuple[int, ...]:
+        """Explicit sizes, else the format's default; empty where the data decides."""
+        if self.table_sizes:
+            return tuple(self.table_sizes)
+        if self.format == "synthetic":
+            return CRITEO_KAGGLE_SIZES
+        if self.hashing == "dictionary" or self.format == "preprocessed":
+            return ()
+        return AVAZU_SIZES if self.format == "avazu" else CRITEO_KAGGLE_SIZES
+
+    def _check_avazu_sizes(self) -> None:
+        if len(self.table_sizes) != len(AVAZU_SIZES):
+            raise ConfigError("data.table_sizes", f"avazu has {len(AVAZU_SIZES)} tables")
+        if self.hashing == "hash" and self.table_sizes[:2] < AVAZU_DIRECT_SIZES:
+            raise ConfigError(
+                "data.table_sizes", f"avazu hour/weekday tables need at least {AVAZU_DIRECT_SIZES}"
+            )
+
+    @property
+    def is_raw(self) -> bool:
+        return self.format in RAW_FORMATS
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"data.{field}", f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(field: str, value: object, low: int) -> None:
+    if type(value) is not int or value < low:
+        raise ConfigError(f"data.{field}", f"must be an integer >= {low}, got {value!r}")
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "path": (str,), "cache_dir": (str,), "table_sizes": (list, tuple),
+    "hashing": (str,), "min_frequency": (int,), "eval_fraction": (float, int), "seed": (int,),
+    "on_error": (str,), "rows": (int,), "top1_share": (float, int), "drift": (float, int),
+    "click_rate": (float, int), "num_dense": (int,), "num_tables": (int,),
+}  # fmt: skip
+
+
+def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
+    """Build a `DataSpec` from the ``[data]`` TOML section.
+
+    Defaults: criteo formats hash into Criteo Kaggle's 26 published cardinalities; avazu
+    into `AVAZU_SIZES`; synthetic uses Criteo Kaggle's cardinalities (or the first
+    `num_tables` of them); dictionary hashing sizes tables from the data (explicit sizes
+    then cap them). `path` and `cache_dir` are resolved against `base_dir`.
+    Raises ConfigError naming the first bad or unknown field.
+    """
+    for key, value in section.items():
+        if key not in _TYPES:
+            raise ConfigError(f"data.{key}", "unknown key")
+        if not isinstance(value, _TYPES[key]) or isinstance(value, bool):
+            raise ConfigError(f"data.{key}", f"has the wrong type ({type(value).__name__})")
+    fields = dict(section)
+    fields.pop("num_tables", None)
+    for key in ("path", "cache_dir"):
+        if key in fields:
+            fields[key] = str((base_dir / fields[key]).resolve())
+    for key in ("eval_fraction", "top1_share", "drift", "click_rate"):
+        if key in fields:
+            fields[key] = float(fields[key])
+    fields["table_sizes"] = _table_sizes(section)
+    if section.get("format") not in ("synthetic", None) and "num_dense" in section:
+        raise ConfigError("data.num_dense", "is set by the format; only synthetic data takes it")
+    return DataSpec(**fields)
+
+
+def _table_sizes(section: dict[str, Any]) -> tuple[int, ...]:
+    """Explicit sizes, or the first `num_tables` Kaggle sizes (synthetic), or () = default."""
+    if "num_tables" not in section:
+        return tuple(section.get("table_sizes", ()))
+    n = section["num_tables"]
+    if section.get("format") != "synthetic" or "table_sizes" in section:
+        raise ConfigError("data.num_tables", "only synthetic data without table_sizes takes it")
+    if not 1 <= n <= len(CRITEO_KAGGLE_SIZES):
+        raise ConfigError("data.num_tables", f"must be in 1..26, got {n}")
+    return CRITEO_KAGGLE_SIZES[:n]

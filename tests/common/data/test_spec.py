@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.data.spec import AVAZU_SIZES, CRITEO_KAGGLE_SIZES, DataSpec, parse_data_spec
+from common.errors import ConfigError
+
+
+def test_defaults_per_format(tmp_path: Path) -> None:
+    criteo = parse_data_spec({"format": "criteo", "path": "x.tsv"}, base_dir=tmp_path)
+    assert criteo.table_sizes == CRITEO_KAGGLE_SIZES and sum(criteo.table_sizes) == 33_762_577
+    assert criteo.path == str(tmp_path / "x.tsv")
+    assert parse_data_spec({"format": "avazu", "path": "a"}, base_dir=tmp_path).table_sizes == AVAZU_SIZES
+    assert parse_data_spec({"format": "criteo", "path": "a", "hashing": "dictionary"}, base_dir=tmp_path).table_sizes == ()
+    synth = parse_data_spec({"format": "synthetic", "num_tables": 3, "rows": 10}, base_dir=tmp_path)
+    assert synth.table_sizes == CRITEO_KAGGLE_SIZES[:3] and synth.num_dense == 13
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"format": "parquet", "path": "a"}, "data.format"),
+        ({"format": "criteo"}, "data.path"),
+        ({"format": "criteo", "path": "a", "hashing": "md5"}, "data.hashing"),
+        ({"format": "criteo", "path": "a", "eval_fraction": 1.0}, "data.eval_fraction"),
+        ({"format": "criteo", "path": "a", "on_error": "ignore"}, "data.on_error"),
+        ({"format": "criteo", "path": "a", "table_sizes": [10, 0]}, "data.table_sizes[1]"),
+        ({"format": "criteo", "path": "a", "min_frequency": 0}, "data.min_frequency"),
+        ({"format": "criteo", "path": "a", "batch": 3}, "data.batch"),
+        ({"format": "criteo", "path": "a", "seed": "1"}, "data.seed"),
+        ({"format": "criteo", "path": "a", "num_dense": 4}, "data.num_dense"),
+        ({"format": "synthetic", "top1_share": 1.5}, "data.top1_share"),
+        ({"format": "synthetic", "num_tables": 27}, "data.num_tables"),
+        ({"format": "avazu", "path": "a", "table_sizes": [10] * 23}, "data.table_sizes"),
+    ],
+)
+def test_bad_fields_are_named(tmp_path: Path, section: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_data_spec(section, base_dir=tmp_path)
+    assert info.value.field == field
+
+
+def test_spec_is_frozen() -> None:
+    spec = DataSpec(format="synthetic")
+    with pytest.raises(AttributeError):
+        spec.seed = 3  # type: ignore[misc]
