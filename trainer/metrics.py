@@ -70,10 +70,14 @@ class MetricAccumulator:
     def count(self) -> int:
         return sum(len(y) for y in self._labels)
 
-    def result(self) -> EvalResult:
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every label and probability recorded so far, in order (to gather across ranks)."""
         if not self._labels:
-            return evaluate(np.zeros(0), np.zeros(0))
-        return evaluate(np.concatenate(self._labels), np.concatenate(self._probs))
+            return np.zeros(0), np.zeros(0)
+        return np.concatenate(self._labels), np.concatenate(self._probs)
+
+    def result(self) -> EvalResult:
+        return evaluate(*self.arrays())
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:

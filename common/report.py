@@ -1,0 +1,865 @@
+"""Run reports: read the trainers' logs, summarise a run, show it as text, JSON, plots, progress.
+
+Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jsonl``:
+
+* ``{"kind": "iter", "iteration", "time", "samples", "loss", "uses", "hits", "fetch_rows",
+  "fetch_bytes", "write_back_rows", "write_back_bytes", "sync_rows", "sync_bytes", "join_rows",
+  "phases": {name: seconds}}`` once per iteration; ``time`` is unix seconds at its end;
+* ``{"kind": "eval", "iteration", "time", "auc", "log_loss", "count"}`` after an evaluation;
+* ``{"kind": "final", "time", "iterations"}`` when the trainer is done.
+
+Layers, from pure to I/O: `iteration_series` and `summarise` turn records into numbers;
+`format_summary` and `compare_modes` turn numbers into text; `read_records`, `RecordTail`,
+`read_run`, `write_report`, `plot_run`, `plot_modes` and `ProgressBar` touch files or the
+terminal. matplotlib is imported only by the plotting functions, so a launcher that never
+plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+import orjson
+from tqdm import tqdm
+
+from common.errors import BagpipeError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+logger = logging.getLogger(__name__)
+
+Record = dict[str, Any]
+
+#: Trainer phases in the order they happen within an iteration.
+PHASES: tuple[str, ...] = (
+    "wait_directive",
+    "boundary",
+    "wait_prefetch",
+    "forward",
+    "backward",
+    "sync_now",
+    "sync_later_wait",
+    "optimizer",
+    "write_back_queue",
+)
+#: Integer counters of an iteration record, summed across trainers.
+COUNTERS: tuple[str, ...] = (
+    "samples",
+    "uses",
+    "hits",
+    "fetch_rows",
+    "fetch_bytes",
+    "write_back_rows",
+    "write_back_bytes",
+    "sync_rows",
+    "sync_bytes",
+    "join_rows",
+)
+#: Benchmark modes in the order tables and charts list them (DESIGN §8).
+MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
+
+_MB = 1e6
+
+
+class ReportError(BagpipeError):
+    """Trainer records are missing, inconsistent or too few for the figure asked for."""
+
+    code = "report"
+
+
+def trainer_log_path(run_dir: str | os.PathLike[str], trainer: int) -> Path:
+    """Where trainer `trainer` of the run in `run_dir` writes its records."""
+    return Path(run_dir) / f"trainer-{trainer}.jsonl"
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _parse_lines(data: bytes, source: str, first_line: int) -> tuple[list[Record], int, int]:
+    """Parse the complete lines at the start of `data`.
+
+    Returns the records, the bytes consumed and the lines consumed. A trailing piece without
+    a newline counts as complete only if it parses as a JSON object: a record cut short never
+    does, since its closing brace comes last. A complete line that is not a JSON object (a
+    line torn by a crash, then appended to) is skipped with a warning naming it.
+    """
+    records: list[Record] = []
+    consumed = 0
+    line_no = first_line
+    while consumed < len(data):
+        end = data.find(b"\n", consumed)
+        last = end < 0
+        raw = data[consumed:] if last else data[consumed:end]
+        if raw.strip():
+            try:
+                value = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                value = None
+            if last and not isinstance(value, dict):
+                break  # still being written
+            if isinstance(value, dict):
+                records.append(value)
+            else:
+                logger.warning("%s:%d: skipping a line that is not a JSON object", source, line_no)
+        consumed = len(data) if last else end + 1
+        line_no += 0 if last else 1
+    return records, consumed, line_no - first_line
+
+
+def read_records(path: str | os.PathLike[str]) -> list[Record]:
+    """All complete records of one trainer log, in file order.
+
+    An unfinished last line (the trainer is still writing it) is left out.
+    Raises FileNotFoundError if the file does not exist.
+    """
+    data = Path(path).read_bytes()
+    return _parse_lines(data, str(path), 1)[0]
+
+
+def read_run(run_dir: str | os.PathLike[str], trainers: int) -> dict[int, list[Record]]:
+    """Records of trainers 0..trainers-1; a trainer without a log file gets an empty list,
+    so that `summarise` can name every missing trainer at once."""
+    out: dict[int, list[Record]] = {}
+    for j in range(trainers):
+        path = trainer_log_path(run_dir, j)
+        out[j] = read_records(path) if path.exists() else []
+    return out
+
+
+class RecordTail:
+    """Follows one growing trainer log: each `poll()` returns the records completed since the
+    previous poll. Keeps the byte offset of the first unread line; a file that does not exist
+    yet gives no records. A file that shrinks (a new run started in the same directory) raises
+    `ReportError`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._line = 1
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the file already turned into records."""
+        return self._offset
+
+    def poll(self) -> list[Record]:
+        """New complete records since the last poll (possibly none)."""
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self._offset:
+                    raise ReportError(
+                        f"{self.path} shrank from {self._offset} to {size} bytes; "
+                        "was a new run started in the same directory?",
+                        path=str(self.path),
+                    )
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        records, consumed, lines = _parse_lines(data, str(self.path), self._line)
+        self._offset += consumed
+        self._line += lines
+        return records
+
+
+class RunTail:
+    """`RecordTail`s of all trainers of a run; `poll()` gives {trainer: new records}."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], trainers: int) -> None:
+        self._tails = {j: RecordTail(trainer_log_path(run_dir, j)) for j in range(trainers)}
+
+    def poll(self) -> dict[int, list[Record]]:
+        """New complete records of every trainer since the last poll."""
+        return {j: tail.poll() for j, tail in self._tails.items()}
+
+
+# --------------------------------------------------------------------------- series
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalPoint:
+    """One evaluation, combined across the trainers that reported it.
+
+    `log_loss` is the count-weighted mean (exact); `auc` the count-weighted mean of the
+    trainers' AUCs (exact when one trainer evaluates the whole set, an approximation when
+    each evaluates a slice); NaN when no trainer's AUC is defined.
+    """
+
+    iteration: int
+    time: float
+    auc: float
+    log_loss: float
+    count: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class IterationSeries:
+    """Per-iteration figures of the iterations every trainer has finished.
+
+    Arrays are indexed ``[trainer_position, k]`` for the k-th common iteration (shape (T, N));
+    `trainers[p]` is the trainer at position p. A resumed trainer may log an iteration twice:
+    its last record wins.
+    """
+
+    trainers: tuple[int, ...]
+    iterations: np.ndarray  # (N,) int64, ascending
+    end_time: np.ndarray  # (N,) float64: when the slowest trainer finished the iteration
+    counters: dict[str, np.ndarray]  # name -> (T, N) float64
+    loss: np.ndarray  # (T, N) float64
+    phases: dict[str, np.ndarray]  # name -> (T, N) float64 seconds
+    evals: tuple[EvalPoint, ...]  # ascending iteration
+    finished: bool  # every trainer wrote its final record
+
+    def global_counter(self, name: str) -> np.ndarray:
+        """Counter `name` summed across trainers, per iteration: (N,)."""
+        return self.counters[name].sum(axis=0)
+
+
+def _iteration_records(j: int, records: Iterable[Record]) -> dict[int, Record]:
+    by_iteration: dict[int, Record] = {}
+    for rec in records:
+        if rec.get("kind") != "iter":
+            continue
+        missing = [k for k in ("iteration", "time", "loss", *COUNTERS) if k not in rec]
+        if missing:
+            raise ReportError(
+                f"trainer {j}: iteration record {rec.get('iteration')} lacks {', '.join(missing)}",
+                trainer=j,
+            )
+        by_iteration[int(rec["iteration"])] = rec
+    return by_iteration
+
+
+def _check_trainers(
+    per_trainer: Mapping[int, dict[int, Record]], trainers: int | None
+) -> tuple[int, ...]:
+    if not per_trainer and not trainers:
+        raise ReportError("no trainer records at all")
+    expected = range(trainers if trainers is not None else max(per_trainer) + 1)
+    unexpected = sorted(set(per_trainer) - set(expected))
+    if unexpected:
+        raise ReportError(
+            f"records from trainer(s) {_join(unexpected)} outside 0..{len(expected) - 1}",
+            trainers=unexpected,
+        )
+    empty = [j for j in expected if not per_trainer.get(j)]
+    if empty:
+        raise ReportError(
+            f"no iteration records from trainer(s) {_join(empty)} "
+            f"(expected trainers 0..{len(expected) - 1})",
+            trainers=empty,
+        )
+    return tuple(expected)
+
+
+def _combine_evals(records_by_trainer: Mapping[int, Sequence[Record]]) -> tuple[EvalPoint, ...]:
+    latest: dict[tuple[int, int], Record] = {}  # (iteration, trainer) -> last record
+    for j, records in records_by_trainer.items():
+        for rec in records:
+            if rec.get("kind") == "eval":
+                latest[(int(rec["iteration"]), j)] = rec
+    by_iteration: dict[int, list[Record]] = {}
+    for (it, _), rec in sorted(latest.items()):
+        by_iteration.setdefault(it, []).append(rec)
+    points = []
+    for it, recs in by_iteration.items():
+        counts = np.array([float(r.get("count", 0)) for r in recs])
+        weights = counts if counts.sum() > 0 else np.ones_like(counts)
+        aucs = np.array([_float(r.get("auc")) for r in recs])
+        ok = ~np.isnan(aucs)
+        has_auc = weights[ok].sum() > 0
+        auc = float(np.average(aucs[ok], weights=weights[ok])) if has_auc else math.nan
+        log_loss = float(np.average([_float(r.get("log_loss")) for r in recs], weights=weights))
+        when = max(float(r.get("time", math.nan)) for r in recs)
+        points.append(EvalPoint(iteration=it, time=when, auc=auc, log_loss=log_loss,
+                                count=int(counts.sum())))
+    return tuple(points)
+
+
+def iteration_series(
+    records_by_trainer: Mapping[int, Sequence[Record]], *, trainers: int | None = None
+) -> IterationSeries:
+    """Arrange the records of a run by iteration.
+
+    Trainers are expected to be 0..trainers-1 (default: 0..the highest key); raises
+    `ReportError` naming every expected trainer that has no iteration record, or naming keys
+    outside that range. Only iterations that every trainer has logged are kept, so a run still
+    in progress gives the iterations done so far.
+    """
+    per_trainer = {j: _iteration_records(j, recs) for j, recs in records_by_trainer.items()}
+    order = _check_trainers(per_trainer, trainers)
+    common = set.intersection(*(set(per_trainer[j]) for j in order))
+    iterations = np.array(sorted(common), dtype=np.int64)
+    rows = [[per_trainer[j][int(it)] for it in iterations] for j in order]
+
+    def grid(get: Callable[[Record], float]) -> np.ndarray:
+        return np.array([[get(r) for r in row] for row in rows], dtype=np.float64).reshape(
+            len(order), len(iterations)
+        )
+
+    names = list(PHASES) + sorted(
+        {p for row in rows for r in row for p in r.get("phases", {})} - set(PHASES)
+    )
+    times = grid(lambda r: float(r["time"]))
+    return IterationSeries(
+        trainers=order,
+        iterations=iterations,
+        end_time=times.max(axis=0) if len(iterations) else np.zeros(0),
+        counters={c: grid(lambda r, c=c: float(r[c])) for c in COUNTERS},
+        loss=grid(lambda r: _float(r["loss"])),
+        phases={p: grid(lambda r, p=p: float(r.get("phases", {}).get(p, 0.0))) for p in names},
+        evals=_combine_evals(records_by_trainer),
+        finished=all(
+            any(r.get("kind") == "final" for r in records_by_trainer.get(j, ())) for j in order
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """The figures of one run that a user compares across runs and modes.
+
+    Timing covers the iterations after `warmup`: it runs from the end of the last warm-up
+    iteration (with no warm-up, from the end of the first iteration, since no record says
+    when iteration 0 started) to the end of the last one; `samples_per_s` divides the global
+    samples of the iterations inside that span by its length. Per-iteration traffic, hit rate
+    and phase times average over all iterations after the warm-up. NaN marks a figure with no
+    data (a hit rate with no uses, a throughput over a single iteration).
+    """
+
+    mode: str
+    trainers: int
+    global_batch: int
+    warmup: int
+    iterations: int  # iterations measured (after warm-up)
+    first_iteration: int  # first measured iteration index
+    last_iteration: int
+    wall_time_s: float
+    samples: int  # global samples inside the timed span
+    samples_per_s: float
+    iteration_time_s: float
+    hit_rate: float
+    fetch_rows_per_iter: float
+    fetch_bytes_per_iter: float
+    write_back_rows_per_iter: float
+    write_back_bytes_per_iter: float
+    sync_rows_per_iter: float
+    sync_bytes_per_iter: float
+    join_rows_per_iter: float
+    final_loss: float  # samples-weighted mean over the last `loss_window` measured iterations
+    loss_window: int
+    phase_s: dict[str, float] = field(hash=False)  # mean seconds per iteration and trainer
+    eval: EvalPoint | None = None  # the latest evaluation
+    finished: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["phase_s"] = dict(self.phase_s)
+        out["eval"] = None if self.eval is None else {
+            f.name: getattr(self.eval, f.name) for f in fields(self.eval)
+        }
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunSummary:
+        """Inverse of `to_json`, also for a dict read back from report.json (null → NaN)."""
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            value = data[f.name] if f.name in data else None
+            if f.name == "eval":
+                value = None if value is None else EvalPoint(
+                    **{k: _float(v) if k in ("auc", "log_loss", "time") else v
+                       for k, v in value.items()}
+                )
+            elif f.name == "phase_s":
+                value = {k: _float(v) for k, v in (value or {}).items()}
+            elif f.type == "float":
+                value = _float(value)
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+def summarise(
+    records_by_trainer: Mapping[int, Sequence[Record]],
+    *,
+    mode: str,
+    global_batch: int,
+    warmup: int = 0,
+    trainers: int | None = None,
+    loss_window: int = 10,
+) -> RunSummary:
+    """Summarise a run from its trainers' records (see `RunSummary` for what each figure
+    means). `trainers` is the expected trainer count (default: the highest key + 1).
+
+    Raises `ReportError` naming the trainers with no iteration record, or when `warmup`
+    leaves no iteration to measure.
+    """
+    if warmup < 0 or loss_window < 1:
+        raise ReportError(f"warmup must be >= 0 and loss_window >= 1, got {warmup}, {loss_window}")
+    s = iteration_series(records_by_trainer, trainers=trainers)
+    n = len(s.iterations)
+    if warmup >= n:
+        raise ReportError(
+            f"warmup={warmup} leaves no iteration to measure: every trainer has logged "
+            f"only {n} common iteration(s)",
+            warmup=warmup,
+            iterations=n,
+        )
+    global_samples = s.global_counter("samples")
+    over = np.flatnonzero(global_samples > global_batch)
+    if len(over):
+        logger.warning(
+            "iteration %d: trainers report %d samples, more than the global batch of %d",
+            s.iterations[over[0]], global_samples[over[0]], global_batch,
+        )
+    anchor = max(warmup - 1, 0)  # iteration whose end starts the clock
+    timed = n - 1 - anchor
+    wall = float(s.end_time[-1] - s.end_time[anchor])
+    samples = int(global_samples[anchor + 1:].sum())
+    measured = slice(warmup, n)
+    n_measured = n - warmup
+
+    def per_iter(name: str) -> float:
+        return float(s.counters[name][:, measured].sum() / n_measured)
+
+    uses = s.counters["uses"][:, measured].sum()
+    last = slice(n - min(loss_window, n_measured), n)
+    return RunSummary(
+        mode=mode,
+        trainers=len(s.trainers),
+        global_batch=global_batch,
+        warmup=warmup,
+        iterations=n_measured,
+        first_iteration=int(s.iterations[warmup]),
+        last_iteration=int(s.iterations[-1]),
+        wall_time_s=wall,
+        samples=samples,
+        samples_per_s=samples / wall if wall > 0 else math.nan,
+        iteration_time_s=wall / timed if timed > 0 else math.nan,
+        hit_rate=float(s.counters["hits"][:, measured].sum() / uses) if uses > 0 else math.nan,
+        fetch_rows_per_iter=per_iter("fetch_rows"),
+        fetch_bytes_per_iter=per_iter("fetch_bytes"),
+        write_back_rows_per_iter=per_iter("write_back_rows"),
+        write_back_bytes_per_iter=per_iter("write_back_bytes"),
+        sync_rows_per_iter=per_iter("sync_rows"),
+        sync_bytes_per_iter=per_iter("sync_bytes"),
+        join_rows_per_iter=per_iter("join_rows"),
+        final_loss=_weighted_loss(s.loss[:, last], s.counters["samples"][:, last]),
+        loss_window=last.stop - last.start,
+        phase_s={p: float(v[:, measured].mean()) for p, v in s.phases.items()},
+        eval=s.evals[-1] if s.evals else None,
+        finished=s.finished,
+    )
+
+
+def _weighted_loss(loss: np.ndarray, samples: np.ndarray) -> float:
+    ok = ~np.isnan(loss)
+    if not ok.any():
+        return math.nan
+    weights = samples[ok]
+    return float(np.average(loss[ok], weights=weights) if weights.sum() > 0 else loss[ok].mean())
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _float(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _join(items: Iterable[object]) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _num(value: float, fmt: str) -> str:
+    return "n/a" if value is None or math.isnan(value) else format(value, fmt)
+
+
+def _pct(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{100 * value:.1f} %"
+
+
+def format_summary(summary: RunSummary) -> str:
+    """A plain-text table of `summary` (at most 100 columns), ending without a newline."""
+    s = summary
+    ev = s.eval
+    status = "finished" if s.finished else "in progress"
+    warm = f", first {s.warmup} excluded as warm-up" if s.warmup else ""
+    rows: list[tuple[str, str, str]] = [
+        ("throughput", _num(s.samples_per_s, ",.1f"), "samples/s"),
+        ("iteration time", _num(1e3 * s.iteration_time_s, ",.2f"), "ms"),
+        ("wall time", _num(s.wall_time_s, ",.2f"), f"s ({s.samples:,} samples timed)"),
+        ("hit rate", _pct(s.hit_rate).removesuffix(" %"), "%"),
+        ("fetched", _num(s.fetch_bytes_per_iter / _MB, ",.3f"),
+         f"MB/iter ({s.fetch_rows_per_iter:,.1f} rows)"),
+        ("written back", _num(s.write_back_bytes_per_iter / _MB, ",.3f"),
+         f"MB/iter ({s.write_back_rows_per_iter:,.1f} rows)"),
+        ("synchronised", _num(s.sync_bytes_per_iter / _MB, ",.3f"),
+         f"MB/iter ({s.sync_rows_per_iter:,.1f} rows, {s.join_rows_per_iter:,.1f} joins)"),
+        ("final loss", _num(s.final_loss, ".4f"), f"(mean of last {s.loss_window} iterations)"),
+    ]
+    if ev is not None:
+        rows += [
+            ("eval AUC", _num(ev.auc, ".4f"), f"(iteration {ev.iteration}, {ev.count:,} samples)"),
+            ("eval log loss", _num(ev.log_loss, ".4f"), ""),
+        ]
+    lines = [
+        f"Run summary: mode {s.mode}, {s.trainers} trainer(s), global batch {s.global_batch:,}, "
+        f"{status}",
+        f"  iterations {s.first_iteration}..{s.last_iteration} ({s.iterations} measured{warm})",
+    ]
+    lines += [f"  {name:<16}{value:>14}  {unit}".rstrip() for name, value, unit in rows]
+    lines += _format_phases(s.phase_s)
+    return "\n".join(lines)
+
+
+def _format_phases(phase_s: Mapping[str, float]) -> list[str]:
+    total = sum(phase_s.values())
+    lines = ["Phase breakdown (mean per iteration and trainer)",
+             f"  {'phase':<16}{'ms':>14}  {'share':>7}"]
+    for name, sec in phase_s.items():
+        share = sec / total if total > 0 else 0.0
+        bar = "#" * round(40 * share)
+        lines.append(f"  {name:<16}{1e3 * sec:>14,.3f}  {100 * share:>6.1f}%  {bar}".rstrip())
+    lines.append(f"  {'total':<16}{1e3 * total:>14,.3f}")
+    return lines
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 and not math.isnan(num) else math.nan
+
+
+def _mode_order(names: Iterable[str]) -> list[str]:
+    names = list(names)
+    return [m for m in MODES if m in names] + sorted(n for n in names if n not in MODES)
+
+
+def compare_modes(summaries: Mapping[str, RunSummary]) -> str:
+    """One row per mode (bagpipe, no-cache, static-cache, local, then any others by name):
+    samples/s, iteration time, hit rate, fetched and synchronised MB per iteration, and the
+    throughput relative to `local` and to `no-cache` when those modes are present."""
+    ratio_to = [m for m in ("local", "no-cache") if m in summaries]
+    head = (f"{'mode':<14}{'samples/s':>12}{'iter ms':>10}{'hit rate':>10}"
+            f"{'fetch MB/it':>13}{'sync MB/it':>12}")
+    head += "".join(f"{'vs ' + m:>13}" for m in ratio_to)
+    lines = [head, "-" * len(head)]
+    for name in _mode_order(summaries):
+        s = summaries[name]
+        line = (f"{name:<14}{_num(s.samples_per_s, ',.1f'):>12}"
+                f"{_num(1e3 * s.iteration_time_s, ',.2f'):>10}{_pct(s.hit_rate):>10}"
+                f"{_num(s.fetch_bytes_per_iter / _MB, ',.3f'):>13}"
+                f"{_num(s.sync_bytes_per_iter / _MB, ',.3f'):>12}")
+        for m in ratio_to:
+            ratio = _ratio(s.samples_per_s, summaries[m].samples_per_s)
+            line += f"{_num(ratio, '.2f') + ('' if math.isnan(ratio) else 'x'):>13}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write_report(
+    run_dir: str | os.PathLike[str], summary: RunSummary, extra: Mapping[str, Any]
+) -> Path:
+    """Write ``run_dir/report.json``: ``{"summary": ..., "extra": extra}`` with NaN as null.
+
+    `extra` carries what the caller wants kept beside the figures (the spec, the command line);
+    values that are not JSON types are written as their `str`. Written to a temporary file and
+    renamed, so a reader never sees a torn report.
+    """
+    path = Path(run_dir) / "report.json"
+    body = orjson.dumps(
+        {"summary": summary.to_json(), "extra": dict(extra)},
+        default=str,
+        option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(body + b"\n")
+    tmp.replace(path)
+    return path
+
+
+def _new_figure(rows: int, width: float = 9.0, height: float = 3.6) -> tuple[Figure, Any]:
+    # A bare Figure on an Agg canvas: no pyplot, no global backend switch, no display.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, 1, squeeze=False)[:, 0]
+
+
+def _zero_based(ax: Any, values: Sequence[float] | np.ndarray) -> None:
+    """Start the y axis at 0 with headroom above the data (a flat line would otherwise sit on
+    the top spine), with thousands separators on the ticks."""
+    from matplotlib.ticker import StrMethodFormatter
+
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    top = float(finite.max()) if finite.size else 0.0
+    ax.set_ylim(0, 1.15 * top if top > 0 else 1.0)
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    tmp.replace(path)
+    return path
+
+
+def _windowed_ratio(num: np.ndarray, den: np.ndarray, window: int) -> np.ndarray:
+    """Ratio of sums over the last `window` points at each point (not a mean of ratios)."""
+    cn = np.concatenate([[0.0], np.cumsum(num)])
+    cd = np.concatenate([[0.0], np.cumsum(den)])
+    idx = np.arange(1, len(num) + 1)
+    lo = np.maximum(idx - window, 0)
+    d = cd[idx] - cd[lo]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d > 0, (cn[idx] - cn[lo]) / np.where(d > 0, d, 1.0), np.nan)
+
+
+def _smoothing_window(n: int) -> int:
+    return max(1, min(50, n // 20))
+
+
+def plot_run(
+    run_dir: str | os.PathLike[str], records_by_trainer: Mapping[int, Sequence[Record]]
+) -> list[Path]:
+    """Draw ``throughput.png`` (samples/s and hit rate per iteration, smoothed),
+    ``breakdown.png`` (mean phase times per trainer, stacked) and ``loss.png`` (training loss
+    per iteration with eval AUC points) into `run_dir`; returns their paths.
+
+    Raises `ReportError` as `iteration_series` does.
+    """
+    s = iteration_series(records_by_trainer)
+    out = Path(run_dir)
+    return [_plot_throughput(s, out / "throughput.png"), _plot_breakdown(s, out / "breakdown.png"),
+            _plot_loss(s, out / "loss.png")]
+
+
+def _plot_throughput(s: IterationSeries, path: Path) -> Path:
+    fig, (ax_t, ax_h) = _new_figure(2)
+    w = _smoothing_window(len(s.iterations))
+    # Iteration k's duration is end_time[k] - end_time[k-1]: the first iteration has none.
+    dt = np.diff(s.end_time)
+    thr = _windowed_ratio(s.global_counter("samples")[1:], dt, w)
+    ax_t.plot(s.iterations[1:], thr, color="tab:blue")
+    ax_t.set_title(f"Throughput (all trainers, {w}-iteration window)")
+    ax_t.set_xlabel("iteration")
+    ax_t.set_ylabel("samples/s")
+    _zero_based(ax_t, thr)
+    hit = _windowed_ratio(s.global_counter("hits"), s.global_counter("uses"), w)
+    ax_h.plot(s.iterations, 100 * hit, color="tab:green")
+    ax_h.set_title(f"Cache hit rate (rows resident before fetch / rows used, {w}-iteration window)")
+    ax_h.set_xlabel("iteration")
+    ax_h.set_ylabel("hit rate (%)")
+    ax_h.set_ylim(0, 105)
+    for ax in (ax_t, ax_h):
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_breakdown(s: IterationSeries, path: Path) -> Path:
+    fig, (ax,) = _new_figure(1, height=max(3.0, 1.0 + 0.45 * (len(s.trainers) + 1)))
+    labels = [f"trainer {j}" for j in s.trainers] + ["mean"]
+    left = np.zeros(len(labels))
+    colors = [f"C{i % 10}" for i in range(len(s.phases))]
+    for color, (name, sec) in zip(colors, s.phases.items()):
+        per_trainer = sec.mean(axis=1) if sec.shape[1] else np.zeros(len(s.trainers))
+        ms = 1e3 * np.append(per_trainer, per_trainer.mean())
+        ax.barh(labels, ms, left=left, label=name, color=color)
+        left += ms
+    ax.invert_yaxis()
+    ax.set_title("Where an iteration's time goes (mean per iteration)")
+    ax.set_xlabel("time per iteration (ms)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="phase")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_loss(s: IterationSeries, path: Path) -> Path:
+    fig, (ax,) = _new_figure(1, height=4.0)
+    loss = np.array([_weighted_loss(s.loss[:, k:k + 1], s.counters["samples"][:, k:k + 1])
+                     for k in range(len(s.iterations))])
+    w = _smoothing_window(len(loss))
+    ax.plot(s.iterations, loss, color="tab:blue", alpha=0.3, lw=0.8, label="loss")
+    if w > 1:
+        smooth = np.convolve(np.nan_to_num(loss), np.ones(w) / w, mode="valid")
+        ax.plot(s.iterations[w - 1:], smooth, color="tab:blue", label=f"loss ({w}-iteration mean)")
+    ax.set_title("Training loss" + (" and eval AUC" if s.evals else ""))
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss (mean over global batch)")
+    ax.grid(alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    points = [e for e in s.evals if not math.isnan(e.auc)]
+    if points:
+        ax_auc = ax.twinx()
+        ax_auc.plot([e.iteration for e in points], [e.auc for e in points], "o-",
+                    color="tab:red", label="eval AUC")
+        ax_auc.set_ylabel("eval AUC", color="tab:red")
+        h2, n2 = ax_auc.get_legend_handles_labels()
+        handles, names = handles + h2, names + n2
+    ax.legend(handles, names, loc="best", fontsize="small")
+    return _save(fig, path)
+
+
+def plot_modes(summaries: Mapping[str, RunSummary], path: str | os.PathLike[str]) -> Path:
+    """Bar charts comparing modes: samples/s (labelled with the ratio to `no-cache` when it is
+    present) and MB moved per iteration (fetched, written back, synchronised)."""
+    order = _mode_order(summaries)
+    fig, (ax_t, ax_b) = _new_figure(2, width=8.0, height=3.4)
+    x = np.arange(len(order))
+    thr = [summaries[m].samples_per_s for m in order]
+    bars = ax_t.bar(x, thr, color=[f"C{i % 10}" for i in range(len(order))])
+    base = summaries["no-cache"].samples_per_s if "no-cache" in summaries else math.nan
+    if base > 0:
+        ax_t.bar_label(bars, labels=[_num(_ratio(v, base), ".2f") + "x" for v in thr], padding=2)
+    ax_t.set_title("End-to-end throughput by mode"
+                   + (" (labels: ratio to no-cache)" if base > 0 else ""))
+    ax_t.set_ylabel("samples/s")
+    _zero_based(ax_t, thr)
+    width = 0.27
+    for i, (label, attr) in enumerate((("fetched", "fetch_bytes_per_iter"),
+                                       ("written back", "write_back_bytes_per_iter"),
+                                       ("synchronised", "sync_bytes_per_iter"))):
+        ax_b.bar(x + (i - 1) * width, [getattr(summaries[m], attr) / _MB for m in order],
+                 width, label=label)
+    ax_b.set_title("Embedding traffic per iteration (all trainers)")
+    ax_b.set_ylabel("MB/iteration")
+    ax_b.margins(y=0.25)
+    ax_b.legend(fontsize="small", ncols=3, loc="upper center")
+    for ax in (ax_t, ax_b):
+        ax.set_xticks(x, order)
+        ax.set_xlabel("mode")
+        ax.grid(axis="y", alpha=0.3)
+    return _save(fig, Path(path))
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressBar:
+    """A tqdm bar on stderr for a running job: iterations done by every trainer, samples/s,
+    loss and hit rate over the last `window` iterations of each trainer, and tqdm's ETA.
+
+    When the stream is not a terminal (`enabled=None`, the default) the bar stays silent and
+    a line is logged at INFO each time another 10 % of `total_iterations` is done (every 30 s
+    when the total is unknown), so CI logs still show progress. Pass `trainers` so that a
+    trainer that has not logged anything yet holds the count at 0.
+    """
+
+    def __init__(
+        self,
+        total_iterations: int | None,
+        description: str,
+        *,
+        trainers: int | None = None,
+        file: TextIO | None = None,
+        enabled: bool | None = None,
+        window: int = 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bar = tqdm(
+            total=total_iterations,
+            desc=description,
+            unit="it",
+            file=file if file is not None else sys.stderr,
+            disable=None if enabled is None else not enabled,
+            dynamic_ncols=True,
+        )
+        self._total = total_iterations
+        self._description = description
+        self._done: dict[int, set[int]] = {j: set() for j in range(trainers or 0)}
+        self._recent: dict[int, deque[Record]] = {}
+        self._window = max(window, 2)
+        self._clock = clock
+        self._start = clock()
+        self._last_log = self._start
+        self._logged_tenths = 0
+
+    @property
+    def done(self) -> int:
+        """Iterations every trainer has finished (the minimum over trainers)."""
+        return min((len(d) for d in self._done.values()), default=0)
+
+    def update(self, records_by_trainer_new: Mapping[int, Sequence[Record]]) -> None:
+        """Take each trainer's records written since the previous call."""
+        for j, records in records_by_trainer_new.items():
+            for rec in records:
+                if rec.get("kind") == "iter":
+                    self._done.setdefault(j, set()).add(int(rec["iteration"]))
+                    self._recent.setdefault(j, deque(maxlen=self._window)).append(rec)
+        done = self.done
+        self._bar.set_postfix_str(self._stats_text(), refresh=False)
+        self._bar.update(done - self._bar.n)
+        if self._bar.disable:
+            self._maybe_log(done)
+
+    def _stats(self) -> tuple[float, float, float]:
+        rate, hits, uses, loss_sum, loss_n = 0.0, 0, 0, 0.0, 0
+        for recent in self._recent.values():
+            if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
+                timed = list(recent)[1:]
+                rate += sum(r["samples"] for r in timed) / (recent[-1]["time"] - recent[0]["time"])
+            for r in recent:
+                hits, uses = hits + r["hits"], uses + r["uses"]
+                if not math.isnan(_float(r["loss"])):
+                    loss_sum, loss_n = loss_sum + r["loss"] * r["samples"], loss_n + r["samples"]
+        return (rate if rate > 0 else math.nan, loss_sum / loss_n if loss_n else math.nan,
+                hits / uses if uses else math.nan)
+
+    def _stats_text(self) -> str:
+        rate, loss, hit = self._stats()
+        return f"{_num(rate, ',.0f')} samples/s, loss {_num(loss, '.4f')}, hit {_pct(hit)}"
+
+    def _maybe_log(self, done: int) -> None:
+        now = self._clock()
+        if self._total:
+            tenths = min(10, 10 * done // self._total)
+            if tenths <= self._logged_tenths:
+                return
+            self._logged_tenths = tenths
+        elif now - self._last_log < 30.0:
+            return
+        self._log(done, now)
+
+    def _log(self, done: int, now: float) -> None:
+        self._last_log = now
+        elapsed = now - self._start
+        total = f"/{self._total}" if self._total else ""
+        pct = f" ({100 * done / self._total:.0f}%)" if self._total else ""
+        eta = ""
+        if self._total and 0 < done < self._total and elapsed > 0:
+            eta = ", ETA " + tqdm.format_interval(elapsed * (self._total - done) / done)
+        logger.info("%s: %d%s iterations%s, %s%s", self._description, done, total, pct,
+                    self._stats_text(), eta)
+
+    def close(self) -> None:
+        """Finish the bar; when it was silent, log the final count once more if not yet at 100 %."""
+        if self._bar.disable and self._logged_tenths < 10:
+            self._log(self.done, self._clock())
+        self._bar.close()
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
