@@ -1,0 +1,231 @@
+"""A whole cluster on this machine: every role as a subprocess of the launcher.
+
+Used by `python launch.py SPEC` and by the end-to-end benchmark and tests. Roles are started
+in dependency order (PS shards, oracle, trainers), each told the ports the others bound;
+the launcher shows progress from the trainers' records and, when they finish, stops the
+services and reports. If any role dies, or on Ctrl-C, every role is stopped within seconds
+and the message names the role and shows its last log lines. Children get SIGTERM if the
+launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from common.auth import new_token
+from common.errors import BagpipeError
+from common.job import Job, build_job
+from common.spec import TOKEN_ENV, Endpoint, load_spec
+
+log = logging.getLogger(__name__)
+LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+
+
+class RoleFailed(BagpipeError):
+    code = "role_failed"
+
+
+@dataclass
+class Role:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    ready_file: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def last_lines(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(f"    {line}" for line in lines[-n:])
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    run_dir: Path
+    job: Job
+    seconds: float
+
+
+class LocalCluster:
+    """Starts, watches and stops the roles of one local run."""
+
+    def __init__(self, job: Job, run_dir: Path, *, token: str, resume: bool = False) -> None:
+        self.job = job
+        self.run_dir = run_dir
+        self.token = token
+        self.resume = resume
+        self.roles: list[Role] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        spec = self.job.spec
+        ps = [self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i)], ready=True) for i in range(spec.ps.num_shards)]
+        ps_addresses = [self._wait_ready(role) for role in ps]
+        oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        oracle_address = self._wait_ready(oracle)
+        rendezvous = spec.trainers.rendezvous
+        if rendezvous.port == 0:
+            rendezvous = Endpoint(host=rendezvous.host, port=_free_port(rendezvous.host))
+        peers = [
+            "--oracle-address", str(oracle_address),
+            "--ps-addresses", ",".join(str(a) for a in ps_addresses),
+            "--rendezvous", str(rendezvous),
+            "--run-dir", str(self.run_dir),
+        ]
+        for j in range(spec.trainers.count):
+            self._spawn(f"trainer-{j}", ["--role", "trainer", "--index", str(j), *peers])
+
+    def trainers(self) -> list[Role]:
+        return [r for r in self.roles if r.name.startswith("trainer-")]
+
+    def check(self) -> bool:
+        """True once every trainer exited cleanly; raises RoleFailed if any role died."""
+        for role in self.roles:
+            code = role.process.poll()
+            if code is None or (code == 0 and role.name.startswith("trainer-")):
+                continue
+            raise RoleFailed(
+                f"{role.name} exited with code {code}; its last log lines ({role.log_path}):\n{role.last_lines()}",
+                role=role.name,
+            )
+        return all(r.process.poll() == 0 for r in self.trainers())
+
+    def stop(self) -> None:
+        """SIGTERM every live role (trainers first), then SIGKILL what is left after a grace."""
+        live = [r for r in reversed(self.roles) if r.process.poll() is None]
+        for role in live:
+            role.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for role in live:
+            try:
+                role.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s: killing it", role.name, STOP_TIMEOUT_S)
+                role.process.kill()
+                role.process.wait()
+
+    def _spawn(self, name: str, args: list[str], *, ready: bool = False) -> Role:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        ready_file = self.run_dir / f".{name}.ready" if ready else None
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+        argv = [sys.executable, str(LAUNCH), str(self.job.spec.source), *args]
+        if ready_file is not None:
+            argv += ["--ready-file", str(ready_file)]
+        if self.resume:
+            argv.append("--resume")
+        env = {**os.environ, TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        role = Role(name, process, log_path, ready_file)
+        self.roles.append(role)
+        return role
+
+    def _wait_ready(self, role: Role) -> Endpoint:
+        assert role.ready_file is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not role.ready_file.exists():
+            self.check()
+            if time.monotonic() > deadline:
+                raise RoleFailed(f"{role.name} did not start within {START_TIMEOUT_S:.0f} s:\n{role.last_lines()}")
+            time.sleep(0.05)
+        role.info = orjson.loads(role.ready_file.read_bytes())
+        return Endpoint(host=role.info["host"], port=role.info["port"])
+
+
+def run_cluster(job: Job, run_dir: Path, *, token: str, resume: bool = False, on_poll: Any = None) -> ClusterResult:
+    """Run a local cluster to the end; `on_poll()` is called every 0.2 s while trainers run."""
+    if not resume:
+        for stale in run_dir.glob("trainer-*.jsonl"):
+            stale.unlink()
+        shutil.rmtree(run_dir / "final", ignore_errors=True)
+    started = time.monotonic()
+    cluster = LocalCluster(job, run_dir, token=token, resume=resume)
+    try:
+        cluster.start()
+        while not cluster.check():
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.2)
+        if on_poll is not None:
+            on_poll()
+    finally:
+        cluster.stop()
+    return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started)
+
+
+def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
+    """`python launch.py SPEC`: run, show progress, print and save the report."""
+    from common.data.dataset import open_dataset
+    from common.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
+    from common.runtime import configure_logging
+
+    configure_logging("launch")
+    spec = load_spec(spec_path)
+    job = build_job(spec)
+    run_dir = (run_dir or Path("runs") / spec.name).resolve()
+    open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
+    token = spec.cluster.token or os.environ.get(TOKEN_ENV) or new_token()
+    total = _iterations(job)
+    tail = RunTail(run_dir, spec.trainers.count)
+    print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "
+          f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
+    with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
+        try:
+            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda: bar.update(tail.poll()))
+        except KeyboardInterrupt:
+            print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
+            return 130
+        except RoleFailed as exc:
+            print(f"\nbagpipe: {exc}", file=sys.stderr)
+            return 1
+    records = read_run(run_dir, spec.trainers.count)
+    summary = summarise(records, mode=spec.oracle.mode, global_batch=spec.train.batch_size,
+                        warmup=min(5, max(0, total // 10)), trainers=spec.trainers.count)
+    print(format_summary(summary))
+    report = write_report(run_dir, summary, {"spec": str(spec.source), "seconds": result.seconds})
+    plots = plot_run(run_dir, records)
+    print(f"report: {report}\nplots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def _iterations(job: Job) -> int:
+    from common.data.dataset import open_dataset
+
+    train = job.spec.train
+    total = open_dataset(job.data).num_batches(train.batch_size, train.epochs)
+    return min(total, train.max_iterations) if train.max_iterations else total
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,71 @@
+"""The messages of a directive stream: each iteration's data slice, its directive, the end.
+
+The oracle sends, per trainer and iteration, a `batch` message (labels and dense features
+of the trainer's slice) followed by the directive (`common.directive`), each framed by
+`common.transport.encode_message`; after the last iteration an `end` message says how many
+iterations the stream had. All three are `common.wire` bodies told apart by ``meta.kind``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.directive import Directive
+from common.errors import WireError
+from common.wire import decode, encode, require
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Step:
+    """What trainer `directive.trainer` needs for iteration `directive.iteration`."""
+
+    directive: Directive
+    labels: np.ndarray  # float32 [B/T]
+    dense: np.ndarray  # float32 [B/T, num_dense]
+
+    @property
+    def iteration(self) -> int:
+        return self.directive.iteration
+
+    def encode_batch(self) -> bytes:
+        d = self.directive
+        meta = {"kind": "batch", "iteration": d.iteration, "trainer": d.trainer}
+        return encode(meta, {"labels": self.labels, "dense": self.dense})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndOfStream:
+    iterations: int
+
+    def encode(self) -> bytes:
+        return encode({"kind": "end", "iterations": self.iterations})
+
+
+def decode_batch(body: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    """(iteration, labels, dense) of a batch message; WireError if it is something else."""
+    meta, arrays = decode(body)
+    if meta.get("kind") != "batch" or type(meta.get("iteration")) is not int:
+        raise WireError(f"expected a batch message, got kind {meta.get('kind')!r}")
+    labels = require(arrays, "labels", "<f4", 1)
+    dense = require(arrays, "dense", "<f4", 2)
+    if dense.shape[0] != labels.shape[0]:
+        raise WireError("dense and labels differ in length")
+    return meta["iteration"], labels, dense
+
+
+def kind_of(body: bytes) -> str:
+    """`meta.kind` of a stream message, read without decoding its arrays twice."""
+    meta, _ = decode(body)
+    kind = meta.get("kind")
+    if not isinstance(kind, str):
+        raise WireError("stream message without a kind")
+    return kind
+
+
+def decode_end(body: bytes) -> EndOfStream:
+    meta, _ = decode(body)
+    if meta.get("kind") != "end" or type(meta.get("iterations")) is not int:
+        raise WireError("malformed end-of-stream message")
+    return EndOfStream(iterations=meta["iterations"])

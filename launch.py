@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Start a Bagpipe-style training cluster, or one role of it.
+
+    python launch.py                          the default local cluster (examples/local.toml)
+    python launch.py SPEC.toml                a whole local cluster: oracle, PS shards and
+                                              trainers as subprocesses, with a progress bar
+                                              and a final report in runs/<name>/
+    python launch.py SPEC.toml --resume       the same, from the latest complete checkpoint
+    python launch.py SPEC.toml --role ps --index 1
+    python launch.py SPEC.toml --role oracle
+    python launch.py SPEC.toml --role trainer --index 0
+                                              one role, for clusters across machines: every
+                                              machine reads the same spec, whose addresses
+                                              say where each role listens
+
+The bearer token comes from the spec's cluster.token or $BAGPIPE_TOKEN; a local cluster
+generates one when neither is set. See README.md for every spec field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from common.errors import BagpipeError
+from common.spec import ClusterSpec, Endpoint
+
+DEFAULT_SPEC = Path(__file__).resolve().parent / "examples" / "local.toml"
+ROLES = ("ps", "oracle", "trainer")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC), help="cluster spec (TOML)")
+    parser.add_argument("--role", choices=ROLES, help="start only this role (default: a whole local cluster)")
+    parser.add_argument("--index", type=int, default=0, help="PS shard or trainer rank (with --role)")
+    parser.add_argument("--resume", action="store_true", help="restart from the latest complete checkpoint")
+    parser.add_argument("--run-dir", type=Path, help="where records, logs and reports go (default runs/<name>)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (a log line every 10%%)")
+    roles = parser.add_argument_group("addresses chosen at start-up (the local launcher passes these)")
+    roles.add_argument("--oracle-address", help="HOST:PORT of the oracle, overriding the spec")
+    roles.add_argument("--ps-addresses", help="HOST:PORT,... of the PS shards, overriding the spec")
+    roles.add_argument("--rendezvous", help="HOST:PORT of the trainers' rendezvous, overriding the spec")
+    roles.add_argument("--ready-file", type=Path, help="file a role writes once it listens")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.role is None:
+            from common.cluster import run_local_cluster
+
+            return run_local_cluster(Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet)
+        return run_role(args)
+    except BagpipeError as exc:
+        print(f"launch.py: {exc}", file=sys.stderr)
+        return 2
+
+
+def with_addresses(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
+    """The spec with the addresses given on the command line."""
+    oracle, ps, trainers = spec.oracle, spec.ps, spec.trainers
+    if args.oracle_address:
+        oracle = dataclasses.replace(oracle, address=Endpoint.parse(args.oracle_address, "--oracle-address"))
+    if args.ps_addresses:
+        parts = args.ps_addresses.split(",")
+        ps = dataclasses.replace(ps, addresses=tuple(Endpoint.parse(p, "--ps-addresses") for p in parts))
+    if args.rendezvous:
+        trainers = dataclasses.replace(trainers, rendezvous=Endpoint.parse(args.rendezvous, "--rendezvous"))
+    return dataclasses.replace(spec, oracle=oracle, ps=ps, trainers=trainers)
+
+
+def run_role(args: argparse.Namespace) -> int:
+    from common.job import build_job
+    from common.runtime import configure_logging
+    from common.spec import load_spec
+    from common.transport import run
+
+    configure_logging(f"{args.role}[{args.index}]")
+    spec = with_addresses(load_spec(args.spec), args)
+    job = build_job(spec)
+    token = spec.token()
+    if args.role == "ps":
+        from ps.main import run_ps
+
+        run(run_ps(job, args.index, token=token, restore=-1 if args.resume else None, ready_file=args.ready_file))
+    elif args.role == "oracle":
+        from oracle.main import run_oracle
+
+        run(run_oracle(job, token=token, ready_file=args.ready_file))
+    else:
+        from trainer.main import Peers, run_trainer
+
+        peers = Peers(oracle=spec.oracle.address, ps=spec.ps.addresses, rendezvous=spec.trainers.rendezvous)
+        run_dir = args.run_dir or Path("runs") / spec.name
+        run_trainer(job, args.index, token=token, peers=peers, run_dir=run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

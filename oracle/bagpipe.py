@@ -1,0 +1,61 @@
+"""Bagpipe mode: the numba engine (oracle/engine.py) behind the `Rules` interface."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oracle import engine
+from oracle.config import PlannerConfig
+from oracle.rules import Batch, Planned, check_feasible
+
+_MIN_RING = 1 << 16
+
+
+class BagpipeRules:
+    """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self._config = config
+        self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING)
+        self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
+        self._next_id = 0
+
+    def ingest(self, z: int, batch: Batch) -> None:
+        live_from = min(self._base.values(), default=self._next_id)
+        live_to = self._next_id + batch.pairs.size
+        if live_to - live_from > int(self._state.counters[1]):
+            ring = max(2 * (live_to - live_from), _MIN_RING)
+            self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
+        self._base[z] = self._next_id
+        engine.ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
+        self._next_id = live_to
+
+    def plan(self, x: int, batch: Batch) -> Planned:
+        cfg = self._config
+        t = cfg.num_trainers
+        check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
+        flush = x > 0 and cfg.is_checkpoint(x - 1)
+        flush_rows = len(self._state.rec_of) if flush else 0
+        ev = engine.new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
+        base = self._base.pop(x)
+        engine.plan_iteration(
+            self._state, ev, x, batch.pairs, base, t, cfg.lookahead, flush, x - 1 - cfg.checkpoint_every
+        )
+        n = ev.counts
+        return Planned(
+            pair_slot=ev.pair_slot,
+            fetch=ev.fetch[: n[0]],
+            join_dst=ev.join_dst[: n[1]],
+            join_src=ev.join_src[: n[2]],
+            group_keys=ev.group_keys[: n[3]],
+            group_slots=ev.group_slots[: n[3]],
+            leave_prev=ev.leave_prev[: n[4]],
+            leave_now=ev.leave_now[: n[5]],
+            write_prev=ev.write_prev[: n[6]],
+            write_now=ev.write_now[: n[7]],
+            stats=ev.stats,
+        )
+
+    def close(self, last: int) -> Planned | None:
+        # every copy leaves at its last use once the window runs past the stream's end
+        return None

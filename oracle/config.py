@@ -1,0 +1,163 @@
+"""Planner configuration and the capacity checks a launcher runs before training starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from common.errors import ConfigError
+
+Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
+MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
+#: Pair ids are ``key * T + trainer`` in int64; this bound keeps them exact.
+MAX_TRAINERS = 1 << 12
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """What the planner needs to know (DESIGN §4, §8, §9).
+
+    `lookahead` (L) and `prefetch_lead` (D) matter in `bagpipe` mode only: `no-cache` and
+    `static-cache` plan with L = D = 0 for the rows they do not pin. `capacity` (C, rows per
+    trainer) is ignored in `local` mode, where the cache is the whole table of `total_rows`
+    rows and slot = key. `hot_keys` is the static cache's pinned set (see `hottest_keys`);
+    it is pinned in slots 0..H-1 of every trainer in key order. `checkpoint_every` = n > 0
+    marks iterations n-1, 2n-1, ... as checkpoints.
+    """
+
+    num_trainers: int
+    lookahead: int
+    prefetch_lead: int
+    capacity: int
+    mode: Mode = "bagpipe"
+    checkpoint_every: int = 0
+    total_rows: int = 0
+    hot_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False)
+
+    def __post_init__(self) -> None:
+        _positive_int("oracle.num_trainers", self.num_trainers)
+        if self.num_trainers > MAX_TRAINERS:
+            raise ConfigError("oracle.num_trainers", f"at most {MAX_TRAINERS} trainers")
+        _non_negative_int("oracle.lookahead", self.lookahead)
+        _non_negative_int("oracle.prefetch_lead", self.prefetch_lead)
+        _non_negative_int("oracle.checkpoint_every", self.checkpoint_every)
+        _non_negative_int("oracle.total_rows", self.total_rows)
+        if self.mode not in MODES:
+            raise ConfigError("oracle.mode", f"must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "local":
+            if not 0 < self.total_rows <= np.iinfo(np.int32).max:
+                raise ConfigError("oracle.total_rows", "local mode needs 0 < total_rows < 2**31")
+        else:
+            _positive_int("oracle.capacity", self.capacity)
+            if self.capacity > np.iinfo(np.int32).max:
+                raise ConfigError("oracle.capacity", "slots must fit in int32")
+        object.__setattr__(self, "hot_keys", self._checked_hot_keys())
+
+    def _checked_hot_keys(self) -> np.ndarray:
+        hot = np.asarray(self.hot_keys)
+        if hot.size and self.mode != "static-cache":
+            raise ConfigError("oracle.hot_keys", "only static-cache mode pins hot keys")
+        if hot.ndim != 1 or (hot.size and not np.issubdtype(hot.dtype, np.integer)):
+            raise ConfigError("oracle.hot_keys", "must be a 1-d integer array")
+        hot = np.asarray(hot, dtype=np.int64)
+        if hot.size and (hot.min() < 0 or np.any(np.diff(hot) <= 0)):
+            raise ConfigError("oracle.hot_keys", "must be non-negative, ascending and unique")
+        if self.mode == "static-cache" and hot.size > self.capacity:
+            raise ConfigError("oracle.hot_keys", f"{hot.size} hot keys exceed capacity {self.capacity}")
+        hot = hot.copy()
+        hot.flags.writeable = False
+        return hot
+
+    @property
+    def effective_lookahead(self) -> int:
+        return self.lookahead if self.mode == "bagpipe" else 0
+
+    @property
+    def effective_lead(self) -> int:
+        return self.prefetch_lead if self.mode == "bagpipe" else 0
+
+    def is_checkpoint(self, iteration: int) -> bool:
+        return self.checkpoint_every > 0 and (iteration + 1) % self.checkpoint_every == 0
+
+
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int or value <= 0:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ConfigError(name, f"must be a non-negative integer, got {value!r}")
+
+
+def infeasible_capacity(iteration: int, trainer: int, need: int, capacity: int) -> ConfigError:
+    """The error of DESIGN §4 rule 4: some trainer needs more than C rows at one iteration."""
+    return ConfigError(
+        "oracle.capacity",
+        f"C = {capacity} is infeasible: trainer {trainer} uses {need} distinct rows at iteration "
+        f"{iteration}; C >= {need} needed",
+    )
+
+
+def capacity_bound(config: PlannerConfig, batch_size: int, num_features: int) -> int:
+    """Rows a trainer may need in one iteration at worst: (B/T) x F, plus the pinned set."""
+    per_trainer = check_batch_size(config, batch_size)
+    return int(config.hot_keys.size) + per_trainer * num_features
+
+
+def check_capacity(config: PlannerConfig, batch_size: int, num_features: int) -> None:
+    """Fail before training starts if C could be infeasible for some batch (DESIGN §4 rule 4).
+
+    The bound is safe, not tight: `required_capacity` gives the exact need of a known stream.
+    """
+    if config.mode == "local":
+        return
+    need = capacity_bound(config, batch_size, num_features)
+    if config.capacity < need:
+        raise ConfigError(
+            "oracle.capacity",
+            f"C = {config.capacity} < {need} = hot rows + (B/T) x F rows a trainer may use at once",
+        )
+
+
+def check_batch_size(config: PlannerConfig, batch_size: int) -> int:
+    """Samples per trainer; ConfigError unless B is a positive multiple of T."""
+    if batch_size <= 0 or batch_size % config.num_trainers:
+        raise ConfigError(
+            "oracle.batch_size",
+            f"global batch {batch_size} is not a positive multiple of {config.num_trainers} trainers",
+        )
+    return batch_size // config.num_trainers
+
+
+def required_capacity(config: PlannerConfig, batches: Iterable[np.ndarray]) -> int:
+    """The smallest feasible C for a known stream: hot rows + max over x, j of |U_x[j] \\ hot|."""
+    need = 0
+    hot = config.hot_keys
+    for batch in batches:
+        per = check_batch_size(config, batch.shape[0])
+        for j in range(config.num_trainers):
+            used = np.unique(batch[j * per : (j + 1) * per])
+            need = max(need, int(np.count_nonzero(~np.isin(used, hot))))
+    return int(hot.size) + need
+
+
+def hottest_keys(batches: Iterable[np.ndarray], count: int) -> np.ndarray:
+    """The `count` most used keys of a stream (ties: smaller key first), ascending.
+
+    One frequency pass; memory grows with the distinct keys seen, as any exact count must.
+    """
+    keys = np.zeros(0, np.int64)
+    counts = np.zeros(0, np.int64)
+    for batch in batches:
+        k, c = np.unique(np.asarray(batch, dtype=np.int64), return_counts=True)
+        merged, inverse = np.unique(np.concatenate([keys, k]), return_inverse=True)
+        total = np.zeros(merged.size, np.int64)
+        np.add.at(total, inverse, np.concatenate([counts, c]))
+        keys, counts = merged, total
+    order = np.lexsort((keys, -counts))[:count]
+    return np.sort(keys[order])

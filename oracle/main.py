@@ -1,0 +1,99 @@
+"""Entry point of the oracle process: `python launch.py SPEC --role oracle`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from common.data.dataset import open_dataset
+from common.errors import ConfigError
+from common.job import Job
+from common.runtime import make_server, wait_for_stop_signal, write_ready_file
+from oracle.config import PlannerConfig, capacity_bound, check_batch_size, hottest_keys, required_capacity
+from oracle.service import OracleService, Workload
+
+log = logging.getLogger(__name__)
+
+
+def build_workload(job: Job) -> Workload:
+    train = job.spec.train
+    return Workload(
+        dataset=open_dataset(job.data, progress=True),
+        layout=job.layout,
+        batch_size=train.batch_size,
+        epochs=train.epochs,
+        max_iterations=train.max_iterations,
+    )
+
+
+def planner_config(job: Job, workload: Workload) -> PlannerConfig:
+    """The planner's parameters from the spec; fails at start-up when C cannot work."""
+    oracle = job.spec.oracle
+    base = dict(
+        num_trainers=job.spec.trainers.count,
+        lookahead=oracle.lookahead,
+        prefetch_lead=oracle.prefetch_lead,
+        capacity=oracle.cache_rows,
+        mode=oracle.mode,
+        checkpoint_every=job.spec.checkpoint.every,
+        total_rows=job.layout.total_rows,
+    )
+    per_iteration = check_batch_size(PlannerConfig(**base), workload.batch_size) * job.layout.num_tables
+    if oracle.mode == "static-cache":
+        # FAE-style: pin the hottest rows, keep room for one iteration's other rows.
+        count = oracle.cache_rows - per_iteration
+        if count <= 0:
+            raise ConfigError("oracle.cache_rows", f"static-cache needs more than {per_iteration} rows")
+        hot = hottest_keys((keys for keys, _, _ in workload.key_batches()), count)
+        base["hot_keys"] = np.sort(hot)
+        log.info("static cache pins the %d hottest rows", len(hot))
+    config = PlannerConfig(**base)
+    _check_capacity(config, workload)
+    return config
+
+
+def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
+    if config.mode == "local":
+        return
+    bound = capacity_bound(config, workload.batch_size, workload.layout.num_tables)
+    if config.capacity >= bound:
+        return
+    # Below the safe bound: a pass over the stream tells whether this data fits.
+    need = required_capacity(config, (keys for keys, _, _ in workload.key_batches()))
+    if config.capacity < need:
+        raise ConfigError(
+            "oracle.cache_rows",
+            f"C = {config.capacity} cannot hold one iteration's rows: this data needs C >= {need}",
+        )
+
+
+async def run_oracle(job: Job, *, token: str, ready_file: Path | None) -> None:
+    spec = job.spec
+    workload = build_workload(job)
+    config = planner_config(job, workload)
+    service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead)
+    address = spec.oracle.address
+    server = make_server(
+        spec.cluster.transport, service.router(), host=address.host, port=address.port,
+        token=token, max_body_bytes=spec.cluster.max_body_bytes,
+    )
+    await server.start()
+    service.start()
+    log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d",
+             config.mode, config.lookahead, config.prefetch_lead, config.capacity,
+             workload.num_iterations, address.host, server.port)
+    write_ready_file(ready_file, {"role": "oracle", "host": address.host, "port": server.port,
+                                  "iterations": workload.num_iterations})
+    try:
+        assert service.failed is not None
+        stop = asyncio.ensure_future(wait_for_stop_signal())
+        done, _ = await asyncio.wait({stop, service.failed}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if service.failed in done:
+            raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
+    finally:
+        service.stop()
+        await server.stop()

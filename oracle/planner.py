@@ -1,0 +1,235 @@
+"""The sans-IO oracle planner (DESIGN §4, §8): global batches in, final directives out.
+
+Feed global batches in order with `push`; each call returns the directives that became final,
+as a list over iterations of per-trainer lists. Iteration x is planned once batch x+L is read;
+directive e is final once e + max(D, 1) is planned (its prefetches target up to e+D, its
+leaves include victims chosen while planning e+1, its sync split needs the uses of e+1). So the
+oracle reads L + max(D, 1) batches ahead of what it sends. `finish` plans the rest; every
+residency then ends with a write-back, so the PS holds every final row.
+
+The output depends only on the batches: pushing the stream one batch at a time or all at once
+gives byte-identical directives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.directive import Directive
+from common.errors import ConfigError
+from oracle.bagpipe import BagpipeRules
+from oracle.config import (
+    PlannerConfig,
+    capacity_bound,
+    check_batch_size,
+    check_capacity,
+    hottest_keys,
+    required_capacity,
+)
+from oracle.modes import LocalRules, StaticRules
+from oracle.rules import Batch, Planned, Rules
+from oracle.stats import IterationStats, PlannerStats
+
+__all__ = [
+    "Directive",
+    "Planner",
+    "PlannerConfig",
+    "PlannerStats",
+    "capacity_bound",
+    "check_capacity",
+    "hottest_keys",
+    "required_capacity",
+]
+
+
+@dataclass
+class _Pending:
+    """Events filed under one iteration's directives until they are final."""
+
+    batch: Batch
+    pair_slot: np.ndarray | None = None
+    fetch: list[np.ndarray] = field(default_factory=list)  # trainer, key, slot, min_v, target
+    join_dst: list[np.ndarray] = field(default_factory=list)
+    join_src: list[np.ndarray] = field(default_factory=list)
+    leave: list[np.ndarray] = field(default_factory=list)
+    write: list[np.ndarray] = field(default_factory=list)
+    group_keys: np.ndarray | None = None
+    group_slots: np.ndarray | None = None
+    stats: np.ndarray | None = None
+
+
+class Planner:
+    """One planner per run; not thread-safe (the service calls it from one task)."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self.stats = PlannerStats(num_trainers=config.num_trainers)
+        self._lead = config.effective_lead
+        self._rules: Rules = _rules_for(config)
+        self._pending: dict[int, _Pending] = {}
+        self._read = 0  # batches read
+        self._planned = 0  # iterations planned
+        self._emitted = 0  # iterations whose directives were returned
+        self._shape: tuple[int, int] | None = None
+        self._finished = False
+
+    def push(self, keys: np.ndarray) -> list[list[Directive]]:
+        """Read the next global batch: int64 ``[B, F]`` keys, sample i on trainer i // (B/T)."""
+        if self._finished:
+            raise ConfigError("oracle.stream", "push after finish")
+        batch = self._read_batch(keys)
+        z = self._read
+        self._pending[z] = _Pending(batch=batch)
+        self._rules.ingest(z, batch)
+        self._read += 1
+        while self._planned + self.config.effective_lookahead < self._read:
+            self._plan_next()
+        return self._emit(self._planned - max(self._lead, 1))
+
+    def finish(self) -> list[list[Directive]]:
+        """End of stream: plan and return everything left."""
+        if self._finished:
+            return []
+        self._finished = True
+        while self._planned < self._read:
+            self._plan_next()
+        if self._read:
+            closing = self._rules.close(self._read - 1)
+            if closing is not None:
+                self._pending[self._read - 1].leave.append(closing.leave_now)
+                self._pending[self._read - 1].write.append(closing.write_now)
+        return self._emit(self._read)
+
+    # ----------------------------------------------------------------- internals
+    def _read_batch(self, keys: np.ndarray) -> Batch:
+        keys = np.asarray(keys)
+        if keys.ndim != 2 or not np.issubdtype(keys.dtype, np.integer):
+            raise ConfigError("oracle.batch", f"keys must be a 2-d integer array, got {keys.dtype} {keys.shape}")
+        if self._shape is not None and keys.shape != self._shape:
+            raise ConfigError("oracle.batch", f"batch shape {keys.shape} differs from {self._shape}")
+        check_batch_size(self.config, keys.shape[0])
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if keys.size and keys.min() < 0:
+            raise ConfigError("oracle.batch", "keys must be non-negative")
+        if self.config.mode == "local" and keys.size and keys.max() >= self.config.total_rows:
+            raise ConfigError("oracle.batch", f"key {int(keys.max())} >= total_rows {self.config.total_rows}")
+        self._shape = keys.shape
+        return Batch.read(keys, self.config.num_trainers)
+
+    def _plan_next(self) -> None:
+        x = self._planned
+        self._file(x, self._rules.plan(x, self._pending[x].batch))
+        self._planned += 1
+
+    def _file(self, x: int, planned: Planned) -> None:
+        """File the events of planning x under the directives they belong to."""
+        here = self._pending[x]
+        here.pair_slot = planned.pair_slot
+        here.group_keys, here.group_slots = planned.group_keys, planned.group_slots
+        here.stats = planned.stats
+        target = np.full((planned.fetch.shape[0], 1), x, np.int64)
+        self._pending[max(0, x - self._lead)].fetch.append(np.hstack([planned.fetch, target]))
+        here.join_dst.append(planned.join_dst)
+        here.join_src.append(planned.join_src)
+        here.leave.append(planned.leave_now)
+        here.write.append(planned.write_now)
+        if x > 0:
+            self._pending[x - 1].leave.append(planned.leave_prev)
+            self._pending[x - 1].write.append(planned.write_prev)
+
+    def _emit(self, upto: int) -> list[list[Directive]]:
+        out = []
+        while self._emitted < upto:
+            e = self._emitted
+            nxt = self._pending[e + 1].batch.used_keys if e + 1 < self._read else np.zeros(0, np.int64)
+            out.append(self._directives(e, self._pending.pop(e), nxt))
+            self._emitted += 1
+        return out
+
+    def _directives(self, e: int, p: _Pending, next_keys: np.ndarray) -> list[Directive]:
+        t = self.config.num_trainers
+        assert p.pair_slot is not None and p.group_keys is not None and p.group_slots is not None
+        slots = p.pair_slot[p.batch.inverse].reshape(p.batch.keys.shape)
+        per = slots.shape[0] // t
+        fetch = _cat(p.fetch, 5)
+        join_dst, join_src = _cat(p.join_dst, 3), _cat(p.join_src, 3)
+        leave, write = _cat(p.leave, 3), _cat(p.write, 3)
+        join_keys = np.unique(join_dst[:, 1])
+        now = np.isin(p.group_keys, next_keys)
+        directives = []
+        for j in range(t):
+            f = fetch[fetch[:, 0] == j]
+            f = f[np.lexsort((f[:, 1], f[:, 4]))]
+            lv = _by_key(leave, j)
+            wr = _by_key(write, j)
+            directives.append(
+                Directive(
+                    iteration=e,
+                    trainer=j,
+                    input_slots=np.ascontiguousarray(slots[j * per : (j + 1) * per], dtype=np.int32),
+                    prefetch_keys=f[:, 1].copy(),
+                    prefetch_slots=f[:, 2].astype(np.int32),
+                    prefetch_min_versions=f[:, 3].copy(),
+                    prefetch_targets=f[:, 4].astype(np.int32),
+                    join_keys=join_keys,
+                    join_send_slots=_slots_at(join_keys, join_src, j),
+                    join_recv_slots=_slots_at(join_keys, join_dst, j),
+                    sync_now_keys=p.group_keys[now],
+                    sync_now_slots=np.ascontiguousarray(p.group_slots[now, j], dtype=np.int32),
+                    sync_later_keys=p.group_keys[~now],
+                    sync_later_slots=np.ascontiguousarray(p.group_slots[~now, j], dtype=np.int32),
+                    leave_slots=lv[:, 2].astype(np.int32),
+                    write_keys=wr[:, 1].copy(),
+                    write_slots=wr[:, 2].astype(np.int32),
+                    write_versions=np.full(wr.shape[0], e, np.int64),
+                    checkpoint=self.config.is_checkpoint(e),
+                )
+            )
+        self.stats.add(_iteration_stats(e, p, fetch, join_dst, write, now))
+        return directives
+
+
+def _rules_for(config: PlannerConfig) -> Rules:
+    if config.mode == "bagpipe":
+        return BagpipeRules(config)
+    if config.mode == "local":
+        return LocalRules(config)
+    return StaticRules(config)
+
+
+def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros((0, width), np.int64)
+
+
+def _by_key(events: np.ndarray, trainer: int) -> np.ndarray:
+    """Rows of one trainer, ordered by key."""
+    mine = events[events[:, 0] == trainer]
+    return mine[np.argsort(mine[:, 1], kind="stable")]
+
+
+def _slots_at(keys: np.ndarray, events: np.ndarray, trainer: int) -> np.ndarray:
+    """Per position of `keys`, this trainer's slot in `events`, or -1."""
+    out = np.full(keys.size, -1, np.int32)
+    mine = events[events[:, 0] == trainer]
+    out[np.searchsorted(keys, mine[:, 1])] = mine[:, 2]
+    return out
+
+
+def _iteration_stats(
+    e: int, p: _Pending, fetch: np.ndarray, join_dst: np.ndarray, write: np.ndarray, now: np.ndarray
+) -> IterationStats:
+    assert p.stats is not None
+    return IterationStats(
+        iteration=e,
+        uses=int(p.stats[:, 0].sum()),
+        hits=int(p.stats[:, 1].sum()),
+        fetched=int(p.stats[:, 2].sum()),
+        prefetched=int(fetch.shape[0]),
+        joined=int(join_dst.shape[0]),
+        written=int(write.shape[0]),
+        sync_now=int(np.count_nonzero(now)),
+        sync_later=int(now.size - np.count_nonzero(now)),
+        occupancy=tuple(int(v) for v in p.stats[:, 4]),
+    )

@@ -1,0 +1,78 @@
+"""The planning rules of each mode behind one interface, and what planning one iteration yields.
+
+`Planned` is the event list of one planned iteration x; `oracle/planner.py` files each event in
+the directive it belongs to. Rows of the event arrays are (trainer, key, slot[, extra]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from oracle.config import PlannerConfig, infeasible_capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """One global batch, read: keys ``int64 [B, F]`` and its (key, trainer) pairs.
+
+    A pair id is ``key * T + trainer``; `pairs` is sorted and unique, so pairs come in key
+    order, then trainer order. ``pairs[inverse]`` is the pair of every input.
+    """
+
+    keys: np.ndarray
+    pairs: np.ndarray
+    inverse: np.ndarray
+    used_keys: np.ndarray
+
+    @classmethod
+    def read(cls, keys: np.ndarray, num_trainers: int) -> Batch:
+        per = keys.shape[0] // num_trainers
+        owner = np.repeat(np.arange(num_trainers, dtype=np.int64), per * keys.shape[1])
+        pairs, inverse = np.unique(keys.reshape(-1) * num_trainers + owner, return_inverse=True)
+        used = pairs // num_trainers
+        used_keys = used[np.concatenate(([True], used[1:] != used[:-1]))] if used.size else used
+        return cls(keys=keys, pairs=pairs, inverse=inverse.reshape(-1), used_keys=used_keys)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """Events of planning iteration x."""
+
+    pair_slot: np.ndarray  # int32 [P]: slot of each pair during x
+    fetch: np.ndarray  # int64 [n, 4]: trainer, key, slot, min_version; target x
+    join_dst: np.ndarray  # int64 [n, 3]
+    join_src: np.ndarray  # int64 [n, 3]
+    leave_prev: np.ndarray  # int64 [n, 3]: leave after x-1
+    leave_now: np.ndarray  # int64 [n, 3]: leave after x
+    write_prev: np.ndarray  # int64 [n, 3]: write version x-1
+    write_now: np.ndarray  # int64 [n, 3]: write version x
+    group_keys: np.ndarray  # int64 [G]: G_x
+    group_slots: np.ndarray  # int32 [G, T]
+    stats: np.ndarray  # int64 [T, 5]: uses, hits, fetched for use, joined, occupancy
+
+
+class Rules(Protocol):
+    """One mode's planning rules, fed batches in order."""
+
+    def ingest(self, z: int, batch: Batch) -> None:
+        """Batch z has been read (batches arrive in order)."""
+
+    def plan(self, x: int, batch: Batch) -> Planned:
+        """Plan iteration x; called once batch x + L is read, or at the end of the stream."""
+
+    def close(self, last: int) -> Planned | None:
+        """The stream ended after iteration `last`: events of `last` still to add, if any."""
+
+
+def rows(n: int, width: int) -> np.ndarray:
+    return np.zeros((n, width), np.int64)
+
+
+def check_feasible(config: PlannerConfig, x: int, need: np.ndarray) -> None:
+    """ConfigError naming the first trainer whose `need` (rows at x) exceeds C (rule 4)."""
+    if need.size and need.max() > config.capacity:
+        j = int(np.argmax(need))
+        raise infeasible_capacity(x, j, int(need[j]), config.capacity)

@@ -1,0 +1,175 @@
+"""The oracle process: reads the data, runs the planner ahead, streams one directive stream
+per trainer (DESIGN §2, §4, §7).
+
+Routes:
+
+* ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from iteration X on, as framed
+  messages (`common.steps`): a batch and a directive per iteration, then an end message.
+  Steps before the oldest kept iteration answer 409.
+* ``GET /v1/health``, ``GET /metrics`` (public).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.data.dataset import Dataset
+from common.errors import BadRequest
+from common.keys import TableLayout
+from common.metrics import Registry
+from common.steps import EndOfStream, Step
+from common.transport import Request, Response, Router, StreamResponse, encode_message
+from oracle.buffer import StepBuffer
+from oracle.config import PlannerConfig
+from oracle.planner import Planner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The training stream the oracle plans: which batches, in which order."""
+
+    dataset: Dataset
+    layout: TableLayout
+    batch_size: int
+    epochs: int
+    max_iterations: int  # 0: all batches of all epochs
+
+    @property
+    def num_iterations(self) -> int:
+        total = self.dataset.num_batches(self.batch_size, self.epochs)
+        return min(total, self.max_iterations) if self.max_iterations else total
+
+    def key_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(global keys [B, F], labels [B], dense [B, num_dense]) per iteration, in order."""
+        batches = self.dataset.train_batches(self.batch_size, epochs=self.epochs)
+        for _, batch in zip(range(self.num_iterations), batches):
+            yield self.layout.to_keys(batch.sparse), batch.labels, batch.dense
+
+
+class OracleService:
+    def __init__(self, config: PlannerConfig, workload: Workload, *, max_ahead: int, registry: Registry | None = None) -> None:
+        self.config = config
+        self.workload = workload
+        self.max_ahead = max_ahead
+        self.metrics = registry or Registry()
+        self.buffer: StepBuffer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.failed: asyncio.Future[BaseException] | None = None
+
+    def router(self) -> Router:
+        router = Router()
+        router.add("GET", "/v1/stream", self.stream)
+        router.add("GET", "/v1/health", self.health, public=True)
+        router.add("GET", "/metrics", self.render_metrics, public=True)
+        return router
+
+    def start(self) -> None:
+        """Start planning in a background thread (call from the event loop)."""
+        loop = asyncio.get_running_loop()
+        self.buffer = StepBuffer(self.config.num_trainers, self.max_ahead, loop)
+        self.failed = loop.create_future()
+        self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.buffer is not None:
+            self.buffer.fail(RuntimeError("the oracle is stopping"))
+        if self._thread is not None:
+            self._thread.join(10)
+
+    # -- planning thread -----------------------------------------------------------------
+
+    def _plan(self) -> None:
+        assert self.buffer is not None
+        planner = Planner(self.config)
+        batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        try:
+            for x, (keys, labels, dense) in enumerate(self.workload.key_batches()):
+                if self._stop.is_set():
+                    return
+                batches[x] = (labels, dense)
+                self._publish(planner.push(keys), batches)
+            self._publish(planner.finish(), batches)
+            self.buffer.finish(self.workload.num_iterations)
+            log.info("planned all %d iterations", self.workload.num_iterations)
+        except Exception as exc:
+            log.exception("planner failed")
+            self.buffer.fail(exc)
+            assert self.failed is not None
+            self.failed.get_loop().call_soon_threadsafe(_set_once, self.failed, exc)
+
+    def _publish(self, final: list, batches: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        assert self.buffer is not None
+        per_trainer = self.workload.batch_size // self.config.num_trainers
+        for directives in final:
+            x = directives[0].iteration
+            labels, dense = batches.pop(x)
+            messages = []
+            for d in directives:
+                part = slice(d.trainer * per_trainer, (d.trainer + 1) * per_trainer)
+                step = Step(directive=d, labels=np.ascontiguousarray(labels[part]), dense=np.ascontiguousarray(dense[part]))
+                messages.append(encode_message(step.encode_batch()) + encode_message(d.to_wire()))
+            self.buffer.put(x, messages)
+            self.metrics.inc("iterations_planned_total", help="Iterations whose directives are final")
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def stream(self, request: Request) -> StreamResponse:
+        assert self.buffer is not None
+        trainer = _int_param(request, "trainer", 0, self.config.num_trainers - 1)
+        start = _int_param(request, "start", 0, None, default=0)
+        self.buffer.check_resumable(start)
+        log.info("trainer %d streams from iteration %d", trainer, start)
+        return StreamResponse(chunks=self._chunks(trainer, start))
+
+    async def _chunks(self, trainer: int, start: int) -> AsyncIterator[bytes]:
+        assert self.buffer is not None
+        x = start
+        while (message := await self.buffer.get(trainer, x)) is not None:
+            yield message
+            self.buffer.mark_sent(trainer, x)
+            self.buffer.retain_from(x + 1 - self.max_ahead)
+            self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
+            x += 1
+        yield encode_message(EndOfStream(iterations=x).encode())
+
+    async def health(self, request: Request) -> Response:
+        return Response.json(
+            {
+                "role": "oracle",
+                "mode": self.config.mode,
+                "trainers": self.config.num_trainers,
+                "iterations": self.workload.num_iterations,
+                "planned": int(self.metrics.value("iterations_planned_total")),
+            }
+        )
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(body=self.metrics.render().encode(), content_type="text/plain; version=0.0.4")
+
+
+def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None:
+    if not future.done():
+        future.set_result(exc)
+
+
+def _int_param(request: Request, name: str, low: int, high: int | None, default: int | None = None) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        if default is None:
+            raise BadRequest(f"query parameter {name!r} is required")
+        return default
+    if not raw.isdigit() or int(raw) < low or (high is not None and int(raw) > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise BadRequest(f"query parameter {name!r} must be an integer in {bound}, got {raw!r}")
+    return int(raw)

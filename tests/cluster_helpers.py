@@ -1,0 +1,116 @@
+"""Run real local clusters in tests and read back their final parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.cluster import ClusterResult, run_cluster
+from common.init import initial_rows
+from common.job import Job, build_job
+from common.spec import load_spec
+from oracle.main import build_workload
+from ps.checkpoint import load_snapshot
+from tests.trainer.reference import ReferenceResult, reference_train
+from trainer.optim import build_embedding_optimizer
+
+TOKEN = "cluster-test-token"
+
+BASE: dict[str, dict[str, Any]] = {
+    "cluster": {"transport": "h2", "request_timeout_s": 60, "fetch_timeout_s": 60},
+    "oracle": {"mode": "bagpipe", "lookahead": 6, "prefetch_lead": 2, "cache_rows": 100},
+    "ps": {"shards": 2},
+    "trainers": {"count": 2},
+    "data": {
+        "format": "synthetic", "rows": 2200, "table_sizes": [50, 200, 1000, 5000], "num_dense": 4,
+        "top1_share": 0.5, "eval_fraction": 0.1, "seed": 1,
+    },
+    "model": {"name": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+    "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.1, "dense": "sgd", "dense_lr": 0.05},
+    "train": {"batch_size": 32, "epochs": 1, "max_iterations": 60},
+}
+
+
+def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]], seed: int = 7) -> Path:
+    sections = {key: dict(value) for key, value in BASE.items()}
+    for key, value in overrides.items():
+        sections.setdefault(key, {}).update(value)
+    sections["checkpoint"] = {"dir": str(directory / "checkpoints"), **sections.get("checkpoint", {})}
+    lines = [f'name = "{name}"', f"seed = {seed}"]
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
+    path = directory / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class FinalModel:
+    dense: dict[str, torch.Tensor]
+    table: np.ndarray  # [total_rows, d]
+    state: np.ndarray  # [total_rows, s]
+
+
+def run_spec(path: Path, run_dir: Path, *, resume: bool = False) -> tuple[Job, ClusterResult]:
+    job = build_job(load_spec(path))
+    return job, run_cluster(job, run_dir, token=TOKEN, resume=resume)
+
+
+def final_model(job: Job, run_dir: Path) -> FinalModel:
+    """The parameters a run ended with: dense from rank 0, tables from the PS (or local)."""
+    final = run_dir / "final"
+    dense = torch.load(final / "dense.pt")
+    if job.spec.oracle.mode == "local":
+        return FinalModel(dense, np.load(final / "table.npy"), np.load(final / "state.npy"))
+    layout, spec = job.layout, job.spec
+    keys = np.arange(layout.total_rows, dtype=np.int64)
+    table = initial_rows(layout, spec.seed, keys, job.dim)
+    state = build_embedding_optimizer(job.optimizer).initial_state(layout.total_rows).numpy()
+    iterations = _iterations(final)
+    for shard in range(spec.ps.num_shards):
+        snap, _ = load_snapshot(spec.checkpoint.dir / f"ps-{shard}", iterations)
+        global_keys = snap.local * spec.ps.num_shards + shard
+        table[global_keys] = snap.rows
+        state[global_keys] = snap.state
+    return FinalModel(dense, table, state)
+
+
+def _iterations(final: Path) -> int:
+    import orjson
+
+    return int(orjson.loads((final / "final.json").read_bytes())["iterations"])
+
+
+def reference_for(job: Job) -> ReferenceResult:
+    workload = build_workload(job)
+    batches = (
+        (torch.from_numpy(labels.copy()), torch.from_numpy(dense.copy()), torch.from_numpy(keys))
+        for keys, labels, dense in workload.key_batches()
+    )
+    return reference_train(job.model, job.optimizer, job.layout, job.spec.seed, batches, job.num_dense)
+
+
+def assert_same_model(got: FinalModel, want: ReferenceResult, rtol: float = 1e-5) -> None:
+    """Equal within `rtol`, element by element, with an absolute floor of `rtol` times the
+    tensor's largest magnitude: float summation order (T partial sums, DDP's average) moves
+    near-zero elements by a few ulps of the tensor's scale, not of their own."""
+    pairs = [(f"dense {name}", got.dense[name].numpy(), t.numpy()) for name, t in want.dense_state.items()]
+    pairs += [("embedding rows", got.table, want.table.numpy()), ("optimizer state", got.state, want.state.numpy())]
+    for what, have, expected in pairs:
+        floor = rtol * float(np.abs(expected).max(initial=0.0))
+        np.testing.assert_allclose(have, expected, rtol=rtol, atol=floor, err_msg=what)

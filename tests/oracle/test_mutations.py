@@ -1,0 +1,152 @@
+"""The simulator must catch planners that break one rule of DESIGN §4 (mutation tests).
+
+Each mutant is the reference planner with one rule changed. A mutant is caught when the
+simulator fails on at least one workload of a fixed set on which the reference passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oracle.config import PlannerConfig
+from tests.oracle.reference_planner import ReferencePlanner
+from tests.oracle.simulator import SimulationError, Workload, plan_incrementally, simulate, wire
+
+
+class NoMinVersion(ReferencePlanner):
+    """Fetches ask for any version: a re-admitted row may be read before its write-back."""
+
+    def min_version(self, key: int) -> int:
+        return -1
+
+
+class EverythingLater(ReferencePlanner):
+    """sync_now is always empty: keys used at x+1 get their x update too late."""
+
+    def used_next(self, x: int) -> set[int]:
+        return set()
+
+
+class EverythingNow(ReferencePlanner):
+    """sync_later is never used: correct, only slower, so the simulator must accept it."""
+
+    def used_next(self, x: int) -> set[int]:
+        return set().union(*self.uses[x]) | super().used_next(x)
+
+
+class UsersOnlyInG(ReferencePlanner):
+    """G_x counts only copies whose trainer uses the key at x: keepers go stale."""
+
+    def synchronised(self, x: int, key: int) -> bool:
+        return sum(key in u for u in self.uses[x]) >= 2
+
+
+class NoWriteAfterVictims(ReferencePlanner):
+    """A residency ended by capacity victims (while planning x, version x-1) is not written."""
+
+    planning = 0
+
+    def plan_iteration(self, x: int) -> None:
+        self.planning = x
+        super().plan_iteration(x)
+
+    def end_residency(self, e: int, key: int, leavers: list[tuple[int, int]]) -> None:
+        if e == self.planning - 1:
+            self.last_wb[key] = e
+            return
+        super().end_residency(e, key, leavers)
+
+
+class KeeperDropped(ReferencePlanner):
+    """The plan keeps the keeper, but its trainer is told to free the slot after x."""
+
+    def keeper(self, x: int, key: int, copies: dict[int, int], stay: list[int]) -> list[int]:
+        kept = super().keeper(x, key, copies, stay)
+        if kept != stay:
+            self.acc[x][kept[0]].leave.append((key, copies[kept[0]]))
+        return kept
+
+
+class VictimsLeaveLate(ReferencePlanner):
+    """Capacity victims are listed as leaving after x instead of x-1, though their slot is
+    handed out at x: the slot is written while occupied."""
+
+    def evict(self, x: int, j: int, key: int, victims_of: dict[int, list[tuple[int, int]]]) -> None:
+        super().evict(x, j, key, victims_of)
+        self.acc[x][j].leave.append(self.acc[x - 1][j].leave.pop())
+
+
+def _cases() -> list[tuple[PlannerConfig, list[np.ndarray], int]]:
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(120):
+        w = Workload(
+            trainers=int(rng.integers(1, 5)),
+            per_trainer=int(rng.integers(1, 4)),
+            features=int(rng.integers(1, 3)),
+            iterations=int(rng.integers(2, 12)),
+            keys=int(rng.integers(2, 20)),
+            lookahead=int(rng.integers(0, 5)),
+            lead=int(rng.integers(0, 6)),
+            slack=int(rng.integers(0, 2)),
+            mode="bagpipe",
+            stream=("zipf", "uniform", "alternating")[i % 3],
+            checkpoint_every=0,
+            hot=0,
+            seed=i,
+        )
+        config, batches = w.build()
+        out.append((config, batches, i))
+    return out
+
+
+CASES = _cases()
+
+
+def _failures(planner: type[ReferencePlanner]) -> int:
+    failures = 0
+    for config, batches, seed in CASES:
+        try:
+            simulate(config, batches, planner(config, batches).plan(), seed=seed)
+        except SimulationError:
+            failures += 1
+    return failures
+
+
+def test_reference_passes_every_case() -> None:
+    assert _failures(ReferencePlanner) == 0
+
+
+def test_correct_but_slower_variant_passes() -> None:
+    assert _failures(EverythingNow) == 0
+
+
+@pytest.mark.parametrize(
+    "mutant", [NoMinVersion, EverythingLater, UsersOnlyInG, NoWriteAfterVictims, KeeperDropped, VictimsLeaveLate]
+)
+def test_simulator_catches_mutant(mutant: type[ReferencePlanner]) -> None:
+    assert _failures(mutant) > 0
+
+
+class NoKeeper(ReferencePlanner):
+    """Rule 3 without its keeper: residencies end and are fetched again instead of joined."""
+
+    def keeper(self, x: int, key: int, copies: dict[int, int], stay: list[int]) -> list[int]:
+        return stay
+
+
+def test_skipping_the_keeper_is_caught_by_equivalence() -> None:
+    """Without the keeper the plan stays consistent (the simulator accepts it: the row is
+    written back and fetched again), so the rule is pinned by byte-equivalence with the
+    production planner and by its effect: more fetches, fewer joins."""
+    differs = 0
+    fetches = {NoKeeper: 0, ReferencePlanner: 0}
+    for config, batches, seed in CASES:
+        mutant = NoKeeper(config, batches).plan()
+        simulate(config, batches, mutant, seed=seed)
+        differs += wire(mutant) != wire(plan_incrementally(config, batches))
+        for cls in fetches:
+            fetches[cls] += sum(d.prefetch_keys.size for it in cls(config, batches).plan() for d in it)
+    assert differs > 0
+    assert fetches[NoKeeper] > fetches[ReferencePlanner]

@@ -1,0 +1,107 @@
+"""Planner API: configuration errors, capacity checks, finality timing, determinism, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.errors import ConfigError
+from oracle.config import check_capacity, hottest_keys, required_capacity
+from oracle.planner import Planner, PlannerConfig
+from tests.oracle.simulator import Workload, plan_incrementally, simulate, wire
+
+
+def config(**kw: object) -> PlannerConfig:
+    args: dict[str, object] = dict(num_trainers=2, lookahead=3, prefetch_lead=2, capacity=8)
+    args.update(kw)
+    return PlannerConfig(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"num_trainers": 0}, "oracle.num_trainers"),
+        ({"lookahead": -1}, "oracle.lookahead"),
+        ({"prefetch_lead": 1.5}, "oracle.prefetch_lead"),
+        ({"capacity": 0}, "oracle.capacity"),
+        ({"mode": "lru"}, "oracle.mode"),
+        ({"mode": "local"}, "oracle.total_rows"),
+        ({"hot_keys": np.array([3, 1])}, "oracle.hot_keys"),
+        ({"mode": "static-cache", "hot_keys": np.arange(9)}, "oracle.hot_keys"),
+    ],
+)
+def test_config_errors_name_the_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config(**kw)
+    assert err.value.field == field
+
+
+def test_batch_must_split_evenly() -> None:
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        Planner(config()).push(np.zeros((3, 2), np.int64))
+
+
+def test_infeasible_capacity_names_iteration_trainer_and_need() -> None:
+    planner = Planner(config(capacity=3, lookahead=1))
+    planner.push(np.zeros((4, 2), np.int64))
+    planner.push(np.array([[0, 1], [2, 3], [0, 0], [0, 0]]))  # iteration 1: trainer 0 uses 4 rows
+    with pytest.raises(ConfigError, match=r"trainer 0 uses 4 distinct rows at iteration 1; C >= 4"):
+        planner.push(np.zeros((4, 2), np.int64))
+
+
+def test_capacity_helpers() -> None:
+    with pytest.raises(ConfigError, match="C = 8 < 10"):
+        check_capacity(config(), batch_size=10, num_features=2)
+    check_capacity(config(capacity=10), batch_size=10, num_features=2)
+    batches = [np.array([[1, 2], [3, 3]]), np.array([[5, 5], [5, 6]])]
+    assert required_capacity(config(), batches) == 2
+    assert list(hottest_keys([np.array([[4, 4], [2, 9]]), np.array([[2, 4], [7, 2]])], 2)) == [2, 4]
+
+
+def test_directive_is_final_after_l_plus_max_d_1_batches() -> None:
+    cfg, batches = Workload(
+        trainers=3, per_trainer=2, features=2, iterations=12, keys=9, lookahead=3, lead=2,
+        slack=1, mode="bagpipe", stream="zipf", checkpoint_every=0, hot=0, seed=5,
+    ).build()
+    planner = Planner(cfg)
+    emitted = []
+    for z, b in enumerate(batches):
+        out = planner.push(b)
+        emitted += out
+        assert len(emitted) == max(0, z + 1 - 3 - 2)
+    emitted += planner.finish()
+    assert wire(emitted) == wire(plan_incrementally(cfg, batches))
+    assert all(d.iteration == x and d.trainer == j for x, ds in enumerate(emitted) for j, d in enumerate(ds))
+
+
+def test_no_cache_is_bagpipe_with_l_and_d_zero() -> None:
+    cfg, batches = Workload(
+        trainers=3, per_trainer=2, features=2, iterations=8, keys=12, lookahead=0, lead=0,
+        slack=0, mode="no-cache", stream="zipf", checkpoint_every=3, hot=0, seed=2,
+    ).build()
+    bagpipe = PlannerConfig(num_trainers=3, lookahead=0, prefetch_lead=0, capacity=cfg.capacity, checkpoint_every=3)
+    assert wire(plan_incrementally(cfg, batches)) == wire(plan_incrementally(bagpipe, batches))
+
+
+def test_keys_far_beyond_any_dense_array_are_planned() -> None:
+    """State is sized by the cache and the window, never by the key space."""
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 1 << 40, size=(4, 3)) for _ in range(6)]
+    cfg = PlannerConfig(num_trainers=2, lookahead=2, prefetch_lead=1, capacity=6)
+    simulate(cfg, batches, plan_incrementally(cfg, batches))
+
+
+def test_stats_agree_with_the_directives() -> None:
+    cfg, batches = Workload(
+        trainers=4, per_trainer=3, features=2, iterations=15, keys=20, lookahead=4, lead=1,
+        slack=2, mode="bagpipe", stream="zipf", checkpoint_every=0, hot=0, seed=9,
+    ).build()
+    planner = Planner(cfg)
+    directives = [d for b in batches for d in planner.push(b)] + planner.finish()
+    s = planner.stats
+    assert s.total("prefetched") == sum(d.prefetch_keys.size for ds in directives for d in ds)
+    assert s.total("joined") == sum(int((d.join_recv_slots >= 0).sum()) for ds in directives for d in ds)
+    assert s.total("written") == sum(d.write_keys.size for ds in directives for d in ds)
+    assert s.total("sync_now") == sum(ds[0].sync_now_keys.size for ds in directives)
+    assert s.total("uses") == s.total("hits") + s.total("fetched") + s.total("joined")
+    assert 0 < s.hit_rate < 1 and max(s.peak_occupancy) <= cfg.capacity

@@ -1,0 +1,84 @@
+"""Property tests over generated workloads: production == reference byte for byte, and every
+directive stream passes the value-level simulator (DESIGN §4, §11).
+
+Default cases are derandomized and small; the `slow` ones (run in CI, deselected with
+`-m "not slow"`) run many more, randomized.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.oracle.reference_planner import reference_plan
+from tests.oracle.simulator import MODES, STREAMS, Workload, plan_incrementally, simulate, wire
+
+FAST = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def workloads(draw: st.DrawFn, modes: tuple[str, ...] = MODES, max_trainers: int = 8) -> Workload:
+    mode = draw(st.sampled_from(modes))
+    return Workload(
+        trainers=draw(st.integers(1, max_trainers)),
+        per_trainer=draw(st.integers(1, 3)),
+        features=draw(st.integers(1, 3)),
+        iterations=draw(st.integers(1, 12)),
+        keys=draw(st.integers(1, 40)),
+        lookahead=draw(st.integers(0, 6)),
+        lead=draw(st.integers(0, 8)),
+        slack=draw(st.sampled_from([0, 0, 1, 3])),
+        mode=mode,
+        stream=draw(st.sampled_from(STREAMS)),
+        checkpoint_every=draw(st.integers(0, 3)),
+        hot=draw(st.integers(0, 4)) if mode == "static-cache" else 0,
+        seed=draw(st.integers(0, 2**31)),
+    )
+
+
+def check_simulation(w: Workload) -> None:
+    config, batches = w.build()
+    simulate(config, batches, plan_incrementally(config, batches), seed=w.seed)
+
+
+def check_equivalence(w: Workload) -> None:
+    config, batches = w.build()
+    assert wire(plan_incrementally(config, batches)) == wire(reference_plan(config, batches))
+
+
+@settings(FAST, max_examples=2000)
+@given(workloads(modes=("bagpipe",)))
+def test_bagpipe_passes_simulation(w: Workload) -> None:
+    check_simulation(w)
+
+
+@settings(FAST, max_examples=500)
+@given(workloads(modes=("no-cache", "static-cache", "local")))
+def test_baselines_pass_simulation(w: Workload) -> None:
+    check_simulation(w)
+
+
+@settings(FAST, max_examples=1000)
+@given(workloads(max_trainers=6))
+def test_production_matches_reference(w: Workload) -> None:
+    check_equivalence(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=20000, derandomize=False)
+@given(workloads())
+def test_simulation_many(w: Workload) -> None:
+    check_simulation(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=5000, derandomize=False)
+@given(workloads())
+def test_equivalence_many(w: Workload) -> None:
+    check_equivalence(w)

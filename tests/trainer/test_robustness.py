@@ -1,0 +1,123 @@
+"""A PS or oracle that is unreachable, slow or failing: retries with backoff, then a clear
+error naming the peer; never a hang, never a step without its data."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.directive import Directive
+from common.errors import BadRequest, TimedOut, Unavailable
+from common.spec import Endpoint
+from common.steps import EndOfStream, Step
+from common.transport import H2Server, Request, Router, StreamResponse, encode_message
+from ps.client import PsClient
+from tests.ps.conftest import DIM, TOKEN, make_server, make_service
+from trainer.io_thread import IoThread
+from trainer.remote import DirectiveStream
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_unreachable_ps_is_named_after_retries() -> None:
+    port = _dead_port()
+    client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=DIM, state_width=1,
+                      retries=2, backoff_s=0.01)
+    try:
+        with pytest.raises(Unavailable, match=rf"PS shard 0 at 127.0.0.1:{port}.*after 3 attempts"):
+            await client.fetch(np.array([0], dtype=np.int64))
+    finally:
+        await client.close()
+
+
+async def test_ps_errors_are_raised_at_once_and_waits_time_out(tmp_path: Path) -> None:
+    server = make_server("h2", make_service(0, 1, tmp_path))
+    await server.start()
+    client = PsClient([Endpoint(host="127.0.0.1", port=server.port)], token=TOKEN, dim=DIM, state_width=1,
+                      retries=3, backoff_s=5.0)  # a retry would make this test slow: none happens
+    try:
+        with pytest.raises(BadRequest, match="outside"):
+            await client.fetch(np.array([10**6], dtype=np.int64))
+        with pytest.raises(TimedOut, match="PS shard 0 .* did not reach their version"):
+            await client.fetch(np.array([1], dtype=np.int64), np.array([5]), wait_s=0.1)
+    finally:
+        await client.close()
+        await server.stop()
+
+
+def _step(x: int) -> Step:
+    i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    directive = Directive(
+        iteration=x, trainer=0, input_slots=np.full((2, 1), x, np.int32),
+        prefetch_keys=i64, prefetch_slots=i32, prefetch_min_versions=i64, prefetch_targets=i32,
+        join_keys=i64, join_send_slots=i32, join_recv_slots=i32,
+        sync_now_keys=i64, sync_now_slots=i32, sync_later_keys=i64, sync_later_slots=i32,
+        leave_slots=i32, write_keys=i64, write_slots=i32, write_versions=i64, checkpoint=False,
+    )
+    return Step(directive=directive, labels=np.full(2, x, np.float32), dense=np.zeros((2, 3), np.float32))
+
+
+class FlakyOracle:
+    """Streams steps 0..total-1 but breaks the first connection after `break_after` steps."""
+
+    def __init__(self, total: int, break_after: int) -> None:
+        self.total, self.break_after = total, break_after
+        self.starts: list[int] = []
+
+    def router(self) -> Router:
+        router = Router()
+        router.add("GET", "/v1/stream", self.stream)
+        return router
+
+    async def stream(self, request: Request) -> StreamResponse:
+        start = int(request.query["start"])
+        self.starts.append(start)
+        return StreamResponse(chunks=self._chunks(start, broken=len(self.starts) == 1))
+
+    async def _chunks(self, start: int, broken: bool) -> AsyncIterator[bytes]:
+        for x in range(start, self.total):
+            if broken and x == self.break_after:
+                raise RuntimeError("connection dropped")  # the server resets the stream
+            step = _step(x)
+            yield encode_message(step.encode_batch()) + encode_message(step.directive.to_wire())
+        yield encode_message(EndOfStream(iterations=self.total).encode())
+
+
+def test_a_broken_directive_stream_resumes_where_it_stopped() -> None:
+    io = IoThread()
+    oracle = FlakyOracle(total=7, break_after=3)
+    server = H2Server(oracle.router(), port=0, token=TOKEN)
+    io.run(server.start())
+    try:
+        stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=server.port), token=TOKEN,
+                                 transport="h2", trainer=0, retries=3)
+        steps = list(stream)
+        stream.close()
+    finally:
+        io.run(server.stop())
+        io.close()
+    assert [s.iteration for s in steps] == list(range(7))
+    assert all(s.labels[0] == s.iteration and s.directive.input_slots[0, 0] == s.iteration for s in steps)
+    assert oracle.starts == [0, 3]
+    assert stream.iterations == 7
+
+
+def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:
+    io = IoThread()
+    port = _dead_port()
+    try:
+        stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=port), token=TOKEN,
+                                 transport="h2", trainer=1, retries=1)
+        with pytest.raises(Unavailable, match=f"oracle at 127.0.0.1:{port}"):
+            list(stream)
+        stream.close()
+    finally:
+        io.close()

@@ -1,0 +1,213 @@
+"""Entry point of one trainer process: `python launch.py SPEC --role trainer --index J`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from common.data.dataset import open_dataset
+from common.init import initial_rows
+from common.job import Job
+from common.spec import Endpoint
+from ps.client import PsClient
+from trainer.cache import EmbeddingCache
+from trainer.collectives import Collectives, close_collectives, init_collectives
+from trainer.device import Device, select_device
+from trainer.engine import Engine, IterationStats
+from trainer.io_thread import IoThread
+from trainer.metrics import MetricAccumulator, evaluate
+from trainer.models import build_model
+from trainer.optim import build_dense_optimizer, build_embedding_optimizer
+from trainer.remote import DirectiveStream, RemoteRows
+from trainer.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peers:
+    """Where this trainer's peers listen (resolved by the launcher for port-0 specs)."""
+
+    oracle: Endpoint
+    ps: tuple[Endpoint, ...]
+    rendezvous: Endpoint
+
+
+class RecordWriter:
+    """Appends this trainer's JSON-lines records (read live by the launcher's progress bar)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path) -> None:
+    spec = job.spec
+    world = spec.trainers.count
+    torch.set_num_threads(spec.trainers.threads)
+    device = select_device(spec.trainers.device, rank)
+    backend = spec.trainers.backend if spec.trainers.backend != "auto" else ("nccl" if device.is_cuda else "gloo")
+    comm = init_collectives(backend, peers.rendezvous, rank, world, spec.cluster.request_timeout_s * 4)
+    io = IoThread()
+    records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
+    ps_client = None
+    try:
+        local = spec.oracle.mode == "local"
+        if not local:
+            ps_client = PsClient(
+                peers.ps, token=token, dim=job.dim, state_width=job.state_width,
+                transport=spec.cluster.transport, timeout_s=spec.cluster.request_timeout_s,
+                retries=spec.cluster.retries,
+            )
+        engine = _build_engine(job, device, comm, io, ps_client)
+        stream = DirectiveStream(
+            io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
+            retries=spec.cluster.retries, timeout_s=spec.cluster.fetch_timeout_s,
+        )
+        iterations = _train(job, engine, stream, comm, records)
+        engine.drain()
+        stream.close()
+        comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
+        _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations)
+    finally:
+        if ps_client is not None:
+            io.run(ps_client.close(), timeout=10)
+        io.close()
+        records.close()
+        close_collectives()
+
+
+def _build_engine(job: Job, device: Device, comm: Collectives, io: IoThread, ps: PsClient | None) -> Engine:
+    spec = job.spec
+    torch.manual_seed(spec.seed)  # identical dense initialisation on every trainer
+    model = build_model(job.model, job.num_dense, job.layout.num_tables).to(device.torch_device)
+    ddp = DistributedDataParallel(model, device_ids=[device.torch_device.index] if device.is_cuda else None)
+    dense_optimizer = build_dense_optimizer(job.optimizer, ddp.parameters())
+    embedding_optimizer = build_embedding_optimizer(job.optimizer)
+    if ps is None:  # local mode: the whole table in the trainer, slot = key
+        cache = EmbeddingCache(job.layout.total_rows, job.dim, embedding_optimizer, device)
+        all_keys = np.arange(job.layout.total_rows, dtype=np.int64)
+        cache.rows.copy_(torch.from_numpy(initial_rows(job.layout, spec.seed, all_keys, job.dim)))
+        rows = None
+    else:
+        cache = EmbeddingCache(spec.oracle.cache_rows, job.dim, embedding_optimizer, device)
+        rows = RemoteRows(io, ps, wait_s=spec.cluster.fetch_timeout_s)
+    return Engine(
+        cache=cache, model=ddp, dense_optimizer=dense_optimizer, collectives=comm, rows=rows,
+        timer=PhaseTimer(),
+    )
+
+
+def _train(job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter) -> int:
+    spec = job.spec
+    row_bytes = 4 * (job.dim + job.state_width)
+    progressive = MetricAccumulator()
+    iterations = 0
+    waited = time.perf_counter()
+    for step in stream:
+        engine.timer.current["wait_directive"] += time.perf_counter() - waited
+        engine.timer.total["wait_directive"] += time.perf_counter() - waited
+        written_before = engine.written_rows
+        stats = engine.step(step.directive, step.labels, step.dense)
+        records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim, engine.written_rows - written_before))
+        progressive.add(stats.labels, stats.probs)
+        iterations = stats.iteration + 1
+        if spec.train.eval_every and iterations % spec.train.eval_every == 0:
+            _record_eval(records, comm, progressive, iterations, split="progressive")
+            progressive = MetricAccumulator()
+        waited = time.perf_counter()
+    return iterations
+
+
+def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int, written: int) -> dict[str, Any]:
+    return {
+        "kind": "iter",
+        "iteration": stats.iteration,
+        "time": time.time(),
+        "samples": stats.samples,
+        "loss": stats.loss,
+        "uses": stats.uses,
+        "hits": stats.hits,
+        "fetch_rows": stats.fetch_rows,
+        "fetch_bytes": stats.fetch_rows * row_bytes,
+        "write_back_rows": written,
+        "write_back_bytes": written * row_bytes,
+        "sync_rows": stats.sync_rows,
+        "sync_bytes": stats.sync_rows * grad_bytes + stats.join_rows * row_bytes,
+        "join_rows": stats.join_rows,
+        "phases": engine.timer.end_iteration(),
+    }
+
+
+def _record_eval(records: RecordWriter, comm: Collectives, acc: MetricAccumulator, iteration: int, *, split: str) -> None:
+    """Gather every trainer's predictions, score them once, record the result on rank 0."""
+    labels, probs = acc.arrays()
+    parts = comm.all_gather_objects((labels, probs))
+    if comm.rank != 0:
+        return
+    result = evaluate(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    records.write({
+        "kind": "eval", "split": split, "iteration": iteration, "time": time.time(),
+        "auc": result.auc, "log_loss": result.log_loss, "count": result.count,
+    })
+    log.info("%s eval at iteration %d: AUC %.4f, log loss %.4f over %d samples",
+             split, iteration, result.auc, result.log_loss, result.count)
+
+
+def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread, ps: PsClient | None,
+            records: RecordWriter, run_dir: Path, iterations: int) -> None:
+    """Held-out evaluation and the final model: dense state (rank 0) and the tables."""
+    _record_eval(records, comm, _held_out(job, rank, engine, io, ps), iterations, split="held-out")
+    if rank == 0:
+        final = run_dir / "final"
+        final.mkdir(parents=True, exist_ok=True)
+        torch.save(engine.model.module.state_dict(), final / "dense.pt")
+        if ps is None:
+            np.save(final / "table.npy", engine.cache.rows.cpu().numpy())
+            np.save(final / "state.npy", engine.cache.state.cpu().numpy())
+        else:
+            io.run(ps.checkpoint(iterations))
+        (final / "final.json").write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
+    records.write({"kind": "final", "time": time.time(), "iterations": iterations})
+
+
+def _held_out(job: Job, rank: int, engine: Engine, io: IoThread, ps: PsClient | None) -> MetricAccumulator:
+    """Predictions on this trainer's share of the held-out rows, with the final parameters."""
+    dataset = open_dataset(job.data)
+    acc = MetricAccumulator()
+    model = engine.model.module
+    model.eval()
+    with torch.no_grad():
+        for i, batch in enumerate(dataset.eval_batches(job.spec.train.batch_size)):
+            if i % job.spec.trainers.count != rank:
+                continue
+            keys = job.layout.to_keys(batch.sparse)
+            emb = _rows_of(keys, engine, io, ps)
+            dense = torch.from_numpy(np.ascontiguousarray(batch.dense)).to(engine.device)
+            logits = model(dense, emb)
+            acc.add(batch.labels, torch.sigmoid(logits).cpu().numpy())
+    model.train()
+    return acc
+
+
+def _rows_of(keys: np.ndarray, engine: Engine, io: IoThread, ps: PsClient | None) -> torch.Tensor:
+    if ps is None:
+        return engine.cache.rows[torch.from_numpy(keys).to(engine.device)]
+    unique, inverse = np.unique(keys, return_inverse=True)
+    got = io.run(ps.fetch(unique))
+    return torch.from_numpy(got.rows[inverse.reshape(keys.shape)]).to(engine.device)

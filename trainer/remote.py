@@ -1,0 +1,140 @@
+"""The trainer's network side, run on its I/O thread: PS rows and the directive stream."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.directive import Directive
+from common.errors import BagpipeError, Unavailable, WireError
+from common.spec import Endpoint, Transport
+from common.steps import Step, decode_batch, decode_end, kind_of
+from common.transport import connect_client, read_messages
+from ps.client import PsClient
+from trainer.io_thread import IoThread
+
+log = logging.getLogger(__name__)
+
+
+class RemoteRows:
+    """`RowSource` over a `PsClient`: each call returns a future resolved on the I/O loop."""
+
+    def __init__(self, io: IoThread, client: PsClient, wait_s: float) -> None:
+        self.io = io
+        self.client = client
+        self.wait_s = wait_s
+
+    def fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> concurrent.futures.Future:
+        return self.io.submit(self.client.fetch(keys, min_versions, wait_s=self.wait_s))
+
+    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> concurrent.futures.Future:
+        return self.io.submit(self.client.write_back(keys, rows, state, version))
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+_END = object()
+
+
+class DirectiveStream:
+    """Iterates this trainer's steps from the oracle, reading ahead on the I/O thread.
+
+    At most `read_ahead` steps are buffered here; beyond that the reader stops taking data
+    and HTTP/2 flow control holds the oracle back. A broken connection is retried with
+    backoff from the first step not yet received, then reported as `Unavailable` naming the
+    oracle.
+    """
+
+    def __init__(
+        self,
+        io: IoThread,
+        endpoint: Endpoint,
+        *,
+        token: str,
+        transport: Transport,
+        trainer: int,
+        start: int = 0,
+        read_ahead: int = 8,
+        retries: int = 5,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.trainer = trainer
+        self.iterations: int | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=read_ahead)
+        self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+        self._retries = retries
+        self._timeout_s = timeout_s
+        self._io = io
+        self._next = start  # first step not yet handed to the queue: where a retry resumes
+        self._task = io.submit(self._read())
+
+    def __iter__(self) -> Iterator[Step]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._io.submit(self._client.close()).result(10)
+
+    async def _read(self) -> None:
+        delay = 0.2
+        for attempt in range(self._retries + 1):
+            try:
+                await self._read_from(self._next)
+                return
+            except BagpipeError as exc:
+                if attempt == self._retries or not isinstance(exc, Unavailable):
+                    await self._put(_Failed(self._named(exc)))
+                    return
+                log.warning("directive stream from %s broke (%s); resuming at %d in %.1f s",
+                            self.endpoint, exc.message, self._next, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except Exception as exc:  # a bug or a malformed message: stop the trainer clearly
+                await self._put(_Failed(exc))
+                return
+
+    async def _read_from(self, start: int) -> None:
+        """Read steps from `start` on; returns when the stream ends."""
+        path = f"/v1/stream?trainer={self.trainer}&start={start}"
+        chunks = self._client.stream("GET", path, timeout=self._timeout_s)
+        pending: tuple[int, np.ndarray, np.ndarray] | None = None
+        async for message in read_messages(chunks):
+            kind = kind_of(message)
+            if kind == "batch":
+                pending = decode_batch(message)
+            elif kind == "directive":
+                directive = Directive.from_wire(message)
+                if pending is None or pending[0] != directive.iteration:
+                    raise WireError(f"directive {directive.iteration} arrived without its batch")
+                await self._put(Step(directive=directive, labels=pending[1], dense=pending[2]))
+                self._next, pending = directive.iteration + 1, None
+            elif kind == "end":
+                self.iterations = decode_end(message).iterations
+                await self._put(_END)
+                return
+            else:
+                raise WireError(f"unknown stream message kind {kind!r}")
+        raise Unavailable("directive stream closed before its end message")
+
+    async def _put(self, item: object) -> None:
+        # queue.Queue.put would block the I/O loop; hand the wait to a thread instead.
+        await asyncio.to_thread(self._queue.put, item)
+
+    def _named(self, exc: BagpipeError) -> BagpipeError:
+        return type(exc)(f"oracle at {self.endpoint}: {exc.message}", **exc.fields)
