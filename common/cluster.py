@@ -57,6 +57,15 @@ class Role:
 
 
 @dataclass(frozen=True)
+class PsHost:
+    """Where PS processes run when not beside the launcher: a command that enters that
+    place (e.g. ``ip netns exec NS``) and the address they listen on there."""
+
+    command_prefix: tuple[str, ...]
+    address: str
+
+
+@dataclass(frozen=True)
 class ClusterResult:
     run_dir: Path
     job: Job
@@ -66,17 +75,26 @@ class ClusterResult:
 class LocalCluster:
     """Starts, watches and stops the roles of one local run."""
 
-    def __init__(self, job: Job, run_dir: Path, *, token: str, resume: bool = False) -> None:
+    def __init__(self, job: Job, run_dir: Path, *, token: str, resume: bool = False, ps_host: PsHost | None = None) -> None:
         self.job = job
         self.run_dir = run_dir
         self.token = token
         self.resume = resume
+        self.ps_host = ps_host
         self.roles: list[Role] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
         spec = self.job.spec
-        ps = [self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i)], ready=True) for i in range(spec.ps.num_shards)]
+        ps_args = []
+        prefix: tuple[str, ...] = ()
+        if self.ps_host is not None:
+            ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
+            prefix = self.ps_host.command_prefix
+        ps = [
+            self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=prefix)
+            for i in range(spec.ps.num_shards)
+        ]
         ps_addresses = [self._wait_ready(role) for role in ps]
         oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
         oracle_address = self._wait_ready(oracle)
@@ -121,12 +139,12 @@ class LocalCluster:
                 role.process.kill()
                 role.process.wait()
 
-    def _spawn(self, name: str, args: list[str], *, ready: bool = False) -> Role:
+    def _spawn(self, name: str, args: list[str], *, ready: bool = False, prefix: tuple[str, ...] = ()) -> Role:
         log_path = self.run_dir / "logs" / f"{name}.log"
         ready_file = self.run_dir / f".{name}.ready" if ready else None
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
-        argv = [sys.executable, str(LAUNCH), str(self.job.spec.source), *args]
+        argv = [*prefix, sys.executable, str(LAUNCH), str(self.job.spec.source), *args]
         if ready_file is not None:
             argv += ["--ready-file", str(ready_file)]
         if self.resume:
@@ -153,14 +171,16 @@ class LocalCluster:
         return Endpoint(host=role.info["host"], port=role.info["port"])
 
 
-def run_cluster(job: Job, run_dir: Path, *, token: str, resume: bool = False, on_poll: Any = None) -> ClusterResult:
+def run_cluster(
+    job: Job, run_dir: Path, *, token: str, resume: bool = False, on_poll: Any = None, ps_host: PsHost | None = None
+) -> ClusterResult:
     """Run a local cluster to the end; `on_poll()` is called every 0.2 s while trainers run."""
     if not resume:
         for stale in run_dir.glob("trainer-*.jsonl"):
             stale.unlink()
         shutil.rmtree(run_dir / "final", ignore_errors=True)
     started = time.monotonic()
-    cluster = LocalCluster(job, run_dir, token=token, resume=resume)
+    cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
     try:
         cluster.start()
         while not cluster.check():

@@ -264,6 +264,27 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
     return spec
 
 
+def spec_toml(name: str, seed: int, sections: dict[str, dict[str, Any]]) -> str:
+    """A spec file's text from plain values (for generated specs: benchmarks, tests)."""
+    lines = [f"name = {_toml_value(name)}", f"seed = {seed}"]
+    for section, values in sections.items():
+        lines.append(f"\n[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
 def load_spec(path: str | Path) -> ClusterSpec:
     """Read and validate a spec file; ConfigError names the file on a TOML syntax error."""
     path = Path(path).resolve()

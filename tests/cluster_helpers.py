@@ -12,7 +12,7 @@ import torch
 from common.cluster import ClusterResult, run_cluster
 from common.init import initial_rows
 from common.job import Job, build_job
-from common.spec import load_spec
+from common.spec import load_spec, spec_toml
 from oracle.main import build_workload
 from ps.checkpoint import load_snapshot
 from tests.trainer.reference import ReferenceResult, reference_train
@@ -40,23 +40,9 @@ def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]],
     for key, value in overrides.items():
         sections.setdefault(key, {}).update(value)
     sections["checkpoint"] = {"dir": str(directory / "checkpoints"), **sections.get("checkpoint", {})}
-    lines = [f'name = "{name}"', f"seed = {seed}"]
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
     path = directory / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(spec_toml(name, seed, sections))
     return path
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
 
 
 @dataclass(frozen=True)

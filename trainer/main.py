@@ -30,6 +30,7 @@ from trainer.remote import DirectiveStream, RemoteRows
 from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
+INIT_CHUNK_ROWS = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,8 +102,9 @@ def _build_engine(job: Job, device: Device, comm: Collectives, io: IoThread, ps:
     embedding_optimizer = build_embedding_optimizer(job.optimizer)
     if ps is None:  # local mode: the whole table in the trainer, slot = key
         cache = EmbeddingCache(job.layout.total_rows, job.dim, embedding_optimizer, device)
-        all_keys = np.arange(job.layout.total_rows, dtype=np.int64)
-        cache.rows.copy_(torch.from_numpy(initial_rows(job.layout, spec.seed, all_keys, job.dim)))
+        for start in range(0, job.layout.total_rows, INIT_CHUNK_ROWS):  # bounded temporaries
+            keys = np.arange(start, min(start + INIT_CHUNK_ROWS, job.layout.total_rows), dtype=np.int64)
+            cache.rows[start : start + len(keys)] = torch.from_numpy(initial_rows(job.layout, spec.seed, keys, job.dim))
         rows = None
     else:
         cache = EmbeddingCache(spec.oracle.cache_rows, job.dim, embedding_optimizer, device)

@@ -85,3 +85,16 @@ def test_token_from_spec_or_environment(monkeypatch: pytest.MonkeyPatch) -> None
         parse_spec({}, SRC).token()
     monkeypatch.setenv("BAGPIPE_TOKEN", "env")
     assert parse_spec({}, SRC).token() == "env"
+
+
+def test_spec_toml_round_trips(tmp_path: Path) -> None:
+    from common.spec import spec_toml
+
+    sections = {"oracle": {"mode": "local", "lookahead": 3}, "data": {"path": 'a "b"\\c', "sizes": [1, 2]},
+                "checkpoint": {"restart": True}, "cluster": {"request_timeout_s": 2.5}}
+    path = tmp_path / "s.toml"
+    path.write_text(spec_toml("n", 4, sections))
+    spec = load_spec(path)
+    assert (spec.name, spec.seed, spec.oracle.mode, spec.oracle.lookahead) == ("n", 4, "local", 3)
+    assert spec.sections["data"] == {"path": 'a "b"\\c', "sizes": [1, 2]}
+    assert spec.checkpoint.restart is True and spec.cluster.request_timeout_s == 2.5
