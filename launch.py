@@ -91,17 +91,17 @@ def run_role(args: argparse.Namespace) -> int:
     if args.role == "ps":
         from ps.main import run_ps
 
-        run(run_ps(job, args.index, token=token, restore=-1 if args.resume else None, ready_file=args.ready_file))
+        run(run_ps(job, args.index, token=token, resume=args.resume, ready_file=args.ready_file))
     elif args.role == "oracle":
         from oracle.main import run_oracle
 
-        run(run_oracle(job, token=token, ready_file=args.ready_file))
+        run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume))
     else:
         from trainer.main import Peers, run_trainer
 
         peers = Peers(oracle=spec.oracle.address, ps=spec.ps.addresses, rendezvous=spec.trainers.rendezvous)
         run_dir = args.run_dir or Path("runs") / spec.name
-        run_trainer(job, args.index, token=token, peers=peers, run_dir=run_dir)
+        run_trainer(job, args.index, token=token, peers=peers, run_dir=run_dir, resume=args.resume)
     return 0
 
 

@@ -1,12 +1,17 @@
 """Planner benchmark: key uses planned per second per mode, and hit rates at equal C.
 
-    .venv/bin/python bench/planner.py [--quick] [--json PATH]
+    .venv/bin/python bench/planner.py [--quick] [--json PATH] [--criteo PATH]
 
-The stream is Criteo-like and synthetic (26 tables, global batch 16,384, T = 4, L = 200): per
-table, 92% of the accesses go to the hottest 1% of rows (Zipf-shaped inside), the rest are
-uniform; ranks are scattered over the key space by a multiplicative hash. One key use = one
-(sample, feature) id planned. The hit-rate part uses a smaller stream of the same shape and
-the same C for every mode; the static cache pins the hottest rows of a frequency pass.
+Throughput: the stream is Criteo-like and synthetic, generated inline (26 tables, global batch
+16,384, T = 4, L = 200): per table, 92% of the accesses go to the hottest 1% of rows
+(Zipf-shaped inside), the rest are uniform; ranks are scattered over the key space by a
+multiplicative hash. One key use = one (sample, feature) id planned.
+
+Hit rates (bagpipe vs static-cache vs no-cache at the same C, T = 2): on the real Criteo
+Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of rows = 92% of
+accesses), both read with the project's data readers (`common.data`). C is a multiple of the
+largest per-trainer working set of one iteration; the static cache pins the hottest rows of
+a frequency pass over the whole stream and keeps one working set of room for the rest.
 """
 
 from __future__ import annotations
@@ -21,8 +26,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.data.dataset import open_dataset  # noqa: E402
+from common.data.spec import DataSpec  # noqa: E402
+from common.keys import TableLayout  # noqa: E402
 from oracle.config import PlannerConfig, hottest_keys, required_capacity  # noqa: E402
 from oracle.planner import Planner  # noqa: E402
+
+CRITEO_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
+HIT_T = 2
+HIT_BATCH = 128  # 62 iterations of the 8,000-row sample
+HIT_L, HIT_D = 50, 4
+HIT_FACTORS = (2, 4)
+HIT_MODES = ("bagpipe", "static-cache", "no-cache")
 
 TABLE_SIZES = (
     1460, 583, 10_131_227, 2_202_608, 305, 24, 12_517, 633, 3, 93_145, 5_683, 8_351_593, 3_194,
@@ -65,32 +80,65 @@ def throughput(mode: str, batches: list[np.ndarray], capacity: int, lookahead: i
     return sum(b.size for b in batches) / elapsed
 
 
-def hit_rates(rng: np.random.Generator, iterations: int) -> dict[str, float]:
-    """Hit rate of each cached mode at the same C on a smaller skewed stream."""
-    sizes = tuple(max(3, n // 10) for n in TABLE_SIZES)
-    batches = [criteo_like(rng, 2048, sizes) for _ in range(iterations)]
-    base = PlannerConfig(num_trainers=4, lookahead=0, prefetch_lead=0, capacity=1 << 30)
+def dataset_keys(spec: DataSpec, batch_size: int) -> list[np.ndarray]:
+    """Every training batch of a data set as global keys int64 [B, 26], read by `common.data`."""
+    dataset = open_dataset(spec)
+    layout = TableLayout(dataset.table_sizes)
+    return [layout.to_keys(b.sparse) for b in dataset.train_batches(batch_size)]
+
+
+def hit_rates(batches: list[np.ndarray], factor: int) -> dict[str, float]:
+    """Hit rate of each cached mode at C = factor x the largest per-trainer working set."""
+    base = PlannerConfig(num_trainers=HIT_T, lookahead=0, prefetch_lead=0, capacity=1 << 30)
     need = required_capacity(base, batches)
-    capacity = 2 * need
-    rates = {}
-    for mode in ("no-cache", "static-cache", "bagpipe"):
+    capacity = factor * need
+    rates: dict[str, float] = {"iterations": len(batches), "working_set": need, "capacity": capacity}
+    for mode in HIT_MODES:
         hot = hottest_keys(batches, capacity - need) if mode == "static-cache" else np.zeros(0, np.int64)
         config = PlannerConfig(
-            num_trainers=4, lookahead=50, prefetch_lead=4, capacity=capacity, mode=mode, hot_keys=hot  # type: ignore[arg-type]
+            num_trainers=HIT_T, lookahead=HIT_L, prefetch_lead=HIT_D, capacity=capacity,
+            mode=mode, hot_keys=hot,  # type: ignore[arg-type]
         )
         planner = Planner(config)
         for b in batches:
             planner.push(b)
         planner.finish()
         rates[mode] = planner.stats.hit_rate
-    rates["capacity"] = capacity
     return rates
+
+
+def hit_rate_table(criteo: Path, quick: bool) -> list[dict[str, object]]:
+    """Rows of the hit-rate table: one per (stream, C factor)."""
+    synthetic_rows = 32 * 1024 if quick else 256 * 1024
+    streams = {
+        "criteo-kaggle-8k": DataSpec(format="criteo", path=str(criteo)),
+        f"synthetic-{synthetic_rows // 1024}k": DataSpec(
+            format="synthetic", top1_share=0.92, rows=synthetic_rows, seed=0
+        ),
+    }
+    rows: list[dict[str, object]] = []
+    for name, spec in streams.items():
+        batches = dataset_keys(spec, HIT_BATCH)
+        for factor in HIT_FACTORS:
+            rows.append({"stream": name, "factor": factor, **hit_rates(batches, factor)})
+    return rows
+
+
+def print_hit_rates(rows: list[dict[str, object]]) -> None:
+    print(f"\nhit rate at equal C: T={HIT_T}, B={HIT_BATCH}, L={HIT_L}, D={HIT_D}; "
+          "C = factor x largest per-trainer working set W")
+    head = f"{'stream':<18}{'iters':>6}{'W':>6}{'C':>7}" + "".join(f"{m:>14}" for m in HIT_MODES)
+    print(head)
+    for r in rows:
+        rates = "".join(f"{r[m]:>14.1%}" for m in HIT_MODES)
+        print(f"{r['stream']:<18}{r['iterations']:>6}{r['working_set']:>6}{r['capacity']:>7}{rates}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams (under a minute)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--criteo", type=Path, default=CRITEO_SAMPLE, help="Criteo Kaggle sample (raw TSV)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     iterations = 24 if args.quick else 260
@@ -98,19 +146,23 @@ def main() -> None:
     per_trainer_need = required_capacity(PlannerConfig(num_trainers=4, lookahead=0, prefetch_lead=0, capacity=1 << 30), batches[:8])
     capacity = 4 * per_trainer_need
     hot = hottest_keys(batches[:8], capacity - 2 * per_trainer_need)
-    results: dict[str, dict[str, float]] = {}
-    for mode in ("bagpipe", "no-cache", "static-cache", "local"):
-        results[mode] = {"key_uses_per_s": throughput(mode, batches, capacity, 200, hot)}
-    rates = hit_rates(rng, 40 if args.quick else 200)
-    for mode in ("bagpipe", "no-cache", "static-cache"):
-        results[mode]["hit_rate"] = rates[mode]
-    print(f"stream: {iterations} iterations x 16,384 x 26 keys, T=4, L=200, D=8, C={capacity}")
-    print(f"hit rates: smaller stream, equal C={int(rates['capacity'])}, L=50")
-    print(f"{'mode':<14}{'M key uses/s (CPU)':>20}{'hit rate':>10}")
-    for mode, r in results.items():
-        rate = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
-        print(f"{mode:<14}{r['key_uses_per_s'] / 1e6:>20.2f}{rate:>10}")
+    modes = ("bagpipe", "no-cache", "static-cache", "local")
+    throughput_results = {mode: throughput(mode, batches, capacity, 200, hot) for mode in modes}
+    print(f"throughput: inline stream, {iterations} iterations x 16,384 x 26 keys, "
+          f"T=4, L=200, D=8, C={capacity}")
+    print(f"{'mode':<14}{'M key uses/s (CPU)':>20}")
+    for mode, rate in throughput_results.items():
+        print(f"{mode:<14}{rate / 1e6:>20.2f}")
+    rows = hit_rate_table(args.criteo, args.quick)
+    print_hit_rates(rows)
     if args.json:
+        results = {
+            "throughput": {m: {"key_uses_per_s": r} for m, r in throughput_results.items()},
+            "hit_rates": {
+                "trainers": HIT_T, "batch_size": HIT_BATCH, "lookahead": HIT_L, "prefetch_lead": HIT_D,
+                "rows": rows,
+            },
+        }
         args.json.write_text(json.dumps(results, indent=2))
 
 

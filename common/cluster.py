@@ -11,6 +11,7 @@ launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
+MAX_RESTARTS = 3
 
 
 class RoleFailed(BagpipeError):
@@ -52,8 +55,8 @@ class Role:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return "(no log)"
-        return "\n".join(f"    {line}" for line in lines[-n:])
+            return "    (no log)"
+        return "\n".join(f"    {line}" for line in lines[-n:]) or "    (empty log)"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class ClusterResult:
     run_dir: Path
     job: Job
     seconds: float
+    restarts: tuple[str, ...] = ()  # the role whose death caused each automatic restart
 
 
 class LocalCluster:
@@ -114,15 +118,21 @@ class LocalCluster:
         return [r for r in self.roles if r.name.startswith("trainer-")]
 
     def check(self) -> bool:
-        """True once every trainer exited cleanly; raises RoleFailed if any role died."""
-        for role in self.roles:
-            code = role.process.poll()
-            if code is None or (code == 0 and role.name.startswith("trainer-")):
-                continue
-            raise RoleFailed(
-                f"{role.name} exited with code {code}; its last log lines ({role.log_path}):\n{role.last_lines()}",
-                role=role.name,
-            )
+        """True once every trainer exited cleanly; raises RoleFailed if any role died.
+
+        The error names the role that died first as far as one poll can tell: when several
+        are found dead at once, one killed by a signal comes before those that exited with
+        an error, since a peer's death makes the others fail (gloo: "Connection reset by
+        peer"), not get killed.
+        """
+        dead = [r for r in self.roles if _died(r)]
+        if dead:
+            first, *others = sorted(dead, key=lambda r: (r.process.returncode or 0) >= 0)
+            message = f"{first.name} {_exit_text(first)}"
+            if others:
+                message += " (then " + ", ".join(f"{r.name} {_exit_text(r)}" for r in others) + ")"
+            message += f"; its last log lines ({first.log_path}):\n{first.last_lines()}"
+            raise RoleFailed(message, role=first.name)
         return all(r.process.poll() == 0 for r in self.trainers())
 
     def stop(self) -> None:
@@ -153,7 +163,7 @@ class LocalCluster:
         with open(log_path, "ab") as out:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
         role = Role(name, process, log_path, ready_file)
         self.roles.append(role)
@@ -165,33 +175,60 @@ class LocalCluster:
         while not role.ready_file.exists():
             self.check()
             if time.monotonic() > deadline:
-                raise RoleFailed(f"{role.name} did not start within {START_TIMEOUT_S:.0f} s:\n{role.last_lines()}")
+                raise RoleFailed(f"{role.name} did not start within {START_TIMEOUT_S:.0f} s:\n{role.last_lines()}",
+                                 role=role.name)
             time.sleep(0.05)
         role.info = orjson.loads(role.ready_file.read_bytes())
         return Endpoint(host=role.info["host"], port=role.info["port"])
 
 
 def run_cluster(
-    job: Job, run_dir: Path, *, token: str, resume: bool = False, on_poll: Any = None, ps_host: PsHost | None = None
+    job: Job,
+    run_dir: Path,
+    *,
+    token: str,
+    resume: bool = False,
+    on_poll: Callable[[LocalCluster], None] | None = None,
+    ps_host: PsHost | None = None,
 ) -> ClusterResult:
-    """Run a local cluster to the end; `on_poll()` is called every 0.2 s while trainers run."""
+    """Run a local cluster to the end; `on_poll(cluster)` is called every 0.2 s while it runs.
+
+    With ``checkpoint.restart = true`` in the spec, a role that dies makes every role stop
+    and start again from the latest complete checkpoint (at most MAX_RESTARTS times).
+    """
     if not resume:
         for stale in run_dir.glob("trainer-*.jsonl"):
             stale.unlink()
         shutil.rmtree(run_dir / "final", ignore_errors=True)
+        # A fresh run starts a fresh checkpoint history: an automatic restart must resume
+        # from this run's checkpoints, never from an earlier run's.
+        if job.spec.checkpoint.dir.exists():
+            log.info("fresh run: removing the old checkpoints in %s (--resume continues from them)",
+                     job.spec.checkpoint.dir)
+            shutil.rmtree(job.spec.checkpoint.dir)
     started = time.monotonic()
-    cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
-    try:
-        cluster.start()
-        while not cluster.check():
+    failures: list[str] = []
+    while True:
+        cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
+        try:
+            cluster.start()
+            while not cluster.check():
+                if on_poll is not None:
+                    on_poll(cluster)
+                time.sleep(0.2)
             if on_poll is not None:
-                on_poll()
-            time.sleep(0.2)
-        if on_poll is not None:
-            on_poll()
-    finally:
-        cluster.stop()
-    return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started)
+                on_poll(cluster)
+            break
+        except RoleFailed as exc:
+            if not job.spec.checkpoint.restart or len(failures) >= MAX_RESTARTS:
+                raise
+            failures.append(str(exc.fields.get("role", "?")))
+            log.warning("%s; restarting every role from the latest complete checkpoint (restart %d of %d)",
+                        exc.message.splitlines()[0].split(";")[0], len(failures), MAX_RESTARTS)
+            resume = True
+        finally:
+            cluster.stop()
+    return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started, restarts=tuple(failures))
 
 
 def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
@@ -210,15 +247,15 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     tail = RunTail(run_dir, spec.trainers.count)
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "
           f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
-    with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
-        try:
-            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda: bar.update(tail.poll()))
-        except KeyboardInterrupt:
-            print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
-            return 130
-        except RoleFailed as exc:
-            print(f"\nbagpipe: {exc}", file=sys.stderr)
-            return 1
+    try:  # the bar closes (and logs its last line) before an error is shown
+        with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
+            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda _: bar.update(tail.poll()))
+    except KeyboardInterrupt:
+        print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
+        return 130
+    except RoleFailed as exc:
+        print(f"\nbagpipe: {exc}", file=sys.stderr)
+        return 1
     records = read_run(run_dir, spec.trainers.count)
     summary = summarise(records, mode=spec.oracle.mode, global_batch=spec.train.batch_size,
                         warmup=min(5, max(0, total // 10)), trainers=spec.trainers.count)
@@ -243,9 +280,28 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies (Linux)."""
+def _died(role: Role) -> bool:
+    """Exited, and not as a trainer that finished (services run until stopped)."""
+    code = role.process.poll()
+    return code is not None and not (code == 0 and role.name.startswith("trainer-"))
+
+
+def _exit_text(role: Role) -> str:
+    code = role.process.returncode
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _die_with_parent(launcher: int) -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (Linux). If it died
+    between fork and prctl, the signal will never come: the parent is already someone else."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -73,6 +73,13 @@ class PayloadTooLarge(BagpipeError):
     code = "payload_too_large"
 
 
+class StorageFailed(BagpipeError):
+    """Something could not be written to disk (a checkpoint on a full or unwritable disk)."""
+
+    status = 507
+    code = "storage"
+
+
 class Unavailable(BagpipeError):
     """A peer could not be reached or stopped answering."""
 
@@ -98,6 +105,7 @@ _BY_CODE: dict[str, type[BagpipeError]] = {
         MethodNotAllowed,
         Conflict,
         PayloadTooLarge,
+        StorageFailed,
         Unavailable,
         TimedOut,
     )

@@ -88,7 +88,6 @@ class TrainSection:
     epochs: int = 1
     max_iterations: int = 0
     eval_every: int = 0
-    log_every: int = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +219,6 @@ def _train(s: _Section) -> TrainSection:
         epochs=s.int("epochs", 1, low=1),
         max_iterations=s.int("max_iterations", 0, low=0),
         eval_every=s.int("eval_every", 0, low=0),
-        log_every=s.int("log_every", 10, low=1),
     )
 
 

@@ -34,7 +34,7 @@ class BagpipeRules:
         cfg = self._config
         t = cfg.num_trainers
         check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
-        flush = x > 0 and cfg.is_checkpoint(x - 1)
+        flush = x > 0 and cfg.is_local_checkpoint(x - 1)
         flush_rows = len(self._state.rec_of) if flush else 0
         ev = engine.new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
         base = self._base.pop(x)

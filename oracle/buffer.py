@@ -5,6 +5,9 @@ handlers on the event loop `get` them. The buffer keeps the planner at most `max
 iterations ahead of the slowest trainer (so HTTP/2 flow control on a slow trainer's stream
 stops the planner too), and keeps already sent steps from `retain_from` on, so a trainer
 that reconnects can resume from any iteration it has not finished.
+
+Iterations are global: a run resumed from a checkpoint starts at `first` (DESIGN §9), and
+steps before it were never held here (asking for them answers 409).
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ from common.errors import BagpipeError, Conflict
 
 
 class StepBuffer:
-    def __init__(self, num_trainers: int, max_ahead: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, num_trainers: int, max_ahead: int, loop: asyncio.AbstractEventLoop, *, first: int = 0
+    ) -> None:
         self.num_trainers = num_trainers
         self.max_ahead = max_ahead
         self.total: int | None = None
         self._loop = loop
         self._steps: dict[int, list[bytes]] = {}
-        self._first_kept = 0
-        self._produced = 0
-        self._sent = [0] * num_trainers  # next iteration each trainer has not yet been sent
+        self._first_kept = first
+        self._produced = first  # the next iteration to put
+        self._sent = [first] * num_trainers  # next iteration each trainer has not yet been sent
         self._error: BaseException | None = None
         self._lock = threading.Condition()  # guards everything above; the planner waits on it
         self._changed = asyncio.Event()
@@ -42,6 +47,7 @@ class StepBuffer:
         self._notify()
 
     def finish(self, total: int) -> None:
+        """No step after `total` - 1 (the run's last global iteration) will come."""
         with self._lock:
             self.total = total
         self._notify()
@@ -58,13 +64,7 @@ class StepBuffer:
         """Trainer's message for `iteration`, waiting for the planner; None after the end."""
         while True:
             with self._lock:
-                if self._error is not None:
-                    raise _as_bagpipe_error(self._error)
-                if iteration < self._first_kept:
-                    raise Conflict(
-                        f"iteration {iteration} is no longer held (oldest kept: {self._first_kept})",
-                        oldest=self._first_kept,
-                    )
+                self._check_streamable(iteration)
                 if iteration in self._steps:
                     return self._steps[iteration][trainer]
                 if self.total is not None and iteration >= self.total:
@@ -86,12 +86,20 @@ class StepBuffer:
                 self._first_kept = old + 1
 
     def check_resumable(self, iteration: int) -> None:
+        """Raise what a stream from `iteration` would meet at once: the planner's failure, or
+        Conflict (409) if the iteration is no longer held."""
         with self._lock:
-            if iteration < self._first_kept:
-                raise Conflict(
-                    f"iteration {iteration} is no longer held (oldest kept: {self._first_kept})",
-                    oldest=self._first_kept,
-                )
+            self._check_streamable(iteration)
+
+    def _check_streamable(self, iteration: int) -> None:
+        # caller holds self._lock
+        if self._error is not None:
+            raise _as_bagpipe_error(self._error)
+        if iteration < self._first_kept:
+            raise Conflict(
+                f"iteration {iteration} is no longer held (oldest kept: {self._first_kept})",
+                oldest=self._first_kept,
+            )
 
     def _notify(self) -> None:
         self._loop.call_soon_threadsafe(self._changed.set)

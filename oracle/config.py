@@ -27,6 +27,13 @@ class PlannerConfig:
     rows and slot = key. `hot_keys` is the static cache's pinned set (see `hottest_keys`);
     it is pinned in slots 0..H-1 of every trainer in key order. `checkpoint_every` = n > 0
     marks iterations n-1, 2n-1, ... as checkpoints.
+
+    `first_iteration` (F) is the global number of the first batch pushed: a run resumed from
+    checkpoint c plans with F = c + 1 (DESIGN §9). The planner counts its own iterations from
+    0 internally; its directives carry global numbers (iteration, prefetch targets, write
+    versions, min_versions >= 0 all shifted by F) and mark checkpoints by global number, so
+    a resumed run marks and flushes the same checkpoints as an uninterrupted one. A
+    min_version of -1 still means "not written back since the planner started".
     """
 
     num_trainers: int
@@ -35,6 +42,7 @@ class PlannerConfig:
     capacity: int
     mode: Mode = "bagpipe"
     checkpoint_every: int = 0
+    first_iteration: int = 0
     total_rows: int = 0
     hot_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False)
 
@@ -45,6 +53,7 @@ class PlannerConfig:
         _non_negative_int("oracle.lookahead", self.lookahead)
         _non_negative_int("oracle.prefetch_lead", self.prefetch_lead)
         _non_negative_int("oracle.checkpoint_every", self.checkpoint_every)
+        _non_negative_int("oracle.first_iteration", self.first_iteration)
         _non_negative_int("oracle.total_rows", self.total_rows)
         if self.mode not in MODES:
             raise ConfigError("oracle.mode", f"must be one of {MODES}, got {self.mode!r}")
@@ -81,7 +90,13 @@ class PlannerConfig:
         return self.prefetch_lead if self.mode == "bagpipe" else 0
 
     def is_checkpoint(self, iteration: int) -> bool:
+        """Whether global iteration `iteration` is a checkpoint."""
         return self.checkpoint_every > 0 and (iteration + 1) % self.checkpoint_every == 0
+
+    def is_local_checkpoint(self, x: int) -> bool:
+        """Whether the planner's own iteration x (counted from 0) is a checkpoint, judged by
+        its global number first_iteration + x; for planning rules, which count from 0."""
+        return self.is_checkpoint(self.first_iteration + x)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 
 import numpy as np
 
+from common.checkpoints import latest_complete
 from common.data.dataset import open_dataset
 from common.errors import ConfigError
 from common.job import Job
@@ -18,7 +20,7 @@ from oracle.service import OracleService, Workload
 log = logging.getLogger(__name__)
 
 
-def build_workload(job: Job) -> Workload:
+def build_workload(job: Job, start: int = 0) -> Workload:
     train = job.spec.train
     return Workload(
         dataset=open_dataset(job.data, progress=True),
@@ -26,6 +28,7 @@ def build_workload(job: Job) -> Workload:
         batch_size=train.batch_size,
         epochs=train.epochs,
         max_iterations=train.max_iterations,
+        start=start,
     )
 
 
@@ -40,6 +43,7 @@ def planner_config(job: Job, workload: Workload) -> PlannerConfig:
         mode=oracle.mode,
         checkpoint_every=job.spec.checkpoint.every,
         total_rows=job.layout.total_rows,
+        first_iteration=workload.start,
     )
     per_iteration = check_batch_size(PlannerConfig(**base), workload.batch_size) * job.layout.num_tables
     if oracle.mode == "static-cache":
@@ -47,7 +51,8 @@ def planner_config(job: Job, workload: Workload) -> PlannerConfig:
         count = oracle.cache_rows - per_iteration
         if count <= 0:
             raise ConfigError("oracle.cache_rows", f"static-cache needs more than {per_iteration} rows")
-        hot = hottest_keys((keys for keys, _, _ in workload.key_batches()), count)
+        # The hot set of the whole run, also when resuming: the plan does not depend on where it starts.
+        hot = hottest_keys((keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches()), count)
         base["hot_keys"] = np.sort(hot)
         log.info("static cache pins the %d hottest rows", len(hot))
     config = PlannerConfig(**base)
@@ -70,9 +75,12 @@ def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
         )
 
 
-async def run_oracle(job: Job, *, token: str, ready_file: Path | None) -> None:
+async def run_oracle(job: Job, *, token: str, ready_file: Path | None, resume: bool = False) -> None:
+    """Plan and serve the directive streams until SIGTERM; with `resume`, from the iteration
+    after the latest complete checkpoint."""
     spec = job.spec
-    workload = build_workload(job)
+    checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
+    workload = build_workload(job, start=0 if checkpoint is None else checkpoint + 1)
     config = planner_config(job, workload)
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead)
     address = spec.oracle.address

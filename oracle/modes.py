@@ -61,7 +61,7 @@ class StaticRules:
         min_v = np.repeat(versions, np.diff(np.append(firsts, cold.size)))
         fill = self._hot_fill() if x == 0 else rows(0, 4)
         fetch = np.concatenate([fill, np.column_stack([cold_rows, min_v])])
-        flush = self._flush(x - 1) if x > 0 and self._config.is_checkpoint(x - 1) else rows(0, 3)
+        flush = self._flush(x - 1) if x > 0 and self._config.is_local_checkpoint(x - 1) else rows(0, 3)
         self._hot_last_use[pos[is_hot]] = x
         group_keys, group_slots = self._groups(batch, is_hot, slot)
         stats = np.zeros((t, 5), np.int64)

@@ -9,6 +9,9 @@ residency then ends with a write-back, so the PS holds every final row.
 
 The output depends only on the batches: pushing the stream one batch at a time or all at once
 gives byte-identical directives.
+
+Iterations are counted from 0 inside the planner and its rules; `_directives` turns them into
+global numbers (`PlannerConfig.first_iteration`) in the one place directives are assembled.
 """
 
 from __future__ import annotations
@@ -149,7 +152,8 @@ class Planner:
         return out
 
     def _directives(self, e: int, p: _Pending, next_keys: np.ndarray) -> list[Directive]:
-        t = self.config.num_trainers
+        t, first = self.config.num_trainers, self.config.first_iteration
+        g = first + e  # the global iteration of local e
         assert p.pair_slot is not None and p.group_keys is not None and p.group_slots is not None
         slots = p.pair_slot[p.batch.inverse].reshape(p.batch.keys.shape)
         per = slots.shape[0] // t
@@ -166,13 +170,13 @@ class Planner:
             wr = _by_key(write, j)
             directives.append(
                 Directive(
-                    iteration=e,
+                    iteration=g,
                     trainer=j,
                     input_slots=np.ascontiguousarray(slots[j * per : (j + 1) * per], dtype=np.int32),
                     prefetch_keys=f[:, 1].copy(),
                     prefetch_slots=f[:, 2].astype(np.int32),
-                    prefetch_min_versions=f[:, 3].copy(),
-                    prefetch_targets=f[:, 4].astype(np.int32),
+                    prefetch_min_versions=_global_versions(f[:, 3], first),
+                    prefetch_targets=(f[:, 4] + first).astype(np.int32),
                     join_keys=join_keys,
                     join_send_slots=_slots_at(join_keys, join_src, j),
                     join_recv_slots=_slots_at(join_keys, join_dst, j),
@@ -183,11 +187,11 @@ class Planner:
                     leave_slots=lv[:, 2].astype(np.int32),
                     write_keys=wr[:, 1].copy(),
                     write_slots=wr[:, 2].astype(np.int32),
-                    write_versions=np.full(wr.shape[0], e, np.int64),
-                    checkpoint=self.config.is_checkpoint(e),
+                    write_versions=np.full(wr.shape[0], g, np.int64),
+                    checkpoint=self.config.is_checkpoint(g),
                 )
             )
-        self.stats.add(_iteration_stats(e, p, fetch, join_dst, write, now))
+        self.stats.add(_iteration_stats(g, p, fetch, join_dst, write, now))
         return directives
 
 
@@ -197,6 +201,11 @@ def _rules_for(config: PlannerConfig) -> Rules:
     if config.mode == "local":
         return LocalRules(config)
     return StaticRules(config)
+
+
+def _global_versions(versions: np.ndarray, first: int) -> np.ndarray:
+    """Local write-back versions as global ones; -1 (none since the planner started) stays."""
+    return np.where(versions >= 0, versions + first, versions)
 
 
 def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:

@@ -3,9 +3,10 @@ per trainer (DESIGN §2, §4, §7).
 
 Routes:
 
-* ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from iteration X on, as framed
-  messages (`common.steps`): a batch and a directive per iteration, then an end message.
-  Steps before the oldest kept iteration answer 409.
+* ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
+  framed messages (`common.steps`): a batch and a directive per iteration, then an end
+  message. Steps before the oldest kept iteration (or before the workload's `start`) answer
+  409; once the planner has failed, its error.
 * ``GET /v1/health``, ``GET /metrics`` (public).
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.data.dataset import Dataset
-from common.errors import BadRequest
+from common.errors import BadRequest, ConfigError
 from common.keys import TableLayout
 from common.metrics import Registry
 from common.steps import EndOfStream, Step
@@ -34,13 +35,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """The training stream the oracle plans: which batches, in which order."""
+    """The training stream the oracle plans: which batches, in which order.
+
+    `start` is the first global iteration planned (c + 1 when resuming from checkpoint c,
+    DESIGN §9); `num_iterations` is the length of the whole run, whatever `start` is.
+    """
 
     dataset: Dataset
     layout: TableLayout
     batch_size: int
     epochs: int
     max_iterations: int  # 0: all batches of all epochs
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.start) is not int or not 0 <= self.start <= self.num_iterations:
+            raise ConfigError("train.start", f"must be in 0..{self.num_iterations}, got {self.start!r}")
 
     @property
     def num_iterations(self) -> int:
@@ -48,14 +58,26 @@ class Workload:
         return min(total, self.max_iterations) if self.max_iterations else total
 
     def key_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """(global keys [B, F], labels [B], dense [B, num_dense]) per iteration, in order."""
-        batches = self.dataset.train_batches(self.batch_size, epochs=self.epochs)
-        for _, batch in zip(range(self.num_iterations), batches):
+        """(global keys [B, F], labels [B], dense [B, num_dense]) of iterations start ..
+        num_iterations - 1, in order."""
+        batches = self.dataset.train_batches(self.batch_size, epochs=self.epochs, start=self.start)
+        for _, batch in zip(range(self.start, self.num_iterations), batches):
             yield self.layout.to_keys(batch.sparse), batch.labels, batch.dense
 
 
 class OracleService:
+    """Plans `workload` with `config` in a thread and serves the per-trainer streams.
+
+    `config.first_iteration` must equal `workload.start`: the planner numbers its directives
+    from it and the stream serves iterations from it.
+    """
+
     def __init__(self, config: PlannerConfig, workload: Workload, *, max_ahead: int, registry: Registry | None = None) -> None:
+        if config.first_iteration != workload.start:
+            raise ConfigError(
+                "oracle.first_iteration",
+                f"{config.first_iteration} differs from the workload's first iteration {workload.start}",
+            )
         self.config = config
         self.workload = workload
         self.max_ahead = max_ahead
@@ -75,7 +97,8 @@ class OracleService:
     def start(self) -> None:
         """Start planning in a background thread (call from the event loop)."""
         loop = asyncio.get_running_loop()
-        self.buffer = StepBuffer(self.config.num_trainers, self.max_ahead, loop)
+        first = self.workload.start
+        self.buffer = StepBuffer(self.config.num_trainers, self.max_ahead, loop, first=first)
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
         self._thread.start()
@@ -94,7 +117,8 @@ class OracleService:
         planner = Planner(self.config)
         batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
-            for x, (keys, labels, dense) in enumerate(self.workload.key_batches()):
+            start = self.workload.start
+            for x, (keys, labels, dense) in enumerate(self.workload.key_batches(), start=start):
                 if self._stop.is_set():
                     return
                 batches[x] = (labels, dense)
@@ -127,7 +151,7 @@ class OracleService:
     async def stream(self, request: Request) -> StreamResponse:
         assert self.buffer is not None
         trainer = _int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        start = _int_param(request, "start", 0, None, default=0)
+        start = _int_param(request, "start", 0, None)
         self.buffer.check_resumable(start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
@@ -163,13 +187,14 @@ def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None
         future.set_result(exc)
 
 
-def _int_param(request: Request, name: str, low: int, high: int | None, default: int | None = None) -> int:
+def _int_param(request: Request, name: str, low: int, high: int | None) -> int:
+    """A required non-negative integer query parameter; BadRequest (400) naming it otherwise."""
     raw = request.query.get(name)
     if raw is None:
-        if default is None:
-            raise BadRequest(f"query parameter {name!r} is required")
-        return default
-    if not raw.isdigit() or int(raw) < low or (high is not None and int(raw) > high):
+        raise BadRequest(f"query parameter {name!r} is required", parameter=name)
+    # isascii: str.isdigit accepts digits such as '²' that int() refuses
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < low or (high is not None and int(raw) > high):
         bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise BadRequest(f"query parameter {name!r} must be an integer in {bound}, got {raw!r}")
+        message = f"query parameter {name!r} must be an integer in {bound}, got {raw!r}"
+        raise BadRequest(message, parameter=name)
     return int(raw)

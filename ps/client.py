@@ -91,18 +91,29 @@ class PsClient:
         await self._each_shard(keys, one)
         return out
 
-    async def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
-        """Store rows with `version` on their shards; each shard applies its part atomically."""
+    async def write_back(
+        self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
+    ) -> None:
+        """Store rows with `version` on their shards; each shard applies its part atomically.
+        A `flush` is checkpoint `version`'s copy of rows that stay cached."""
         keys = np.asarray(keys, dtype=np.int64)
+        meta = {"version": version, "flush": flush}
 
         async def one(shard: int, pos: np.ndarray) -> None:
-            body = encode_parts({"version": version}, {"keys": keys[pos], "rows": rows[pos], "state": state[pos]})
+            body = encode_parts(meta, {"keys": keys[pos], "rows": rows[pos], "state": state[pos]})
             await self._call(shard, "/v1/write_back", body, self.timeout_s, replay_version=version)
 
         await self._each_shard(keys, one)
 
     async def checkpoint(self, checkpoint_id: int) -> list[dict[str, Any]]:
+        """Every shard snapshots its rows now, as checkpoint `checkpoint_id`."""
         return await self._all_shards("/v1/checkpoint", {"id": checkpoint_id})
+
+    async def report_checkpoint(self, checkpoint_id: int, trainer: int, trainers: int) -> list[dict[str, Any]]:
+        """Tell every shard that `trainer`'s writes up to `checkpoint_id` are acknowledged;
+        returns once each shard has written the checkpoint (all trainers reported)."""
+        payload = {"id": checkpoint_id, "trainer": trainer, "trainers": trainers}
+        return await self._all_shards("/v1/checkpoint", payload)
 
     async def restore(self, checkpoint_id: int) -> list[dict[str, Any]]:
         return await self._all_shards("/v1/restore", {"id": checkpoint_id})

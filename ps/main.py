@@ -7,15 +7,12 @@ from pathlib import Path
 
 from common.job import Job
 from common.runtime import make_server, wait_for_stop_signal, write_ready_file
-from ps.checkpoint import list_checkpoints, load_snapshot
+from common.checkpoints import latest_complete, ps_dir
+from ps.checkpoint import load_snapshot
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
 log = logging.getLogger(__name__)
-
-
-def shard_checkpoint_dir(job: Job, index: int) -> Path:
-    return job.spec.checkpoint.dir / f"ps-{index}"
 
 
 def build_service(job: Job, index: int) -> PsService:
@@ -28,22 +25,24 @@ def build_service(job: Job, index: int) -> PsService:
         state_width=job.state_width,
         state_init=job.state_init,
         seed=spec.seed,
+        checkpoint_every=spec.checkpoint.every,
     )
     return PsService(
         ShardStore(config),
-        checkpoint_dir=shard_checkpoint_dir(job, index),
+        checkpoint_dir=ps_dir(spec.checkpoint.dir, index),
         fetch_timeout_s=spec.cluster.fetch_timeout_s,
     )
 
 
-async def run_ps(job: Job, index: int, *, token: str, restore: int | None, ready_file: Path | None) -> None:
-    """Serve shard `index` until SIGTERM/SIGINT. `restore` = −1 means the latest checkpoint."""
+async def run_ps(job: Job, index: int, *, token: str, resume: bool, ready_file: Path | None) -> None:
+    """Serve shard `index` until SIGTERM/SIGINT; with `resume`, from the latest complete
+    checkpoint of the cluster (empty if there is none)."""
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
         raise SystemExit(f"--index {index} is outside 0..{spec.ps.num_shards - 1}")
     service = build_service(job, index)
-    if restore is not None:
-        _restore(service, restore)
+    if resume:
+        _restore(service, latest_complete(spec.checkpoint.dir, spec.ps.num_shards))
     address = spec.ps.addresses[index]
     servers = [
         make_server(
@@ -79,13 +78,10 @@ async def run_ps(job: Job, index: int, *, token: str, restore: int | None, ready
             await server.stop()
 
 
-def _restore(service: PsService, checkpoint_id: int) -> None:
-    if checkpoint_id < 0:
-        available = list_checkpoints(service.checkpoint_dir)
-        if not available:
-            log.info("no checkpoint in %s: starting empty", service.checkpoint_dir)
-            return
-        checkpoint_id = available[-1]
+def _restore(service: PsService, checkpoint_id: int | None) -> None:
+    if checkpoint_id is None:
+        log.info("no complete checkpoint in %s: starting empty", service.checkpoint_dir.parent)
+        return
     snap, _ = load_snapshot(service.checkpoint_dir, checkpoint_id)
-    service.store.restore(snap)
+    service.store.restore(snap, checkpoint_id)
     log.info("restored checkpoint %d (%d rows)", checkpoint_id, len(snap.local))

@@ -6,9 +6,14 @@ Routes (all bodies binary per `common.wire` unless noted):
   meta ``timeout_s`` (optional). Waits, without polling, until every key has reached its
   min_version, then answers rows float32 [n, d], state float32 [n, s], versions int64 [n].
   A wait past the timeout answers 504; stale data is never served.
-* ``POST /v1/write_back``  meta ``version``; keys int64 [n], rows, state. Atomic: the whole
-  request is validated first (409 if any key already has this version or a newer one).
-* ``POST /v1/checkpoint``, ``POST /v1/restore``  JSON ``{"id": c}``.
+* ``POST /v1/write_back``  meta ``version`` (and ``flush: true`` for a checkpoint flush);
+  keys int64 [n], rows, state. Atomic: the whole request is validated first (409 if any key
+  already has this version or a newer one; a flush may be older than the stored row).
+* ``POST /v1/checkpoint``  JSON ``{"id": c}``: snapshot now, as of iteration c. With
+  ``"trainer": j, "trainers": T``: trainer j reports that all its writes of versions <= c
+  were acknowledged; the snapshot of c is taken once all T reported, and every report is
+  answered when it is on disk (507 if it could not be written).
+* ``POST /v1/restore``  JSON ``{"id": c}``.
 * ``GET /v1/health`` and ``GET /metrics`` (public, for curl and Prometheus).
 """
 
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from common.errors import BadRequest, TimedOut
+from common.errors import BadRequest, Conflict, StorageFailed, TimedOut
 from common.metrics import Registry
 from common.transport import Request, Response, Router
 from common.wire import decode, encode_parts, require
@@ -57,6 +62,8 @@ class PsService:
         self.fetch_timeout_s = fetch_timeout_s
         self.metrics = registry or Registry()
         self._waiters: set[_Waiter] = set()
+        self._reports: dict[int, tuple[set[int], asyncio.Future[dict[str, Any]]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def router(self) -> Router:
         router = Router()
@@ -90,33 +97,69 @@ class PsService:
         version = meta.get("version")
         if type(version) is not int:
             raise BadRequest("meta.version must be an integer")
+        flush = meta.get("flush", False)
+        if type(flush) is not bool:
+            raise BadRequest("meta.flush must be a boolean")
         keys = require(arrays, "keys", "<i8", 1)
         rows = require(arrays, "rows", "<f4", 2)
         state = require(arrays, "state", "<f4", 2)
-        local = self.store.check_write(keys, rows, state, version)
-        self.store.write_back(local, rows, state, version)
+        local = self.store.check_write(keys, rows, state, version, flush=flush)
+        self.store.write_back(local, rows, state, version, flush=flush)
         self._count("write_back", len(keys), request, 0)
         self._wake_waiters()
         return Response.json({"written": len(keys), "version": version})
 
     async def checkpoint(self, request: Request) -> Response:
-        checkpoint_id = _checkpoint_id(request.body)
+        payload = _json_object(request.body)
+        checkpoint_id = _non_negative(payload, "id")
+        if "trainer" not in payload:
+            return Response.json(await self._take_checkpoint(checkpoint_id))
+        trainers = _non_negative(payload, "trainers")
+        trainer = _non_negative(payload, "trainer")
+        if not trainer < trainers:
+            raise BadRequest(f"trainer {trainer} is not below trainers = {trainers}")
+        if checkpoint_id <= self.store.last_checkpoint and checkpoint_id not in self._reports:
+            raise Conflict(f"checkpoint {checkpoint_id} was already taken", id=checkpoint_id)
+        reported, done = self._reports.setdefault(checkpoint_id, (set(), asyncio.get_running_loop().create_future()))
+        reported.add(trainer)
+        if len(reported) == trainers and not done.done():
+            self._finish_checkpoint(checkpoint_id, done)
+        return Response.json(await asyncio.shield(done))
+
+    def _finish_checkpoint(self, checkpoint_id: int, done: asyncio.Future[dict[str, Any]]) -> None:
+        async def take() -> None:
+            try:
+                done.set_result(await self._take_checkpoint(checkpoint_id))
+            except BaseException as exc:  # every waiting reporter gets the error
+                done.set_exception(exc)
+            finally:
+                self._reports.pop(checkpoint_id, None)
+
+        task = asyncio.ensure_future(take())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _take_checkpoint(self, checkpoint_id: int) -> dict[str, Any]:
+        """Snapshot as of `checkpoint_id` and write it out (in a thread: the loop keeps serving)."""
         started = time.perf_counter()
-        snap = self.store.snapshot()
+        snap = self.store.snapshot(checkpoint_id)
         meta = {"shard": self.store.config.shard, "num_shards": self.store.config.num_shards}
-        path, nbytes = await asyncio.to_thread(
-            save_snapshot, self.checkpoint_dir, checkpoint_id, snap, meta
-        )
+        try:
+            path, nbytes = await asyncio.to_thread(save_snapshot, self.checkpoint_dir, checkpoint_id, snap, meta)
+        except OSError as exc:
+            log.error("checkpoint %d could not be written to %s: %s", checkpoint_id, self.checkpoint_dir, exc)
+            self.metrics.inc("checkpoint_failures_total", help="Checkpoints that could not be written")
+            raise StorageFailed(f"checkpoint {checkpoint_id} could not be written to {self.checkpoint_dir}: {exc}") from None
         seconds = time.perf_counter() - started
         self.metrics.observe("checkpoint_seconds", seconds, help="Time to write a checkpoint")
         self.metrics.inc("checkpoint_bytes_total", nbytes, help="Bytes written by checkpoints")
         log.info("checkpoint %d: %d bytes in %.3f s at %s", checkpoint_id, nbytes, seconds, path)
-        return Response.json({"id": checkpoint_id, "path": str(path), "bytes": nbytes, "seconds": seconds})
+        return {"id": checkpoint_id, "path": str(path), "bytes": nbytes, "seconds": seconds}
 
     async def restore(self, request: Request) -> Response:
-        checkpoint_id = _checkpoint_id(request.body)
+        checkpoint_id = _non_negative(_json_object(request.body), "id")
         snap, _ = await asyncio.to_thread(load_snapshot, self.checkpoint_dir, checkpoint_id)
-        self.store.restore(snap)
+        self.store.restore(snap, checkpoint_id)
         self._wake_waiters()
         return Response.json({"id": checkpoint_id, "rows": int(len(snap.local))})
 
@@ -171,14 +214,21 @@ class PsService:
         self.metrics.inc("bytes_out_total", bytes_out, labels=labels, help="Row bytes sent")
 
 
-def _checkpoint_id(body: bytes) -> int:
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body must be JSON {{\"id\": int}}: {exc}") from None
-    if not isinstance(payload, dict) or type(payload.get("id")) is not int or payload["id"] < 0:
-        raise BadRequest('body must be JSON {"id": non-negative int}')
-    return payload["id"]
+        raise BadRequest(f"body must be a JSON object: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("body must be a JSON object")
+    return payload
+
+
+def _non_negative(payload: dict[str, Any], name: str) -> int:
+    value = payload.get(name)
+    if type(value) is not int or value < 0:
+        raise BadRequest(f"{name!r} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _positive(value: Any, name: str) -> float:

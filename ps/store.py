@@ -29,6 +29,14 @@ class ShardConfig:
     state_width: int
     state_init: float = 0.0
     seed: int = 0
+    checkpoint_every: int = 0  # checkpoints are taken at iterations c with (c + 1) % every == 0
+
+    def checkpoints_between(self, after: int, before: int) -> range:
+        """Checkpoint iterations c with after < c < before."""
+        if not self.checkpoint_every:
+            return range(0)
+        every = self.checkpoint_every
+        return range((after + 1) // every * every + every - 1, before, every)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +52,23 @@ class Snapshot:
     versions: np.ndarray  # int64 [n]
 
 
+@dataclass
+class _Pending:
+    """Rows as of checkpoint c that the live table no longer holds: values saved before a
+    newer write replaced them, and flushes of c that arrived after a newer write-back."""
+
+    parts: list[Snapshot]
+
+
 class ShardStore:
+    """Rows, state and versions of one shard, plus the pending checkpoints' saved rows.
+
+    Checkpoint c must hold every row as of iteration c, while write-backs of later
+    iterations keep arriving: a write that moves a row past a pending checkpoint first
+    saves the row's old value for it (copy on write), and a flush of c that arrives after a
+    newer write of the same row (they come from different trainers) goes only to c.
+    """
+
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
         n = shard_size(config.layout.total_rows, config.shard, config.num_shards)
@@ -53,6 +77,8 @@ class ShardStore:
         self._state = np.zeros((n, config.state_width), dtype=np.float32)
         self._versions = np.full(n, -1, dtype=np.int64)
         self._touched = np.zeros(n, dtype=bool)
+        self._pending: dict[int, _Pending] = {}
+        self.last_checkpoint = -1  # the newest checkpoint taken or restored
 
     # -- validation --------------------------------------------------------------------
 
@@ -68,8 +94,14 @@ class ShardStore:
             )
         return local_index(keys, cfg.num_shards)
 
-    def check_write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> np.ndarray:
-        """Local indices for a valid write-back; raises without changing anything otherwise."""
+    def check_write(
+        self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
+    ) -> np.ndarray:
+        """Local indices for a valid write-back; raises without changing anything otherwise.
+
+        A flush (the checkpoint copy of a row that stays cached) must carry a pending
+        checkpoint's iteration; it may be older than the stored row.
+        """
         cfg = self.config
         local = self.check_keys(keys)
         if rows.shape != (len(keys), cfg.dim):
@@ -84,7 +116,9 @@ class ShardStore:
             raise BadRequest(f"version must be >= 0, got {version}")
         if len(np.unique(local)) != len(local):
             raise BadRequest("a write-back names the same key twice")
-        stale = self._versions[local] >= version
+        if flush and version not in self.config.checkpoints_between(self.last_checkpoint, version + 1):
+            raise BadRequest(f"flush version {version} is not a pending checkpoint", version=version)
+        stale = self._versions[local] == version if flush else self._versions[local] >= version
         if stale.any():
             i = int(np.flatnonzero(stale)[0])
             raise Conflict(
@@ -106,12 +140,31 @@ class ShardStore:
         self._initialise(local)
         return self._rows[local], self._state[local], self._versions[local]
 
-    def write_back(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
+    def write_back(
+        self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
+    ) -> None:
         """Store a checked write-back (see `check_write`) in one step."""
+        if flush:
+            newer = self._versions[local] > version
+            if newer.any():
+                self._pending_part(version, local[newer], rows[newer], state[newer], np.full(int(newer.sum()), version))
+                local, rows, state = local[~newer], rows[~newer], state[~newer]
+        self._save_for_checkpoints(local, version)
         self._rows[local] = rows
         self._state[local] = state
         self._versions[local] = version
         self._touched[local] = True
+
+    def _save_for_checkpoints(self, local: np.ndarray, version: int) -> None:
+        """Keep the current value of rows this write moves past a pending checkpoint."""
+        for c in self.config.checkpoints_between(self.last_checkpoint, version):
+            crossing = local[self._touched[local] & (self._versions[local] <= c)]
+            if crossing.size:
+                self._pending_part(c, crossing, self._rows[crossing], self._state[crossing], self._versions[crossing])
+
+    def _pending_part(self, c: int, local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: np.ndarray) -> None:
+        part = Snapshot(local=local, rows=rows.copy(), state=state.copy(), versions=versions.copy())
+        self._pending.setdefault(c, _Pending([])).parts.append(part)
 
     def _initialise(self, local: np.ndarray) -> None:
         fresh = local[~self._touched[local]]
@@ -126,17 +179,24 @@ class ShardStore:
 
     # -- persistence -------------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
-        local = np.flatnonzero(self._touched)
-        return Snapshot(
-            local=local,
-            rows=self._rows[local],
-            state=self._state[local],
-            versions=self._versions[local],
-        )
+    def snapshot(self, checkpoint: int | None = None) -> Snapshot:
+        """The touched rows as of iteration `checkpoint` (default: as they are now).
 
-    def restore(self, snap: Snapshot) -> None:
-        """Replace the shard's contents; BadRequest if the snapshot does not fit this shard."""
+        Taking checkpoint c forgets what was saved for it and for any older one.
+        """
+        if checkpoint is None:
+            local = np.flatnonzero(self._touched)
+            return Snapshot(local=local, rows=self._rows[local], state=self._state[local], versions=self._versions[local])
+        live = np.flatnonzero(self._touched & (self._versions <= checkpoint))
+        parts = [Snapshot(local=live, rows=self._rows[live], state=self._state[live], versions=self._versions[live])]
+        parts += self._pending.get(checkpoint, _Pending([])).parts
+        self._pending = {c: p for c, p in self._pending.items() if c > checkpoint}
+        self.last_checkpoint = max(self.last_checkpoint, checkpoint)
+        return _overlay(parts)
+
+    def restore(self, snap: Snapshot, checkpoint: int = -1) -> None:
+        """Replace the shard's contents with checkpoint `checkpoint`'s snapshot; BadRequest if
+        the snapshot does not fit this shard."""
         cfg = self.config
         n = len(snap.local)
         if snap.local.size and (snap.local.min() < 0 or snap.local.max() >= self.num_rows):
@@ -153,6 +213,18 @@ class ShardStore:
         self._state[snap.local] = snap.state
         self._versions[snap.local] = snap.versions
         self._touched[snap.local] = True
+        self._pending = {}
+        self.last_checkpoint = checkpoint
 
     def max_version(self) -> int:
         return int(self._versions.max(initial=-1))
+
+
+def _overlay(parts: list[Snapshot]) -> Snapshot:
+    """One snapshot from parts where a later part's row replaces an earlier one's."""
+    local = np.concatenate([p.local for p in parts])
+    order = np.arange(len(local))[::-1]
+    _, first = np.unique(local[order], return_index=True)  # last occurrence of each index
+    pick = np.sort(order[first])
+    cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ("rows", "state", "versions")}
+    return Snapshot(local=local[pick], rows=cat["rows"][pick], state=cat["state"][pick], versions=cat["versions"][pick])

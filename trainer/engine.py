@@ -23,6 +23,7 @@ Network I/O is handed to `RowSource` (futures); the engine waits only where the 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +44,7 @@ class RowSource(Protocol):
 
     def fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> Future: ...
 
-    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> Future: ...
+    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: bool) -> Future: ...
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _HeldRows:
     keys: np.ndarray
     rows: np.ndarray
     state: np.ndarray
+    flush: np.ndarray  # bool: a checkpoint flush of a row that stays cached
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Engine:
         rows: RowSource | None,
         timer: PhaseTimer,
         write_lag: int = 32,
+        on_checkpoint_written: Callable[[int, list[Future]], None] | None = None,
     ) -> None:
         self.cache = cache
         self.model = model
@@ -107,6 +110,8 @@ class Engine:
         self.rows = rows
         self.timer = timer
         self.write_lag = write_lag
+        self.on_checkpoint_written = on_checkpoint_written
+        self._checkpoints: list[int] = []  # marked iterations whose writes are not all sent
         self.device = cache.device.torch_device
         self._prev: Directive | None = None
         self._fetches: dict[int, list[_Fetch]] = {}
@@ -126,6 +131,7 @@ class Engine:
             self._issue_prefetches(d)
             self._bound_write_lag(x)
             self._apply_sync_later(x - 2)
+            self._checkpoints_sent(up_to=x - 2)
             joined = self._read_join_sources(d)
             self._leave(self._prev)
             self._write_joins(d, joined)
@@ -137,6 +143,8 @@ class Engine:
         stats.fetch_rows = len(fetched)
         # A hit is a used row that was resident before this boundary's fetches and joins.
         stats.hits = stats.uses - int(np.isin(np.unique(d.input_slots), filled).sum())
+        if d.checkpoint:
+            self._checkpoints.append(x)
         self._prev = d
         return stats
 
@@ -151,6 +159,7 @@ class Engine:
             self._leave(self._prev)
             self._prev = None
             self._apply_sync_later(n - 1)
+            self._checkpoints_sent(up_to=n)
         self.wait_for_writes()
         if self._fetches:
             raise RuntimeError(f"fetches for iterations {sorted(self._fetches)} were never used")
@@ -164,6 +173,13 @@ class Engine:
             else:
                 keep.append((version, future))
         self._writes = keep
+
+    def _checkpoints_sent(self, up_to: int) -> None:
+        """Hand over marked checkpoints <= `up_to`: every write of theirs has been sent."""
+        while self._checkpoints and self._checkpoints[0] <= up_to:
+            c = self._checkpoints.pop(0)
+            if self.on_checkpoint_written is not None:
+                self.on_checkpoint_written(c, [f for v, f in self._writes if v <= c])
 
     # -- boundary steps ------------------------------------------------------------------
 
@@ -200,7 +216,7 @@ class Engine:
                 rows = torch.from_numpy(held.rows).to(self.device)
                 state = torch.from_numpy(held.state).to(self.device)
                 self.cache.optimizer.step(rows, state, grad[pos].contiguous())
-                self._send(held.keys, rows.cpu().numpy(), state.cpu().numpy(), e)
+                self._send(held.keys, rows.cpu().numpy(), state.cpu().numpy(), e, held.flush)
 
     def _read_join_sources(self, d: Directive) -> torch.Tensor | None:
         if not len(d.join_keys):
@@ -219,20 +235,27 @@ class Engine:
         if prev is None or not len(prev.write_keys):
             return
         rows, state = self.cache.read_host(prev.write_slots)
-        self._send_or_hold(prev, prev.write_keys, rows, state)
+        flush = ~np.isin(prev.write_slots, prev.leave_slots)  # the row stays: a checkpoint copy
+        self._send_or_hold(prev, prev.write_keys, rows, state, flush)
 
-    def _send_or_hold(self, prev: Directive, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+    def _send_or_hold(self, prev: Directive, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, flush: np.ndarray) -> None:
         e = prev.iteration
         later = np.isin(keys, prev.sync_later_keys)
         if later.any():
-            self._held[e] = _HeldRows(version=e, keys=keys[later], rows=rows[later], state=state[later])
+            self._held[e] = _HeldRows(version=e, keys=keys[later], rows=rows[later], state=state[later], flush=flush[later])
         now = ~later
         if now.any():
-            self._send(keys[now], rows[now], state[now], e)
+            self._send(keys[now], rows[now], state[now], e, flush[now])
 
-    def _send(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
+    def _send(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: np.ndarray) -> None:
+        """Write back evicted rows and checkpoint flushes (separate requests: a flush may be
+        older than what the PS holds by the time it lands)."""
         assert self.rows is not None, "a directive with write-backs needs a PS"
-        self._writes.append((version, self.rows.write_back(keys, rows, state, version)))
+        for kind in (False, True):
+            part = flush == kind
+            if part.any():
+                future = self.rows.write_back(keys[part], rows[part], state[part], version, kind)
+                self._writes.append((version, future))
         self.written_rows += len(keys)
 
     def _write_joins(self, d: Directive, joined: torch.Tensor | None) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +17,9 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from common.checkpoints import dense_path, latest_complete, write_manifest
 from common.data.dataset import open_dataset
+from common.errors import BagpipeError
 from common.init import initial_rows
 from common.job import Job
 from common.spec import Endpoint
@@ -57,7 +63,9 @@ class RecordWriter:
         self._file.close()
 
 
-def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path) -> None:
+def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path, resume: bool = False) -> None:
+    """Train until the oracle's stream ends; with `resume`, from the latest complete
+    checkpoint (dense state from it, empty cache, directives from the next iteration)."""
     spec = job.spec
     world = spec.trainers.count
     torch.set_num_threads(spec.trainers.threads)
@@ -76,18 +84,25 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path)
                 retries=spec.cluster.retries,
             )
         engine = _build_engine(job, device, comm, io, ps_client)
+        start = _resume_point(job, engine) if resume else 0
+        checkpoints = Checkpointer(job, rank, io, ps_client, engine)
+        engine.on_checkpoint_written = checkpoints.report
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
-            retries=spec.cluster.retries, timeout_s=spec.cluster.fetch_timeout_s,
+            start=start, retries=spec.cluster.retries, timeout_s=spec.cluster.fetch_timeout_s,
         )
-        iterations = _train(job, engine, stream, comm, records)
+        iterations = _train(job, engine, stream, comm, records, checkpoints)
         engine.drain()
         stream.close()
+        checkpoints.wait()
         comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
         _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations)
     finally:
+        # Also after a failure: nothing may keep the process alive (the launcher waits for
+        # it to exit to report the error), so no step here can block for long.
         if ps_client is not None:
-            io.run(ps_client.close(), timeout=10)
+            with contextlib.suppress(Exception):
+                io.run(ps_client.close(), timeout=5)
         io.close()
         records.close()
         close_collectives()
@@ -115,7 +130,9 @@ def _build_engine(job: Job, device: Device, comm: Collectives, io: IoThread, ps:
     )
 
 
-def _train(job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter) -> int:
+def _train(
+    job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter, checkpoints: Checkpointer
+) -> int:
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
     progressive = MetricAccumulator()
@@ -126,6 +143,8 @@ def _train(job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives,
         engine.timer.total["wait_directive"] += time.perf_counter() - waited
         written_before = engine.written_rows
         stats = engine.step(step.directive, step.labels, step.dense)
+        if step.directive.checkpoint:
+            checkpoints.save_dense(stats.iteration)
         records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim, engine.written_rows - written_before))
         progressive.add(stats.labels, stats.probs)
         iterations = stats.iteration + 1
@@ -134,6 +153,74 @@ def _train(job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives,
             progressive = MetricAccumulator()
         waited = time.perf_counter()
     return iterations
+
+
+class Checkpointer:
+    """This trainer's part of checkpoint c (DESIGN §9): rank 0 saves the dense model and
+    optimizer after iteration c; once the PS acknowledged every write of versions <= c
+    (flushes included), the trainer reports c to every shard, off the critical path; the
+    shards snapshot when all trainers reported; rank 0 then writes the manifest that makes
+    the checkpoint complete. A failure is logged and training goes on: the previous
+    complete checkpoint still holds."""
+
+    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, engine: Engine) -> None:
+        self.job, self.rank, self.io, self.ps, self.engine = job, rank, io, ps, engine
+        self.directory = job.spec.checkpoint.dir
+        self._saved: set[int] = set()
+        self._reports: list[concurrent.futures.Future] = []
+
+    def save_dense(self, c: int) -> None:
+        if self.rank != 0:
+            return
+        path = dense_path(self.directory, c)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            torch.save({"model": self.engine.model.module.state_dict(),
+                        "optimizer": self.engine.dense_optimizer.state_dict(), "iteration": c}, tmp)
+            os.replace(tmp, path)
+            self._saved.add(c)
+        except OSError as exc:
+            log.error("checkpoint %d: could not save the dense model to %s: %s", c, path, exc)
+
+    def report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
+        if self.ps is not None:
+            self._reports.append(self.io.submit(self._report(c, writes)))
+
+    async def _report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
+        spec = self.job.spec
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in writes))
+            assert self.ps is not None
+            answers = await self.ps.report_checkpoint(c, self.rank, spec.trainers.count)
+        except BagpipeError as exc:
+            log.error("checkpoint %d is incomplete: %s", c, exc.message)
+            return
+        if self.rank == 0 and c in self._saved:
+            nbytes = sum(a["bytes"] for a in answers)
+            write_manifest(self.directory, c, spec.ps.num_shards, {"ps_bytes": nbytes, "seconds": time.perf_counter() - started})
+            log.info("checkpoint %d complete: %d PS bytes, %.2f s after its writes were sent",
+                     c, nbytes, time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Block until every report finished (their failures are logged, not raised)."""
+        for future in self._reports:
+            future.result()
+
+
+def _resume_point(job: Job, engine: Engine) -> int:
+    """Load the latest complete checkpoint's dense state; the first iteration to run."""
+    spec = job.spec
+    c = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
+    if c is None:
+        log.info("no complete checkpoint in %s: starting from iteration 0", spec.checkpoint.dir)
+        return 0
+    saved = torch.load(dense_path(spec.checkpoint.dir, c), map_location=engine.device)
+    engine.model.module.load_state_dict(saved["model"])
+    engine.dense_optimizer.load_state_dict(saved["optimizer"])
+    log.info("resuming after checkpoint %d", c)
+    return c + 1
 
 
 def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int, written: int) -> dict[str, Any]:
@@ -183,7 +270,10 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
             np.save(final / "table.npy", engine.cache.rows.cpu().numpy())
             np.save(final / "state.npy", engine.cache.state.cpu().numpy())
         else:
-            io.run(ps.checkpoint(iterations))
+            try:
+                io.run(ps.checkpoint(iterations))
+            except BagpipeError as exc:  # training is done; say clearly that its tables were not saved
+                log.error("the final tables could not be saved: %s", exc.message)
         (final / "final.json").write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
     records.write({"kind": "final", "time": time.time(), "iterations": iterations})
 

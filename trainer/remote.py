@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +21,10 @@ from trainer.io_thread import IoThread
 log = logging.getLogger(__name__)
 
 
+async def _make_queue(size: int) -> asyncio.Queue:
+    return asyncio.Queue(maxsize=size)  # created on the loop that uses it
+
+
 class RemoteRows:
     """`RowSource` over a `PsClient`: each call returns a future resolved on the I/O loop."""
 
@@ -33,8 +36,10 @@ class RemoteRows:
     def fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> concurrent.futures.Future:
         return self.io.submit(self.client.fetch(keys, min_versions, wait_s=self.wait_s))
 
-    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> concurrent.futures.Future:
-        return self.io.submit(self.client.write_back(keys, rows, state, version))
+    def write_back(
+        self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: bool
+    ) -> concurrent.futures.Future:
+        return self.io.submit(self.client.write_back(keys, rows, state, version, flush=flush))
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class DirectiveStream:
         self.endpoint = endpoint
         self.trainer = trainer
         self.iterations: int | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=read_ahead)
+        # Lives on the I/O loop: the reader awaits room in it (so it stops taking data and
+        # flow control holds the oracle back) and is cancelled cleanly by `close`.
+        self._queue: asyncio.Queue = io.run(_make_queue(read_ahead))
         self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
         self._retries = retries
         self._timeout_s = timeout_s
@@ -80,7 +87,7 @@ class DirectiveStream:
 
     def __iter__(self) -> Iterator[Step]:
         while True:
-            item = self._queue.get()
+            item = self._io.run(self._queue.get())
             if item is _END:
                 return
             if isinstance(item, _Failed):
@@ -133,8 +140,7 @@ class DirectiveStream:
         raise Unavailable("directive stream closed before its end message")
 
     async def _put(self, item: object) -> None:
-        # queue.Queue.put would block the I/O loop; hand the wait to a thread instead.
-        await asyncio.to_thread(self._queue.put, item)
+        await self._queue.put(item)
 
     def _named(self, exc: BagpipeError) -> BagpipeError:
         return type(exc)(f"oracle at {self.endpoint}: {exc.message}", **exc.fields)

@@ -15,6 +15,9 @@ d. residencies whose last copies were victims end after x-1 (rule 4), checkpoint
    x-1 are settled;
 e. G_x (rule 6) from the copies present during x;
 f. residency after the use (rule 3): which copies leave after x; residencies that end.
+
+Iterations count from 0 here; `directive` numbers them from `cfg.first_iteration` (a run
+resumed from a checkpoint), and checkpoints follow the global number.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ class ReferencePlanner:
         admitted = [k for k in used if k not in self.copies]
         source = {k: min(self.copies[k]) for k in used if k in self.copies}
         source_slot = {k: self.copies[k][source[k]] for k in source}
-        flush = self.flush_candidates(x - 1) if x > 0 and self.cfg.is_checkpoint(x - 1) else {}
+        flush = self.flush_candidates(x - 1) if x > 0 and self.cfg.is_local_checkpoint(x - 1) else {}
         victims_of: dict[int, list[tuple[int, int]]] = defaultdict(list)
         candidates: list[list[int]] = []
         # b. (rules 4, 5) capacity and slots of the mandatory new copies
@@ -267,7 +270,7 @@ class ReferencePlanner:
             for j in range(self.T):
                 self.acc[x][j].leave.extend((k, i) for i, k in enumerate(hot))
             self.acc[x][0].write.extend((k, i) for i, k in enumerate(hot))
-        elif self.cfg.is_checkpoint(x):
+        elif self.cfg.is_local_checkpoint(x):
             previous = x - self.cfg.checkpoint_every
             self.acc[x][0].write.extend(
                 (k, i) for i, k in enumerate(hot) if self.last_use.get(k, -1) > previous
@@ -275,7 +278,9 @@ class ReferencePlanner:
 
     # ----------------------------------------------------------------- directives
     def directive(self, x: int, j: int) -> Directive:
+        """Trainer j's directive of iteration x, numbered globally from cfg.first_iteration."""
         acc = self.acc[x][j]
+        first = self.cfg.first_iteration
         if self.cfg.mode == "local":
             acc.input_slots = self.batches[x][j * self.per : (j + 1) * self.per].astype(np.int32)
             groups = [(k, [k] * self.T) for k in sorted(set().union(*self.uses[x]))] if self.T > 1 else []
@@ -290,13 +295,13 @@ class ReferencePlanner:
         write = sorted(acc.write)
         i32, i64 = np.int32, np.int64
         return Directive(
-            iteration=x,
+            iteration=first + x,
             trainer=j,
             input_slots=np.asarray(acc.input_slots, dtype=i32),
             prefetch_keys=np.array([p[1] for p in prefetch], dtype=i64),
             prefetch_slots=np.array([p[2] for p in prefetch], dtype=i32),
-            prefetch_min_versions=np.array([p[3] for p in prefetch], dtype=i64),
-            prefetch_targets=np.array([p[0] for p in prefetch], dtype=i32),
+            prefetch_min_versions=np.array([v + first if v >= 0 else v for _, _, _, v in prefetch], dtype=i64),
+            prefetch_targets=np.array([first + p[0] for p in prefetch], dtype=i32),
             join_keys=np.array(join_keys, dtype=i64),
             join_send_slots=np.array([acc.join_send.get(k, -1) for k in join_keys], dtype=i32),
             join_recv_slots=np.array([acc.join_recv.get(k, -1) for k in join_keys], dtype=i32),
@@ -307,8 +312,8 @@ class ReferencePlanner:
             leave_slots=np.array([s for _, s in leave], dtype=i32),
             write_keys=np.array([k for k, _ in write], dtype=i64),
             write_slots=np.array([s for _, s in write], dtype=i32),
-            write_versions=np.full(len(write), x, dtype=i64),
-            checkpoint=self.cfg.is_checkpoint(x),
+            write_versions=np.full(len(write), first + x, dtype=i64),
+            checkpoint=self.cfg.is_checkpoint(first + x),
         )
 
 

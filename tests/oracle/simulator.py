@@ -15,6 +15,10 @@ never written while occupied; exactly one write-back per residency end (checkpoi
 aside), each carrying the reference value of its version; a fetch gets exactly the version it
 asked for and never deadlocks; join and sync key lists are identical across trainers; each
 checkpoint's PS view equals the reference; the final PS table equals the reference.
+
+With `config.first_iteration` = F > 0 (a run resumed from checkpoint F-1) iterations are
+numbered from F and the PS starts with each key at a random version in [-1, F-1]: a fetch
+with min_version -1 must then get that pre-resume version, any other exactly its own.
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ class Simulation:
     def __init__(self, config: PlannerConfig, batches: list[np.ndarray], seed: int) -> None:
         self.cfg = config
         self.T = config.num_trainers
-        self.batches = batches
+        self.first = config.first_iteration
+        self.batches = batches  # batch i is iteration first + i
         self.rng = random.Random(seed)
         self.local = config.mode == "local"
         self.ref: dict[int, Row] = {}
@@ -101,11 +106,20 @@ class Simulation:
         self.later: dict[int, dict[int, tuple[float, float]]] = {}  # x -> key -> reduced grad
         self.sent: dict[int, dict[int, int]] = {}  # version -> key -> write count
         self.resident: dict[int, set[int]] = {}
+        self.resumed: dict[int, int] = self.resumed_versions()  # key -> version before F
+        self.ps = {k: (v, initial_row(k)) for k, v in self.resumed.items() if v >= 0}
         if self.local:
             for t in self.trainers:
                 t.cache = {k: (k, initial_row(k)) for k in range(config.total_rows)}
 
     # ----------------------------------------------------------------- helpers
+    def resumed_versions(self) -> dict[int, int]:
+        """Versions the PS holds when the run starts at F: random in [-1, F-1] (none if F = 0)."""
+        if self.first == 0 or self.local:
+            return {}
+        keys = sorted({int(k) for b in self.batches for k in b.reshape(-1)})
+        return {k: self.rng.randrange(-1, self.first) for k in keys}
+
     def fail(self, message: str) -> None:
         raise SimulationError(message)
 
@@ -150,7 +164,8 @@ class Simulation:
         version, row = self.ps.get(f.key, (-1, initial_row(f.key)))
         if version < f.min_version:
             return False
-        if version != f.min_version:
+        wanted = f.min_version if f.min_version >= 0 else self.resumed.get(f.key, -1)
+        if version != wanted:
             self.fail(f"fetch of key {f.key} asked version {f.min_version}, PS has {version}")
         f.row = row
         return True
@@ -182,19 +197,19 @@ class Simulation:
 
     # ----------------------------------------------------------------- one iteration
     def run(self, directives: list[list[Directive]]) -> None:
-        n = len(self.batches)
+        n, first = len(self.batches), self.first
         if len(directives) != n:
             self.fail(f"{len(directives)} directive iterations for {n} batches")
-        for x in range(n):
-            ds = directives[x]
+        for x in range(first, first + n):
+            ds = directives[x - first]
             self.check_lists(x, ds)
             self.boundary(x, directives)
             self.network()
             self.step(x, ds)
             self.network()
             self.resident[x] = self.keys_resident()
-        self.boundary(n, directives)
-        self.boundary(n + 1, directives)
+        self.boundary(first + n, directives)
+        self.boundary(first + n + 1, directives)
         while self.in_flight:
             self.deliver(self.in_flight.pop())
         self.final_checks(n)
@@ -207,10 +222,10 @@ class Simulation:
             self.fail(f"directives of iteration {x} are mislabelled")
 
     def boundary(self, x: int, directives: list[list[Directive]]) -> None:
-        n = len(directives)
-        cur = directives[x] if x < n else None
-        prev = directives[x - 1] if 0 < x <= n else None
-        prev2 = directives[x - 2] if 1 < x <= n + 1 else None
+        n, i = len(directives), x - self.first  # directives[i] is iteration x
+        cur = directives[i] if i < n else None
+        prev = directives[i - 1] if 0 < i <= n else None
+        prev2 = directives[i - 2] if 1 < i <= n + 1 else None
         if cur is not None:  # 0. issue prefetches
             for j, d in enumerate(cur):
                 for k, s, v, tg in zip(d.prefetch_keys, d.prefetch_slots, d.prefetch_min_versions, d.prefetch_targets):
@@ -301,7 +316,7 @@ class Simulation:
 
     # ----------------------------------------------------------------- forward, sync
     def step(self, x: int, ds: list[Directive]) -> None:
-        batch = self.batches[x]
+        batch = self.batches[x - self.first]
         per = batch.shape[0] // self.T
         users: dict[int, list[tuple[float, float] | None]] = {}
         for j, d in enumerate(ds):
@@ -363,7 +378,7 @@ class Simulation:
         for key in self.ref:
             if self.ps.get(key, (-1, initial_row(key)))[1] != self.ref[key]:
                 self.fail(f"final PS row of key {key} differs from the reference")
-        for c in range(n - 1):
+        for c in range(self.first, self.first + n - 1):
             if self.cfg.is_checkpoint(c):
                 self.check_checkpoint(c)
 

@@ -124,3 +124,69 @@ def test_restore_refuses_a_snapshot_of_another_shape() -> None:
     other = make_store(state_width=0)
     with pytest.raises(BadRequest, match="state"):
         other.restore(small.snapshot())
+
+
+def checkpointing_store(every: int = 5) -> ShardStore:
+    cfg = ShardConfig(shard=0, num_shards=1, layout=LAYOUT, dim=4, state_width=1, seed=7, checkpoint_every=every)
+    return ShardStore(cfg)
+
+
+def put(store: ShardStore, keys: list[int], value: float, version: int, *, flush: bool = False) -> None:
+    k = np.array(keys, dtype=np.int64)
+    rows, state = np.full((len(k), 4), value, np.float32), np.full((len(k), 1), value, np.float32)
+    store.write_back(store.check_write(k, rows, state, version, flush=flush), rows, state, version, flush=flush)
+
+
+def values(snap, keys: list[int]) -> list[float]:
+    pos = {int(i): n for n, i in enumerate(snap.local)}
+    return [float(snap.rows[pos[k], 0]) if k in pos else None for k in keys]
+
+
+def test_checkpoint_schedule() -> None:
+    cfg = checkpointing_store(5).config
+    assert list(cfg.checkpoints_between(-1, 20)) == [4, 9, 14, 19]
+    assert list(cfg.checkpoints_between(4, 10)) == [9]
+    assert list(cfg.checkpoints_between(4, 9)) == []
+    assert list(checkpointing_store(0).config.checkpoints_between(-1, 100)) == []
+
+
+def test_a_write_past_a_pending_checkpoint_keeps_the_old_value_for_it() -> None:
+    store = checkpointing_store()
+    put(store, [1, 2], 1.0, version=3)  # before checkpoint 4
+    put(store, [1], 2.0, version=6)  # crosses 4: the snapshot of 4 needs the 1.0
+    put(store, [7], 3.0, version=8)  # untouched before: not part of checkpoint 4 at all
+    snap = store.snapshot(4)
+    assert values(snap, [1, 2, 7]) == [1.0, 1.0, None]
+    assert store.last_checkpoint == 4
+    assert values(store.snapshot(), [1, 7]) == [2.0, 3.0]  # the live rows moved on
+
+
+def test_a_flush_that_lands_after_a_newer_write_goes_only_to_its_checkpoint() -> None:
+    store = checkpointing_store()
+    put(store, [1], 1.0, version=2)
+    put(store, [1], 5.0, version=6)  # another trainer's eviction arrived first
+    put(store, [1], 4.0, version=4, flush=True)  # the value at 4
+    put(store, [3], 9.0, version=4, flush=True)  # an ordinary flush
+    assert values(store.snapshot(4), [1, 3]) == [4.0, 9.0]
+    assert values(store.snapshot(), [1, 3]) == [5.0, 9.0]
+
+
+def test_flush_versions_must_be_pending_checkpoints() -> None:
+    store = checkpointing_store()
+    put(store, [1], 1.0, version=4, flush=True)
+    with pytest.raises(BadRequest, match="not a pending checkpoint"):
+        put(store, [2], 1.0, version=5, flush=True)
+    with pytest.raises(Conflict, match="not newer"):
+        put(store, [1], 2.0, version=4, flush=True)  # a replay
+    store.snapshot(4)
+    with pytest.raises(BadRequest, match="not a pending checkpoint"):
+        put(store, [2], 1.0, version=4, flush=True)  # already taken
+
+
+def test_restore_sets_the_checkpoint_and_drops_saved_rows() -> None:
+    store = checkpointing_store()
+    put(store, [1], 1.0, version=3)
+    snap = store.snapshot(4)
+    put(store, [1], 2.0, version=11)  # saved for 9
+    store.restore(snap, 4)
+    assert store.last_checkpoint == 4 and values(store.snapshot(9), [1]) == [1.0]

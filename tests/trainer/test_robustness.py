@@ -121,3 +121,23 @@ def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:
         stream.close()
     finally:
         io.close()
+
+
+def test_a_trainer_that_stops_reading_leaves_no_thread_behind() -> None:
+    """A trainer that fails mid-stream must be able to exit: the reader, blocked on a full
+    read-ahead buffer, is cancelled with the I/O loop and no worker thread is left."""
+    import threading
+
+    before = set(threading.enumerate())
+    io = IoThread()
+    oracle = FlakyOracle(total=50, break_after=10**6)
+    server = H2Server(oracle.router(), port=0, token=TOKEN)
+    io.run(server.start())
+    stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=server.port), token=TOKEN,
+                             transport="h2", trainer=0, read_ahead=2)
+    first = next(iter(stream))
+    assert first.iteration == 0
+    io.run(server.stop())
+    io.close()  # as the trainer's clean-up does after an error
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], left

@@ -1,0 +1,111 @@
+"""Fault tolerance (DESIGN §9): kill -9 a PS, a trainer or the oracle at a random iteration
+of a local 2 x 2 run with checkpoints and automatic restart; the run recovers from the latest
+complete checkpoint and ends with parameters bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoints import latest_complete, manifest_path
+from common.cluster import LocalCluster, run_cluster
+from common.job import build_job
+from common.report import RunTail
+from common.spec import load_spec
+from tests.cluster_helpers import TOKEN, FinalModel, final_model, write_spec
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS, EVERY = 40, 5
+OVERRIDES = {
+    "train": {"max_iterations": ITERATIONS},
+    "checkpoint": {"every": EVERY, "restart": True},
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> FinalModel:
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    job = build_job(load_spec(write_spec(directory, "whole", OVERRIDES)))
+    result = run_cluster(job, directory / "run", token=TOKEN)
+    assert result.restarts == ()
+    return final_model(job, result.run_dir)
+
+
+class KillAt:
+    """on_poll hook: kill -9 `role` once every trainer has finished iteration `iteration`."""
+
+    def __init__(self, run_dir: Path, role: str, iteration: int) -> None:
+        self.tail = RunTail(run_dir, 2)
+        self.role, self.iteration = role, iteration
+        self.done: dict[int, int] = {}
+        self.killed_pid: int | None = None
+
+    def __call__(self, cluster: LocalCluster) -> None:
+        if self.killed_pid is not None:
+            return
+        for trainer, records in self.tail.poll().items():
+            for r in records:
+                if r["kind"] == "iter":
+                    self.done[trainer] = max(self.done.get(trainer, -1), r["iteration"])
+        if len(self.done) == 2 and min(self.done.values()) >= self.iteration:
+            target = next(r for r in cluster.roles if r.name == self.role)
+            os.kill(target.process.pid, signal.SIGKILL)
+            self.killed_pid = target.process.pid
+
+
+def run_with_kill(tmp_path: Path, role: str, iteration: int) -> tuple[FinalModel, KillAt]:
+    job = build_job(load_spec(write_spec(tmp_path, "killed", OVERRIDES)))
+    kill = KillAt(tmp_path / "run", role, iteration)
+    result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=kill)
+    assert kill.killed_pid is not None, "the run ended before the kill point"
+    assert result.restarts == (role,)
+    return final_model(job, result.run_dir), kill
+
+
+def assert_bit_identical(got: FinalModel, want: FinalModel) -> None:
+    for name, tensor in want.dense.items():
+        assert torch.equal(got.dense[name], tensor), f"dense {name} differs"
+    assert np.array_equal(got.table, want.table), "embedding rows differ"
+    assert np.array_equal(got.state, want.state), "optimizer state differs"
+
+
+KILL_POINTS = [(role, seed) for role in ("ps-0", "trainer-1", "oracle") for seed in range(5)]
+
+
+@pytest.mark.parametrize(("role", "seed"), KILL_POINTS)
+def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: FinalModel, role: str, seed: int) -> None:
+    iteration = random.Random(f"{role}-{seed}").randrange(2, ITERATIONS - 4)
+    got, _ = run_with_kill(tmp_path, role, iteration)
+    assert_bit_identical(got, uninterrupted)
+
+
+def test_kill_the_ps_while_a_checkpoint_is_being_taken(tmp_path: Path, uninterrupted: FinalModel) -> None:
+    """Iteration 3 * EVERY: checkpoint 3 * EVERY - 1's flushes and reports are in flight."""
+    c = 3 * EVERY - 1
+    got, _ = run_with_kill(tmp_path, "ps-1", c + 1)
+    assert_bit_identical(got, uninterrupted)
+
+
+def test_an_unwritable_checkpoint_directory_is_reported_and_training_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "disk"
+    blocker.write_text("a file where the checkpoint folder's parent should be: nothing can be written below it")
+    overrides = {**OVERRIDES, "checkpoint": {**OVERRIDES["checkpoint"], "dir": str(blocker / "checkpoints")}}
+    job = build_job(load_spec(write_spec(tmp_path, "nodisk", overrides)))
+    result = run_cluster(job, tmp_path / "run", token=TOKEN)
+    assert result.restarts == ()
+    records = (tmp_path / "run" / "trainer-0.jsonl").read_text()
+    assert f'"iteration":{ITERATIONS - 1}' in records  # trained to the end
+    assert latest_complete(job.spec.checkpoint.dir, 2) is None
+    assert not manifest_path(job.spec.checkpoint.dir, EVERY - 1).exists()
+    ps_log = (tmp_path / "run" / "logs" / "ps-1.log").read_text()
+    assert f"checkpoint {EVERY - 1} could not be written to {job.spec.checkpoint.dir / 'ps-1'}" in ps_log
+    trainer_log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+    assert f"checkpoint {EVERY - 1}: could not save the dense model" in trainer_log
+    assert f"checkpoint {EVERY - 1} is incomplete" in trainer_log
