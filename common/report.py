@@ -6,6 +6,9 @@ Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jso
   "fetch_bytes", "write_back_rows", "write_back_bytes", "sync_rows", "sync_bytes", "join_rows",
   "phases": {name: seconds}}`` once per iteration; ``time`` is unix seconds at its end;
 * ``{"kind": "eval", "iteration", "time", "auc", "log_loss", "count"}`` after an evaluation;
+* ``{"kind": "checkpoint", "iteration", "time", "bytes", "seconds"}`` from trainer 0 when a
+  checkpoint is complete (bytes of PS snapshots and dense model; seconds from its last
+  write-back being sent to its manifest);
 * ``{"kind": "final", "time", "iterations"}`` when the trainer is done.
 
 Layers, from pure to I/O: `iteration_series` and `summarise` turn records into numbers;
@@ -366,6 +369,9 @@ class RunSummary:
     phase_s: dict[str, float] = field(hash=False)  # mean seconds per iteration and trainer
     eval: EvalPoint | None = None  # the latest evaluation
     finished: bool = False
+    checkpoints: int = 0  # complete checkpoints taken during the run
+    checkpoint_bytes: float = math.nan  # mean bytes written per checkpoint (PS + dense)
+    checkpoint_s: float = math.nan  # mean seconds from a checkpoint's last write to its manifest
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
@@ -465,7 +471,20 @@ def summarise(
         phase_s={p: float(v[:, measured].mean()) for p, v in s.phases.items()},
         eval=s.evals[-1] if s.evals else None,
         finished=s.finished,
+        **_checkpoint_figures(records_by_trainer),
     )
+
+
+def _checkpoint_figures(records_by_trainer: Mapping[int, Sequence[Record]]) -> dict[str, Any]:
+    done = {int(r["iteration"]): r for recs in records_by_trainer.values() for r in recs
+            if r.get("kind") == "checkpoint"}  # a resumed run may log one twice: count it once
+    if not done:
+        return {}
+    return {
+        "checkpoints": len(done),
+        "checkpoint_bytes": float(np.mean([float(r["bytes"]) for r in done.values()])),
+        "checkpoint_s": float(np.mean([float(r["seconds"]) for r in done.values()])),
+    }
 
 
 def _weighted_loss(loss: np.ndarray, samples: np.ndarray) -> float:
@@ -514,6 +533,10 @@ def format_summary(summary: RunSummary) -> str:
          f"MB/iter ({s.sync_rows_per_iter:,.1f} rows, {s.join_rows_per_iter:,.1f} joins)"),
         ("final loss", _num(s.final_loss, ".4f"), f"(mean of last {s.loss_window} iterations)"),
     ]
+    if s.checkpoints:
+        rows.append(("checkpoints", f"{s.checkpoints:,}",
+                     f"taken: {_num(s.checkpoint_bytes / _MB, ',.2f')} MB and "
+                     f"{_num(s.checkpoint_s, '.2f')} s each (PS snapshots + dense model)"))
     if ev is not None:
         rows += [
             ("eval AUC", _num(ev.auc, ".4f"), f"(iteration {ev.iteration}, {ev.count:,} samples)"),

@@ -15,7 +15,7 @@ import torch
 
 from common.checkpoints import latest_complete, manifest_path
 from common.cluster import LocalCluster, run_cluster
-from common.job import build_job
+from common.job import Job, build_job
 from common.report import RunTail
 from common.spec import load_spec
 from tests.cluster_helpers import TOKEN, FinalModel, final_model, write_spec
@@ -30,12 +30,17 @@ OVERRIDES = {
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> FinalModel:
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Path, FinalModel]:
     directory = tmp_path_factory.mktemp("uninterrupted")
     job = build_job(load_spec(write_spec(directory, "whole", OVERRIDES)))
     result = run_cluster(job, directory / "run", token=TOKEN)
     assert result.restarts == ()
-    return final_model(job, result.run_dir)
+    return job, result.run_dir, final_model(job, result.run_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_run: tuple[Job, Path, FinalModel]) -> FinalModel:
+    return whole_run[2]
 
 
 class KillAt:
@@ -84,6 +89,15 @@ def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: 
     iteration = random.Random(f"{role}-{seed}").randrange(2, ITERATIONS - 4)
     got, _ = run_with_kill(tmp_path, role, iteration)
     assert_bit_identical(got, uninterrupted)
+
+
+def test_resuming_after_the_last_iteration_keeps_the_final_model(whole_run: tuple[Job, Path, FinalModel]) -> None:
+    """A role killed after the last checkpoint (during the final evaluation, say): the
+    restarted roles have no iteration left, and still end with the same model."""
+    job, run_dir, want = whole_run
+    assert latest_complete(job.spec.checkpoint.dir, 2) == ITERATIONS - 1
+    run_cluster(job, run_dir, token=TOKEN, resume=True)
+    assert_bit_identical(final_model(job, run_dir), want)
 
 
 def test_kill_the_ps_while_a_checkpoint_is_being_taken(tmp_path: Path, uninterrupted: FinalModel) -> None:

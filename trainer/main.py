@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +55,13 @@ class RecordWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "ab")
+        self._lock = threading.Lock()  # iterations are logged by the main thread, checkpoints by I/O
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-        self._file.flush()
+        line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
         self._file.close()
@@ -85,7 +89,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             )
         engine = _build_engine(job, device, comm, io, ps_client)
         start = _resume_point(job, engine) if resume else 0
-        checkpoints = Checkpointer(job, rank, io, ps_client, engine)
+        checkpoints = Checkpointer(job, rank, io, ps_client, engine, records)
         engine.on_checkpoint_written = checkpoints.report
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
@@ -136,7 +140,6 @@ def _train(
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
     progressive = MetricAccumulator()
-    iterations = 0
     waited = time.perf_counter()
     for step in stream:
         engine.timer.current["wait_directive"] += time.perf_counter() - waited
@@ -147,12 +150,15 @@ def _train(
             checkpoints.save_dense(stats.iteration)
         records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim, engine.written_rows - written_before))
         progressive.add(stats.labels, stats.probs)
-        iterations = stats.iteration + 1
-        if spec.train.eval_every and iterations % spec.train.eval_every == 0:
-            _record_eval(records, comm, progressive, iterations, split="progressive")
+        done = stats.iteration + 1
+        if spec.train.eval_every and done % spec.train.eval_every == 0:
+            _record_eval(records, comm, progressive, done, split="progressive")
             progressive = MetricAccumulator()
         waited = time.perf_counter()
-    return iterations
+    # The run's length, from the stream's end: a run resumed after its last checkpoint may
+    # have no step left to run.
+    assert stream.iterations is not None
+    return stream.iterations
 
 
 class Checkpointer:
@@ -163,8 +169,8 @@ class Checkpointer:
     the checkpoint complete. A failure is logged and training goes on: the previous
     complete checkpoint still holds."""
 
-    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, engine: Engine) -> None:
-        self.job, self.rank, self.io, self.ps, self.engine = job, rank, io, ps, engine
+    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, engine: Engine, records: RecordWriter) -> None:
+        self.job, self.rank, self.io, self.ps, self.engine, self.records = job, rank, io, ps, engine, records
         self.directory = job.spec.checkpoint.dir
         self._saved: set[int] = set()
         self._reports: list[concurrent.futures.Future] = []
@@ -198,10 +204,11 @@ class Checkpointer:
             log.error("checkpoint %d is incomplete: %s", c, exc.message)
             return
         if self.rank == 0 and c in self._saved:
-            nbytes = sum(a["bytes"] for a in answers)
-            write_manifest(self.directory, c, spec.ps.num_shards, {"ps_bytes": nbytes, "seconds": time.perf_counter() - started})
-            log.info("checkpoint %d complete: %d PS bytes, %.2f s after its writes were sent",
-                     c, nbytes, time.perf_counter() - started)
+            nbytes = sum(a["bytes"] for a in answers) + dense_path(self.directory, c).stat().st_size
+            seconds = time.perf_counter() - started
+            write_manifest(self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
+            self.records.write({"kind": "checkpoint", "iteration": c, "time": time.time(), "bytes": nbytes, "seconds": seconds})
+            log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent", c, nbytes, seconds)
 
     def wait(self) -> None:
         """Block until every report finished (their failures are logged, not raised)."""

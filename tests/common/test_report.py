@@ -348,3 +348,17 @@ def test_progress_bar_draws_on_a_terminal_stream() -> None:
         bar.update({0: [it_rec(0, 1.0), it_rec(1, 1.5, samples=50)]})
     text = out.getvalue()
     assert "run" in text and "2/4" in text and "100 samples/s" in text and "hit 50.0 %" in text
+
+
+def test_checkpoint_cost_is_summarised_and_printed() -> None:
+    run = two_trainer_run()
+    run[0] += [
+        {"kind": "checkpoint", "iteration": 4, "time": 1.0, "bytes": 3_000_000, "seconds": 0.5},
+        {"kind": "checkpoint", "iteration": 9, "time": 2.0, "bytes": 5_000_000, "seconds": 1.5},
+        {"kind": "checkpoint", "iteration": 9, "time": 3.0, "bytes": 5_000_000, "seconds": 1.5},  # after a resume
+    ]
+    s = summarise(run, mode="bagpipe", global_batch=8)
+    assert (s.checkpoints, s.checkpoint_bytes, s.checkpoint_s) == (2, 4_000_000.0, 1.0)
+    assert "checkpoints" in format_summary(s) and "4.00 MB and 1.00 s each" in format_summary(s)
+    assert RunSummary.from_json(s.to_json()).checkpoints == 2
+    assert summarise(two_trainer_run(), mode="bagpipe", global_batch=8).checkpoints == 0
