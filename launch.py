@@ -12,6 +12,10 @@
                                               one role, for clusters across machines: every
                                               machine reads the same spec, whose addresses
                                               say where each role listens
+    python launch.py SPEC.toml --role ps --index 1 --rejoin
+    python launch.py SPEC.toml --role oracle --first-iteration F
+                                              restart a dead PS shard or oracle alone while
+                                              the trainers wait (F: where they started)
 
 The bearer token comes from the spec's cluster.token or $BAGPIPE_TOKEN; a local cluster
 generates one when neither is set. See README.md for every spec field.
@@ -49,6 +53,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     roles.add_argument("--ps-addresses", help="HOST:PORT,... of the PS shards, overriding the spec")
     roles.add_argument("--rendezvous", help="HOST:PORT of the trainers' rendezvous, overriding the spec")
     roles.add_argument("--ready-file", type=Path, help="file a role writes once it listens")
+    alone = parser.add_argument_group("restarting one role while the others run on")
+    alone.add_argument("--rejoin", action="store_true",
+                       help="PS: come back with this shard's latest snapshot; the trainers replay the rest")
+    alone.add_argument("--first-iteration", type=int,
+                       help="oracle: the iteration the running trainers started from (0, or c + 1 "
+                            "after resuming from checkpoint c); it replans from there")
+    alone.add_argument("--admin-port", type=int, help="PS: port of its HTTP/1.1 listener (default: port + 1)")
     return parser.parse_args(argv)
 
 
@@ -91,11 +102,13 @@ def run_role(args: argparse.Namespace) -> int:
     if args.role == "ps":
         from ps.main import run_ps
 
-        run(run_ps(job, args.index, token=token, resume=args.resume, ready_file=args.ready_file))
+        run(run_ps(job, args.index, token=token, resume=args.resume, ready_file=args.ready_file,
+                   rejoin=args.rejoin, admin_port=args.admin_port))
     elif args.role == "oracle":
         from oracle.main import run_oracle
 
-        run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume))
+        run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume,
+                       first_iteration=args.first_iteration))
     else:
         from trainer.main import Peers, run_trainer
 

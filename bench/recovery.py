@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Recovery time per role: kill -9 one role of a local 2 x 2 run a few iterations after a
-checkpoint; the launcher restarts every role from the latest complete checkpoint.
+checkpoint. A PS shard or the oracle is restarted alone while the trainers wait, or (for
+comparison, and always for a trainer) every role restarts from the latest complete
+checkpoint.
 
-For each role it reports the time from the kill to the first new iteration, the time until
-the run is back at the iteration it was killed at, and, for comparison, what restarting the
-whole job from scratch costs: the time a fresh start takes to reach that iteration.
+For each case it reports the time from the kill to the first iteration finished with the
+new process up, the time until training is past where it was at the kill, and what
+restarting the whole job from scratch would cost: the time a fresh start takes to get there.
 
     python bench/recovery.py --quick --json runs/bench/recovery.json
 """
@@ -28,10 +30,10 @@ from common.report import RunTail  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
 
 TOKEN = "recovery-bench"
-ROLES = ("ps-0", "trainer-1", "oracle")
+CASES = (("ps-0", True), ("ps-0", False), ("oracle", True), ("oracle", False), ("trainer-1", False))
 
 
-def sections(iterations: int, every: int, out: Path) -> dict[str, dict]:
+def sections(iterations: int, every: int, out: Path, alone: bool) -> dict[str, dict]:
     return {
         "oracle": {"lookahead": 20, "prefetch_lead": 4, "cache_rows": 16384},
         "ps": {"shards": 2},
@@ -40,7 +42,7 @@ def sections(iterations: int, every: int, out: Path) -> dict[str, dict]:
         "model": {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [256, 64, 16], "top_mlp": [256, 64]},
         "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
         "train": {"batch_size": 1024, "max_iterations": iterations},
-        "checkpoint": {"dir": str(out / "checkpoints"), "every": every, "restart": True},
+        "checkpoint": {"dir": str(out / "checkpoints"), "every": every, "restart": True, "restart_alone": alone},
     }
 
 
@@ -54,50 +56,60 @@ class Watch:
         self.done: dict[int, int] = {}
         self.reached_kill_point: float | None = None
         self.killed: float | None = None
+        self.killed_pid: int | None = None
+        self.high = -1  # the furthest iteration finished at the kill
         self.first_cluster: LocalCluster | None = None
         self.restarted: float | None = None
         self.first_new: float | None = None
-        self.caught_up: float | None = None
+        self.past: float | None = None
 
     def __call__(self, cluster: LocalCluster) -> None:
         self.first_cluster = self.first_cluster or cluster
-        if cluster is not self.first_cluster and self.restarted is None:
-            self.restarted = time.time()  # every old process is gone: later records are new
+        if self.killed is not None and self.restarted is None and self._replaced(cluster):
+            self.restarted = time.time()  # the new process is up: later records needed it
         for trainer, records in self.tail.poll().items():
             for r in (r for r in records if r["kind"] == "iter"):
-                if self.restarted is None:
+                if self.killed is None:
                     self.done[trainer] = r["iteration"]
-                elif r["time"] > self.restarted:
+                    continue
+                if self.restarted is not None and r["time"] > self.restarted:
                     self.first_new = self.first_new or r["time"]
-                    if r["iteration"] >= self.kill_at and self.caught_up is None:
-                        self.caught_up = r["time"]
+                if r["iteration"] > self.high and self.past is None:
+                    self.past = r["time"]
         if self.killed is None and self._all_reached():
             self.reached_kill_point = time.time()
             target = next(r for r in cluster.roles if r.name == self.role)
+            self.high = max(self.done.values())
             os.kill(target.process.pid, signal.SIGKILL)
-            self.killed = time.time()
+            self.killed, self.killed_pid = time.time(), target.process.pid
+
+    def _replaced(self, cluster: LocalCluster) -> bool:
+        if cluster is not self.first_cluster:
+            return True  # every role restarted
+        return next(r for r in cluster.roles if r.name == self.role).process.pid != self.killed_pid
 
     def _all_reached(self) -> bool:
         return len(self.done) == 2 and min(self.done.values()) >= self.kill_at
 
 
-def measure(role: str, iterations: int, every: int, kill_at: int, out: Path) -> dict:
-    folder = out / role
+def measure(role: str, alone: bool, iterations: int, every: int, kill_at: int, out: Path) -> dict:
+    folder = out / f"{role}-{'alone' if alone else 'all'}"
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.toml"
-    spec_path.write_text(spec_toml(f"recovery-{role}", 5, sections(iterations, every, folder)))
+    spec_path.write_text(spec_toml(f"recovery-{role}", 5, sections(iterations, every, folder, alone)))
     job = build_job(load_spec(spec_path))
     watch = Watch(folder / "run", role, kill_at)
     result = run_cluster(job, folder / "run", token=TOKEN, on_poll=watch)
-    if watch.killed is None or watch.first_new is None or watch.caught_up is None:
+    if watch.killed is None or watch.first_new is None or watch.past is None or watch.reached_kill_point is None:
         raise SystemExit(f"{role}: the run did not reach its kill point or did not recover")
     return {
         "role": role,
+        "restarted": str(result.restarts[0]) if result.restarts else "none",
         "kill_at": kill_at,
-        "restarts": list(result.restarts),
         "recovery_s": watch.first_new - watch.killed,
-        "back_at_kill_point_s": watch.caught_up - watch.killed,
+        "past_kill_point_s": watch.past - watch.killed,
         "from_scratch_s": watch.reached_kill_point - watch.started,
+        "run_s": result.seconds,
     }
 
 
@@ -109,13 +121,13 @@ def main() -> int:
     args = parser.parse_args()
     iterations, every = (60, 10) if args.quick else (200, 20)
     kill_at = iterations * 3 // 4 + 2  # a couple of iterations after a checkpoint
-    rows = [measure(role, iterations, every, kill_at, args.out) for role in ROLES]
+    rows = [measure(role, alone, iterations, every, kill_at, args.out) for role, alone in CASES]
     print(f"\nkill -9 at iteration {kill_at} of {iterations}, checkpoint every {every} iterations, T = 2, S = 2")
-    print(f"{'role':<10} {'kill -> first new iter':>23} {'kill -> back at kill point':>27} "
-          f"{'from scratch to that point':>27} {'speed-up':>9}")
+    print(f"{'restarted':<26} {'kill -> first new iter':>23} {'kill -> past kill point':>24} "
+          f"{'from scratch to there':>22} {'speed-up':>9} {'whole run':>10}")
     for r in rows:
-        print(f"{r['role']:<10} {r['recovery_s']:>21.2f} s {r['back_at_kill_point_s']:>25.2f} s "
-              f"{r['from_scratch_s']:>25.2f} s {r['from_scratch_s'] / r['back_at_kill_point_s']:>8.1f}x")
+        print(f"{r['restarted']:<26} {r['recovery_s']:>21.2f} s {r['past_kill_point_s']:>22.2f} s "
+              f"{r['from_scratch_s']:>20.2f} s {r['from_scratch_s'] / r['past_kill_point_s']:>8.1f}x {r['run_s']:>8.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"iterations": iterations, "every": every, "roles": rows}, option=orjson.OPT_INDENT_2))

@@ -6,6 +6,11 @@ the launcher shows progress from the trainers' records and, when they finish, st
 services and reports. If any role dies, or on Ctrl-C, every role is stopped within seconds
 and the message names the role and shows its last log lines. Children get SIGTERM if the
 launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+
+With ``checkpoint.restart``, a dead role is brought back: a PS shard (when checkpoints are
+taken) or the oracle alone, on its old port, while the trainers wait and reconnect
+(``restart_alone``, the default); a trainer, or anything when several roles died, by
+restarting every role from the latest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import orjson
 
 from common.auth import new_token
+from common.checkpoints import latest_complete
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, Endpoint, load_spec
@@ -41,6 +47,15 @@ MAX_RESTARTS = 3
 
 class RoleFailed(BagpipeError):
     code = "role_failed"
+
+
+@dataclass(frozen=True)
+class Restart:
+    role: str  # the role whose death caused it
+    alone: bool  # only that role restarted (else every role, from the latest complete checkpoint)
+
+    def __str__(self) -> str:
+        return f"{self.role} alone" if self.alone else f"every role after {self.role}"
 
 
 @dataclass
@@ -73,7 +88,7 @@ class ClusterResult:
     run_dir: Path
     job: Job
     seconds: float
-    restarts: tuple[str, ...] = ()  # the role whose death caused each automatic restart
+    restarts: tuple[Restart, ...] = ()
 
 
 class LocalCluster:
@@ -86,33 +101,65 @@ class LocalCluster:
         self.resume = resume
         self.ps_host = ps_host
         self.roles: list[Role] = []
+        self.ps_addresses: list[Endpoint] = []
+        self.oracle_address: Endpoint | None = None
+        self.first_iteration = 0  # where this start's trainers begin
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
         spec = self.job.spec
+        if self.resume:
+            latest = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
+            self.first_iteration = 0 if latest is None else latest + 1
         ps_args = []
-        prefix: tuple[str, ...] = ()
         if self.ps_host is not None:
             ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
-            prefix = self.ps_host.command_prefix
         ps = [
-            self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=prefix)
+            self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=self._ps_prefix)
             for i in range(spec.ps.num_shards)
         ]
-        ps_addresses = [self._wait_ready(role) for role in ps]
+        self.ps_addresses = [self._wait_ready(role) for role in ps]
         oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
-        oracle_address = self._wait_ready(oracle)
+        self.oracle_address = oracle_address = self._wait_ready(oracle)
         rendezvous = spec.trainers.rendezvous
         if rendezvous.port == 0:
             rendezvous = Endpoint(host=rendezvous.host, port=_free_port(rendezvous.host))
         peers = [
             "--oracle-address", str(oracle_address),
-            "--ps-addresses", ",".join(str(a) for a in ps_addresses),
+            "--ps-addresses", ",".join(str(a) for a in self.ps_addresses),
             "--rendezvous", str(rendezvous),
             "--run-dir", str(self.run_dir),
         ]
         for j in range(spec.trainers.count):
             self._spawn(f"trainer-{j}", ["--role", "trainer", "--index", str(j), *peers])
+
+    @property
+    def _ps_prefix(self) -> tuple[str, ...]:
+        return self.ps_host.command_prefix if self.ps_host is not None else ()
+
+    def can_restart_alone(self, name: str) -> bool:
+        """Whether role `name` can come back on its own: the oracle always (it replans),
+        a PS shard when checkpoints are taken (trainers replay what its snapshot lacks)."""
+        return name == "oracle" or (name.startswith("ps-") and self.job.spec.checkpoint.every > 0)
+
+    def restart_alone(self, name: str) -> None:
+        """Start role `name` again on its old address, while the others run on."""
+        old = next(r for r in self.roles if r.name == name)
+        if name == "oracle":
+            assert self.oracle_address is not None
+            args = ["--role", "oracle", "--oracle-address", str(self.oracle_address),
+                    "--first-iteration", str(self.first_iteration)]
+            prefix: tuple[str, ...] = ()
+        else:
+            index = name.removeprefix("ps-")
+            args = ["--role", "ps", "--index", index, "--rejoin", "--admin-port", "0",
+                    "--ps-addresses", ",".join(str(a) for a in self.ps_addresses)]
+            prefix = self._ps_prefix
+        position = self.roles.index(old)
+        self.roles.remove(old)
+        role = self._spawn(name, args, ready=True, prefix=prefix, resume=False)
+        self.roles.insert(position, self.roles.pop())  # keep the stop order
+        self._wait_ready(role)
 
     def trainers(self) -> list[Role]:
         return [r for r in self.roles if r.name.startswith("trainer-")]
@@ -132,7 +179,7 @@ class LocalCluster:
             if others:
                 message += " (then " + ", ".join(f"{r.name} {_exit_text(r)}" for r in others) + ")"
             message += f"; its last log lines ({first.log_path}):\n{first.last_lines()}"
-            raise RoleFailed(message, role=first.name)
+            raise RoleFailed(message, role=first.name, dead=[r.name for r in dead])
         return all(r.process.poll() == 0 for r in self.trainers())
 
     def stop(self) -> None:
@@ -149,7 +196,9 @@ class LocalCluster:
                 role.process.kill()
                 role.process.wait()
 
-    def _spawn(self, name: str, args: list[str], *, ready: bool = False, prefix: tuple[str, ...] = ()) -> Role:
+    def _spawn(
+        self, name: str, args: list[str], *, ready: bool = False, prefix: tuple[str, ...] = (), resume: bool | None = None
+    ) -> Role:
         log_path = self.run_dir / "logs" / f"{name}.log"
         ready_file = self.run_dir / f".{name}.ready" if ready else None
         if ready_file is not None:
@@ -157,7 +206,7 @@ class LocalCluster:
         argv = [*prefix, sys.executable, str(LAUNCH), str(self.job.spec.source), *args]
         if ready_file is not None:
             argv += ["--ready-file", str(ready_file)]
-        if self.resume:
+        if self.resume if resume is None else resume:
             argv.append("--resume")
         env = {**os.environ, TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "ab") as out:
@@ -193,8 +242,9 @@ def run_cluster(
 ) -> ClusterResult:
     """Run a local cluster to the end; `on_poll(cluster)` is called every 0.2 s while it runs.
 
-    With ``checkpoint.restart = true`` in the spec, a role that dies makes every role stop
-    and start again from the latest complete checkpoint (at most MAX_RESTARTS times).
+    With ``checkpoint.restart = true`` in the spec, a role that dies is restarted (at most
+    MAX_RESTARTS times): alone where `LocalCluster.can_restart_alone` allows, else with
+    every other role from the latest complete checkpoint.
     """
     if not resume:
         for stale in run_dir.glob("trainer-*.jsonl"):
@@ -207,28 +257,46 @@ def run_cluster(
                      job.spec.checkpoint.dir)
             shutil.rmtree(job.spec.checkpoint.dir)
     started = time.monotonic()
-    failures: list[str] = []
+    restarts: list[Restart] = []
     while True:
         cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
         try:
             cluster.start()
-            while not cluster.check():
-                if on_poll is not None:
-                    on_poll(cluster)
-                time.sleep(0.2)
-            if on_poll is not None:
-                on_poll(cluster)
+            _watch(cluster, on_poll, restarts)
             break
         except RoleFailed as exc:
-            if not job.spec.checkpoint.restart or len(failures) >= MAX_RESTARTS:
+            if not job.spec.checkpoint.restart or len(restarts) >= MAX_RESTARTS:
                 raise
-            failures.append(str(exc.fields.get("role", "?")))
+            restarts.append(Restart(str(exc.fields.get("role", "?")), alone=False))
             log.warning("%s; restarting every role from the latest complete checkpoint (restart %d of %d)",
-                        exc.message.splitlines()[0].split(";")[0], len(failures), MAX_RESTARTS)
+                        exc.message.splitlines()[0].split(";")[0], len(restarts), MAX_RESTARTS)
             resume = True
         finally:
             cluster.stop()
-    return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started, restarts=tuple(failures))
+    return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started, restarts=tuple(restarts))
+
+
+def _watch(cluster: LocalCluster, on_poll: Callable[[LocalCluster], None] | None, restarts: list[Restart]) -> None:
+    """Poll until every trainer is done, restarting a lone dead PS or oracle on the way."""
+    checkpoint = cluster.job.spec.checkpoint
+    while True:
+        try:
+            if cluster.check():
+                break
+        except RoleFailed as exc:
+            role, dead = str(exc.fields.get("role")), exc.fields.get("dead", [])
+            alone = checkpoint.restart and checkpoint.restart_alone and dead == [role]
+            if not (alone and cluster.can_restart_alone(role)) or len(restarts) >= MAX_RESTARTS:
+                raise
+            restarts.append(Restart(role, alone=True))
+            log.warning("%s; restarting it alone while the others wait (restart %d of %d)",
+                        exc.message.splitlines()[0].split(";")[0], len(restarts), MAX_RESTARTS)
+            cluster.restart_alone(role)
+        if on_poll is not None:
+            on_poll(cluster)
+        time.sleep(0.2)
+    if on_poll is not None:
+        on_poll(cluster)
 
 
 def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:

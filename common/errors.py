@@ -68,6 +68,13 @@ class Conflict(BagpipeError):
     code = "conflict"
 
 
+class Restarted(Conflict):
+    """The request was meant for an earlier incarnation of a service that has restarted
+    since (its ``incarnation`` field names the current one)."""
+
+    code = "restarted"
+
+
 class PayloadTooLarge(BagpipeError):
     status = 413
     code = "payload_too_large"
@@ -104,6 +111,7 @@ _BY_CODE: dict[str, type[BagpipeError]] = {
         NotFound,
         MethodNotAllowed,
         Conflict,
+        Restarted,
         PayloadTooLarge,
         StorageFailed,
         Unavailable,

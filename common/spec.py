@@ -52,6 +52,7 @@ class ClusterSection:
     request_timeout_s: float = 30.0
     fetch_timeout_s: float = 120.0
     retries: int = 5
+    reconnect_s: float = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,8 @@ class CheckpointSection:
     dir: Path
     every: int = 0
     restart: bool = False
+    restart_alone: bool = True
+    journal_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +183,7 @@ def _cluster(s: _Section) -> ClusterSection:
         request_timeout_s=s.float("request_timeout_s", 30.0),
         fetch_timeout_s=s.float("fetch_timeout_s", 120.0),
         retries=s.int("retries", 5, low=0),
+        reconnect_s=s.float("reconnect_s", 30.0),
     )
 
 
@@ -228,6 +232,8 @@ def _checkpoint(s: _Section, name: str) -> CheckpointSection:
         dir=directory.resolve(),  # relative to the working directory, like runs/
         every=s.int("every", 0, low=0),
         restart=s.get("restart", bool, False),
+        restart_alone=s.get("restart_alone", bool, True),
+        journal_bytes=s.int("journal_mib", 1024, low=0) << 20,
     )
 
 

@@ -72,6 +72,13 @@ class StepBuffer:
                 self._changed.clear()
             await self._changed.wait()
 
+    def start_stream(self, trainer: int, start: int) -> None:
+        """`trainer` asks for steps from `start` on: it has the earlier ones (an oracle
+        restarted alone replans from an earlier iteration), so they do not hold the planner."""
+        with self._lock:
+            self._sent[trainer] = max(self._sent[trainer], start)
+            self._lock.notify_all()
+
     def mark_sent(self, trainer: int, iteration: int) -> None:
         """The stream of `trainer` handed `iteration` to the transport."""
         with self._lock:

@@ -75,12 +75,22 @@ def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
         )
 
 
-async def run_oracle(job: Job, *, token: str, ready_file: Path | None, resume: bool = False) -> None:
+async def run_oracle(
+    job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None
+) -> None:
     """Plan and serve the directive streams until SIGTERM; with `resume`, from the iteration
-    after the latest complete checkpoint."""
+    after the latest complete checkpoint.
+
+    An oracle restarted alone is given `first_iteration`, where the running trainers started:
+    the plan is a pure function of the data from there, so replanning from it gives the
+    trainers (which keep their caches) the very steps they would have had, from wherever
+    each one reconnects.
+    """
     spec = job.spec
-    checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
-    workload = build_workload(job, start=0 if checkpoint is None else checkpoint + 1)
+    if first_iteration is None:
+        checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
+        first_iteration = 0 if checkpoint is None else checkpoint + 1
+    workload = build_workload(job, start=first_iteration)
     config = planner_config(job, workload)
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead)
     address = spec.oracle.address

@@ -153,6 +153,7 @@ class OracleService:
         trainer = _int_param(request, "trainer", 0, self.config.num_trainers - 1)
         start = _int_param(request, "start", 0, None)
         self.buffer.check_resumable(start)
+        self.buffer.start_stream(trainer, start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
 

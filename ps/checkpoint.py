@@ -66,6 +66,15 @@ def list_checkpoints(directory: Path) -> list[int]:
     return sorted(ids)
 
 
+def remove_after(directory: Path, checkpoint_id: int) -> list[int]:
+    """Delete the checkpoints newer than `checkpoint_id` (another run's, or one abandoned by
+    a restart); returns their ids."""
+    gone = [c for c in list_checkpoints(directory) if c > checkpoint_id]
+    for c in gone:
+        shutil.rmtree(directory / checkpoint_name(c))
+    return gone
+
+
 def _write_fsynced(path: Path, data: np.ndarray | bytes) -> int:
     with open(path, "wb") as fh:
         if isinstance(data, bytes):

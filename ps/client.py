@@ -1,14 +1,22 @@
 """Client of all PS shards: splits keys by shard and talks to every shard concurrently.
 
 One long-lived connection per shard (HTTP/2 multiplexes every request on it). Calls that
-fail because a shard is unreachable are retried with exponential backoff, then raise
-`Unavailable` naming the shard; errors the shard answered (4xx) are raised at once.
+fail because a shard is unreachable are retried with exponential backoff (at least
+`retries` times and for at least `reconnect_s`), then raise `Unavailable` naming the shard;
+errors the shard answered (4xx) are raised at once.
+
+A shard may be restarted alone from its latest snapshot while its clients wait. Each
+request names the shard process (incarnation) the client last spoke with; a restarted shard
+refuses it (409 ``restarted``), and a client keeping a journal (trainers) then replays the
+write-backs the shard's snapshot lacks before going on. Retried write-backs are sent as
+replays: one that had landed before the connection broke changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,12 +24,13 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from common.auth import bearer
-from common.errors import Conflict, TimedOut, Unavailable
+from common.errors import BagpipeError, Restarted, TimedOut, Unavailable
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
 from common.transport import connect_client
 from common.wire import decode, encode_parts, require
+from ps.journal import JournalEntry, WriteJournal
+from ps.service import INCARNATION_HEADER
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +57,8 @@ class PsClient:
         timeout_s: float = 30.0,
         retries: int = 5,
         backoff_s: float = 0.1,
+        reconnect_s: float = 0.0,
+        journal_bytes: int | None = None,
     ) -> None:
         self.endpoints = tuple(endpoints)
         self.dim = dim
@@ -55,9 +66,15 @@ class PsClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.reconnect_s = reconnect_s
+        # None: this client writes nothing a restarted shard would miss (tools, benchmarks).
+        self.journals = None if journal_bytes is None else [WriteJournal(journal_bytes) for _ in endpoints]
+        self.replayed_rows = 0
         self._clients = [
             connect_client(transport, e.host, e.port, token=token, timeout=timeout_s) for e in endpoints
         ]
+        self._incarnations: list[str | None] = [None] * len(self.endpoints)
+        self._rejoining = [asyncio.Lock() for _ in endpoints]
 
     @property
     def num_shards(self) -> int:
@@ -97,11 +114,13 @@ class PsClient:
         """Store rows with `version` on their shards; each shard applies its part atomically.
         A `flush` is checkpoint `version`'s copy of rows that stay cached."""
         keys = np.asarray(keys, dtype=np.int64)
-        meta = {"version": version, "flush": flush}
 
         async def one(shard: int, pos: np.ndarray) -> None:
-            body = encode_parts(meta, {"keys": keys[pos], "rows": rows[pos], "state": state[pos]})
-            await self._call(shard, "/v1/write_back", body, self.timeout_s, replay_version=version)
+            entry = JournalEntry(version=version, flush=flush, keys=keys[pos], rows=rows[pos], state=state[pos])
+            if self.journals is not None:
+                self.journals[shard].record(entry)
+            await self._call(shard, "/v1/write_back", _write_body(entry, replay=False), self.timeout_s,
+                             retry_body=_write_body(entry, replay=True))
 
         await self._each_shard(keys, one)
 
@@ -113,7 +132,10 @@ class PsClient:
         """Tell every shard that `trainer`'s writes up to `checkpoint_id` are acknowledged;
         returns once each shard has written the checkpoint (all trainers reported)."""
         payload = {"id": checkpoint_id, "trainer": trainer, "trainers": trainers}
-        return await self._all_shards("/v1/checkpoint", payload)
+        answers = await self._all_shards("/v1/checkpoint", payload)
+        for journal in self.journals or ():
+            journal.forget_through(checkpoint_id)
+        return answers
 
     async def restore(self, checkpoint_id: int) -> list[dict[str, Any]]:
         return await self._all_shards("/v1/restore", {"id": checkpoint_id})
@@ -143,31 +165,91 @@ class PsClient:
         timeout: float,
         *,
         method: str = "POST",
-        replay_version: int | None = None,
+        retry_body: Any = None,
     ) -> bytes:
-        """One request to one shard, retried while the shard is unreachable.
-
-        With `replay_version`, a retried write-back that the shard refuses because it already
-        holds exactly that version had landed before the connection broke: that is success.
-        """
+        """One request to one shard, retried while the shard is unreachable (with
+        `retry_body` after the first attempt) and replayed to after it restarted."""
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        failures, first_failure = 0, 0.0
+        while True:
+            sent = body if failures == 0 or retry_body is None else retry_body
             try:
-                return await self._clients[shard].call(method, path, body=body, timeout=timeout)
-            except Conflict as exc:
-                if attempt > 0 and replay_version is not None and exc.fields.get("stored") == replay_version:
-                    return b""
-                raise
+                incarnation = await self._incarnation(shard)
+                try:
+                    return await self._clients[shard].call(
+                        method, path, body=sent, headers={INCARNATION_HEADER: incarnation}, timeout=timeout
+                    )
+                except Restarted as exc:
+                    await self._rejoin(shard, incarnation, str(exc.fields.get("incarnation")))
             except TimedOut as exc:
                 raise TimedOut(f"PS shard {shard} at {self.endpoints[shard]}: {exc.message}", shard=shard) from exc
             except Unavailable as exc:
-                if attempt == self.retries:
+                first_failure = first_failure or time.monotonic()
+                waited = time.monotonic() - first_failure
+                if failures >= self.retries and waited >= self.reconnect_s:
                     raise Unavailable(
                         f"PS shard {shard} at {self.endpoints[shard]}: {exc.message} "
-                        f"(after {self.retries + 1} attempts)",
+                        f"(after {failures + 1} attempts in {waited:.1f} s)",
                         shard=shard,
                     ) from exc
                 log.warning("PS shard %d %s failed (%s); retrying in %.2f s", shard, path, exc.message, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+            failures += 1
+
+    async def watch_restarts(self, interval_s: float) -> None:
+        """Until cancelled, notice a shard that restarted even while this client has nothing
+        to send it, and replay to it at once: another trainer may be waiting for rows that
+        only this client's journal holds, and this one may be waiting for that trainer."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for shard, known in enumerate(self._incarnations):
+                if known is None:
+                    continue
+                try:
+                    health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
+                    if health["incarnation"] != known:
+                        await self._rejoin(shard, known, str(health["incarnation"]))
+                except (Unavailable, TimedOut):
+                    continue  # down, or restarting: look again later
+
+    async def _incarnation(self, shard: int) -> str:
+        """The shard process this client speaks with (asked once, then after each restart)."""
+        known = self._incarnations[shard]
+        if known is None:
+            health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
+            known = self._incarnations[shard] = str(health["incarnation"])
+        return known
+
+    async def _rejoin(self, shard: int, seen: str, current: str) -> None:
+        """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""
+        async with self._rejoining[shard]:
+            if self._incarnations[shard] != seen:
+                return  # another call rejoined already
+            journal = self.journals[shard] if self.journals is not None else None
+            if journal is not None and not journal.complete:
+                raise BagpipeError(
+                    f"PS shard {shard} at {self.endpoints[shard]} restarted, and this client's journal of "
+                    f"the write-backs its snapshot lacks is incomplete (over {journal.limit_bytes} bytes, or no "
+                    "checkpoint is taken): only a restart of every role from the latest complete checkpoint "
+                    "can recover"
+                )
+            entries = journal.entries() if journal is not None else []
+            rows = sum(len(e.keys) for e in entries)
+            log.warning("PS shard %d restarted: replaying %d write-backs (%d rows) to it", shard, len(entries), rows)
+            headers = {INCARNATION_HEADER: current}
+            try:
+                for entry in entries:
+                    await self._clients[shard].call(
+                        "POST", "/v1/write_back", body=_write_body(entry, replay=True), headers=headers,
+                        timeout=self.timeout_s,
+                    )
+            except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
+                raise Unavailable(f"restarted again during the replay: {exc.message}") from exc
+            self.replayed_rows += rows
+            self._incarnations[shard] = current
+
+
+def _write_body(entry: JournalEntry, *, replay: bool) -> list[bytes | memoryview]:
+    meta = {"version": entry.version, "flush": entry.flush, "replay": replay}
+    return encode_parts(meta, {"keys": entry.keys, "rows": entry.rows, "state": entry.state})

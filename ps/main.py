@@ -8,7 +8,7 @@ from pathlib import Path
 from common.job import Job
 from common.runtime import make_server, wait_for_stop_signal, write_ready_file
 from common.checkpoints import latest_complete, ps_dir
-from ps.checkpoint import load_snapshot
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -34,15 +34,38 @@ def build_service(job: Job, index: int) -> PsService:
     )
 
 
-async def run_ps(job: Job, index: int, *, token: str, resume: bool, ready_file: Path | None) -> None:
-    """Serve shard `index` until SIGTERM/SIGINT; with `resume`, from the latest complete
-    checkpoint of the cluster (empty if there is none)."""
+async def run_ps(
+    job: Job,
+    index: int,
+    *,
+    token: str,
+    resume: bool,
+    ready_file: Path | None,
+    rejoin: bool = False,
+    admin_port: int | None = None,
+) -> None:
+    """Serve shard `index` until SIGTERM/SIGINT.
+
+    Fresh, it starts empty; with `resume`, from the latest complete checkpoint of the
+    cluster, like every other role. With `rejoin` it was restarted alone while the others
+    run on: it comes back with its own latest snapshot, and each trainer replays to it the
+    write-backs that snapshot lacks (`ps.client`). Snapshots newer than the starting point
+    belong to an abandoned run and are deleted, so that a later rejoin cannot pick one.
+    """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
         raise SystemExit(f"--index {index} is outside 0..{spec.ps.num_shards - 1}")
     service = build_service(job, index)
-    if resume:
-        _restore(service, latest_complete(spec.checkpoint.dir, spec.ps.num_shards))
+    if rejoin:
+        restore_own_latest(service)
+        log.info("restarted alone: the trainers replay what this snapshot lacks")
+    else:
+        start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
+        gone = remove_after(service.checkpoint_dir, -1 if start is None else start)
+        if gone:
+            log.info("removed snapshots %s, newer than the starting point", gone)
+        if resume:
+            _restore(service, start)
     address = spec.ps.addresses[index]
     servers = [
         make_server(
@@ -52,7 +75,8 @@ async def run_ps(job: Job, index: int, *, token: str, resume: bool, ready_file: 
     ]
     if spec.cluster.transport == "h2":
         # The same routes over HTTP/1.1 for tools that speak only that (Prometheus, browsers).
-        admin_port = address.port + 1 if address.port else 0
+        if admin_port is None:
+            admin_port = address.port + 1 if address.port else 0
         servers.append(
             make_server("http1", service.router(), host=address.host, port=admin_port,
                         token=token, max_body_bytes=spec.cluster.max_body_bytes)
@@ -76,6 +100,13 @@ async def run_ps(job: Job, index: int, *, token: str, resume: bool, ready_file: 
     finally:
         for server in servers:
             await server.stop()
+
+
+def restore_own_latest(service: PsService) -> None:
+    """A shard restarted alone: its own newest snapshot, complete checkpoint or not (its
+    clients' journals hold every write since)."""
+    own = list_checkpoints(service.checkpoint_dir)
+    _restore(service, own[-1] if own else None)
 
 
 def _restore(service: PsService, checkpoint_id: int | None) -> None:

@@ -8,19 +8,26 @@ Routes (all bodies binary per `common.wire` unless noted):
   A wait past the timeout answers 504; stale data is never served.
 * ``POST /v1/write_back``  meta ``version`` (and ``flush: true`` for a checkpoint flush);
   keys int64 [n], rows, state. Atomic: the whole request is validated first (409 if any key
-  already has this version or a newer one; a flush may be older than the stored row).
+  already has this version or a newer one; a flush may be older than the stored row). With
+  ``replay: true`` it may repeat or precede what the shard holds (`ShardStore`).
 * ``POST /v1/checkpoint``  JSON ``{"id": c}``: snapshot now, as of iteration c. With
   ``"trainer": j, "trainers": T``: trainer j reports that all its writes of versions <= c
   were acknowledged; the snapshot of c is taken once all T reported, and every report is
-  answered when it is on disk (507 if it could not be written).
+  answered when it is on disk (507 if it could not be written); a report of a checkpoint
+  already on disk is answered at once.
 * ``POST /v1/restore``  JSON ``{"id": c}``.
 * ``GET /v1/health`` and ``GET /metrics`` (public, for curl and Prometheus).
+
+Every process has a random *incarnation*, shown by health. A request whose
+``bagpipe-incarnation`` header names another one was meant for an earlier process of this
+shard: it is answered 409 ``restarted`` so that its client replays its write-backs first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +36,15 @@ from typing import Any
 import numpy as np
 import orjson
 
-from common.errors import BadRequest, Conflict, StorageFailed, TimedOut
+from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
 from common.metrics import Registry
 from common.transport import Request, Response, Router
 from common.wire import decode, encode_parts, require
-from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
+from ps.checkpoint import checkpoint_name, list_checkpoints, load_snapshot, save_snapshot
 from ps.store import ShardStore
 
 log = logging.getLogger(__name__)
+INCARNATION_HEADER = "bagpipe-incarnation"
 
 
 @dataclass(eq=False)
@@ -64,6 +72,7 @@ class PsService:
         self._waiters: set[_Waiter] = set()
         self._reports: dict[int, tuple[set[int], asyncio.Future[dict[str, Any]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.incarnation = secrets.token_hex(8)
 
     def router(self) -> Router:
         router = Router()
@@ -76,6 +85,7 @@ class PsService:
         return router
 
     async def fetch(self, request: Request) -> Response:
+        self._check_incarnation(request)
         meta, arrays = decode(request.body)
         keys = require(arrays, "keys", "<i8", 1)
         if "min_versions" in arrays:
@@ -93,23 +103,23 @@ class PsService:
         return Response(body=body)
 
     async def write_back(self, request: Request) -> Response:
+        self._check_incarnation(request)
         meta, arrays = decode(request.body)
         version = meta.get("version")
         if type(version) is not int:
             raise BadRequest("meta.version must be an integer")
-        flush = meta.get("flush", False)
-        if type(flush) is not bool:
-            raise BadRequest("meta.flush must be a boolean")
+        flush, replay = _flag(meta, "flush"), _flag(meta, "replay")
         keys = require(arrays, "keys", "<i8", 1)
         rows = require(arrays, "rows", "<f4", 2)
         state = require(arrays, "state", "<f4", 2)
-        local = self.store.check_write(keys, rows, state, version, flush=flush)
-        self.store.write_back(local, rows, state, version, flush=flush)
-        self._count("write_back", len(keys), request, 0)
+        local = self.store.check_write(keys, rows, state, version, flush=flush, replay=replay)
+        self.store.write_back(local, rows, state, version, flush=flush, replay=replay)
+        self._count("replay" if replay else "write_back", len(keys), request, 0)
         self._wake_waiters()
         return Response.json({"written": len(keys), "version": version})
 
     async def checkpoint(self, request: Request) -> Response:
+        self._check_incarnation(request)
         payload = _json_object(request.body)
         checkpoint_id = _non_negative(payload, "id")
         if "trainer" not in payload:
@@ -119,7 +129,12 @@ class PsService:
         if not trainer < trainers:
             raise BadRequest(f"trainer {trainer} is not below trainers = {trainers}")
         if checkpoint_id <= self.store.last_checkpoint and checkpoint_id not in self._reports:
-            raise Conflict(f"checkpoint {checkpoint_id} was already taken", id=checkpoint_id)
+            # A report retried across a restart of this shard: its snapshot may be on disk.
+            if checkpoint_id not in list_checkpoints(self.checkpoint_dir):
+                raise Conflict(f"checkpoint {checkpoint_id} was already taken", id=checkpoint_id)
+            path = self.checkpoint_dir / checkpoint_name(checkpoint_id)
+            nbytes = sum(f.stat().st_size for f in path.iterdir())
+            return Response.json({"id": checkpoint_id, "path": str(path), "bytes": nbytes, "seconds": 0.0})
         reported, done = self._reports.setdefault(checkpoint_id, (set(), asyncio.get_running_loop().create_future()))
         reported.add(trainer)
         if len(reported) == trainers and not done.done():
@@ -172,6 +187,7 @@ class PsService:
                 "num_shards": cfg.num_shards,
                 "rows": self.store.num_rows,
                 "dim": cfg.dim,
+                "incarnation": self.incarnation,
                 "max_version": self.store.max_version(),
                 "checkpoints": list_checkpoints(self.checkpoint_dir),
             }
@@ -201,6 +217,14 @@ class PsService:
             self.metrics.observe("fetch_wait_seconds", time.perf_counter() - started,
                                  help="Time fetches waited for a write-back")
 
+    def _check_incarnation(self, request: Request) -> None:
+        meant = request.headers.get(INCARNATION_HEADER)
+        if meant is not None and meant != self.incarnation:
+            raise Restarted(
+                f"PS shard {self.store.config.shard} restarted: incarnation {self.incarnation}, not {meant}",
+                incarnation=self.incarnation,
+            )
+
     def _wake_waiters(self) -> None:
         for waiter in self._waiters:
             if not waiter.ready.is_set() and self.store.ready(waiter.local, waiter.min_versions):
@@ -222,6 +246,13 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise BadRequest("body must be a JSON object")
     return payload
+
+
+def _flag(meta: dict[str, Any], name: str) -> bool:
+    value = meta.get(name, False)
+    if type(value) is not bool:
+        raise BadRequest(f"meta.{name} must be a boolean")
+    return value
 
 
 def _non_negative(payload: dict[str, Any], name: str) -> int:

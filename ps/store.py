@@ -31,6 +31,9 @@ class ShardConfig:
     seed: int = 0
     checkpoint_every: int = 0  # checkpoints are taken at iterations c with (c + 1) % every == 0
 
+    def is_checkpoint(self, iteration: int) -> bool:
+        return bool(self.checkpoint_every) and (iteration + 1) % self.checkpoint_every == 0
+
     def checkpoints_between(self, after: int, before: int) -> range:
         """Checkpoint iterations c with after < c < before."""
         if not self.checkpoint_every:
@@ -66,7 +69,16 @@ class ShardStore:
     Checkpoint c must hold every row as of iteration c, while write-backs of later
     iterations keep arriving: a write that moves a row past a pending checkpoint first
     saves the row's old value for it (copy on write), and a flush of c that arrives after a
-    newer write of the same row (they come from different trainers) goes only to c.
+    newer write of the same row (they come from different trainers) goes only to c (and to
+    any later pending checkpoint the row has moved past). A checkpoint's row is the one with
+    the highest version among what the table and the saved parts hold for it.
+
+    A *replayed* write-back (`replay=True`) may arrive in any order and more than once: the
+    trainers resend what they wrote since this shard's snapshot after it was restarted
+    alone, and a write retried after a broken connection may have landed already. Rows it
+    holds that the table already has at that version or a newer one are not applied, but
+    still go to the pending checkpoints they belong to; the result is the same as if every
+    write had arrived once, in order.
     """
 
     def __init__(self, config: ShardConfig) -> None:
@@ -95,12 +107,20 @@ class ShardStore:
         return local_index(keys, cfg.num_shards)
 
     def check_write(
-        self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+        version: int,
+        *,
+        flush: bool = False,
+        replay: bool = False,
     ) -> np.ndarray:
         """Local indices for a valid write-back; raises without changing anything otherwise.
 
         A flush (the checkpoint copy of a row that stays cached) must carry a pending
-        checkpoint's iteration; it may be older than the stored row.
+        checkpoint's iteration; it may be older than the stored row. A replay is not checked
+        against what the table holds (see the class docstring).
         """
         cfg = self.config
         local = self.check_keys(keys)
@@ -116,7 +136,11 @@ class ShardStore:
             raise BadRequest(f"version must be >= 0, got {version}")
         if len(np.unique(local)) != len(local):
             raise BadRequest("a write-back names the same key twice")
-        if flush and version not in self.config.checkpoints_between(self.last_checkpoint, version + 1):
+        if flush and not self.config.is_checkpoint(version):
+            raise BadRequest(f"flush version {version} is not a checkpoint iteration", version=version)
+        if replay:
+            return local
+        if flush and version <= self.last_checkpoint:
             raise BadRequest(f"flush version {version} is not a pending checkpoint", version=version)
         stale = self._versions[local] == version if flush else self._versions[local] >= version
         if stale.any():
@@ -141,19 +165,36 @@ class ShardStore:
         return self._rows[local], self._state[local], self._versions[local]
 
     def write_back(
-        self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
+        self,
+        local: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+        version: int,
+        *,
+        flush: bool = False,
+        replay: bool = False,
     ) -> None:
         """Store a checked write-back (see `check_write`) in one step."""
-        if flush:
-            newer = self._versions[local] > version
-            if newer.any():
-                self._pending_part(version, local[newer], rows[newer], state[newer], np.full(int(newer.sum()), version))
-                local, rows, state = local[~newer], rows[~newer], state[~newer]
+        if flush or replay:
+            stored = self._versions[local]
+            behind = stored > version
+            if behind.any():
+                self._save_behind(local[behind], rows[behind], state[behind], version)
+            ahead = stored < version  # a replayed row the table has at `version` landed already
+            local, rows, state = local[ahead], rows[ahead], state[ahead]
         self._save_for_checkpoints(local, version)
         self._rows[local] = rows
         self._state[local] = state
         self._versions[local] = version
         self._touched[local] = True
+
+    def _save_behind(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
+        """Rows of `version` that the table has already replaced by newer ones: they are
+        still the value of each pending checkpoint c >= version that the table moved past."""
+        stored = self._versions[local]
+        for c in self.config.checkpoints_between(max(self.last_checkpoint, version - 1), int(stored.max())):
+            past = stored > c
+            self._pending_part(c, local[past], rows[past], state[past], np.full(int(past.sum()), version))
 
     def _save_for_checkpoints(self, local: np.ndarray, version: int) -> None:
         """Keep the current value of rows this write moves past a pending checkpoint."""
@@ -221,10 +262,12 @@ class ShardStore:
 
 
 def _overlay(parts: list[Snapshot]) -> Snapshot:
-    """One snapshot from parts where a later part's row replaces an earlier one's."""
-    local = np.concatenate([p.local for p in parts])
-    order = np.arange(len(local))[::-1]
-    _, first = np.unique(local[order], return_index=True)  # last occurrence of each index
-    pick = np.sort(order[first])
-    cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ("rows", "state", "versions")}
-    return Snapshot(local=local[pick], rows=cat["rows"][pick], state=cat["state"][pick], versions=cat["versions"][pick])
+    """One snapshot from parts: for each index, its row with the highest version (the
+    later part's on a tie)."""
+    cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ("local", "rows", "state", "versions")}
+    local, versions = cat["local"], cat["versions"]
+    order = np.lexsort((np.arange(len(local)), versions, local))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = local[order][1:] != local[order][:-1]
+    pick = order[last]
+    return Snapshot(local=local[pick], rows=cat["rows"][pick], state=cat["state"][pick], versions=versions[pick])

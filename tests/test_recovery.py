@@ -1,6 +1,8 @@
 """Fault tolerance (DESIGN §9): kill -9 a PS, a trainer or the oracle at a random iteration
-of a local 2 x 2 run with checkpoints and automatic restart; the run recovers from the latest
-complete checkpoint and ends with parameters bit-identical to an uninterrupted run."""
+of a local 2 x 2 run with checkpoints and automatic restart; the run recovers and ends with
+parameters bit-identical to an uninterrupted run. A PS or the oracle comes back alone while
+the trainers wait (or, with ``restart_alone = false``, every role from the latest complete
+checkpoint); a trainer's death always restarts every role."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from common.checkpoints import latest_complete, manifest_path
-from common.cluster import LocalCluster, run_cluster
+from common.cluster import LocalCluster, Restart, run_cluster
 from common.job import Job, build_job
 from common.report import RunTail
 from common.spec import load_spec
@@ -65,12 +67,13 @@ class KillAt:
             self.killed_pid = target.process.pid
 
 
-def run_with_kill(tmp_path: Path, role: str, iteration: int) -> tuple[FinalModel, KillAt]:
-    job = build_job(load_spec(write_spec(tmp_path, "killed", OVERRIDES)))
+def run_with_kill(tmp_path: Path, role: str, iteration: int, *, alone: bool) -> tuple[FinalModel, KillAt]:
+    overrides = {**OVERRIDES, "checkpoint": {**OVERRIDES["checkpoint"], "restart_alone": alone}}
+    job = build_job(load_spec(write_spec(tmp_path, "killed", overrides)))
     kill = KillAt(tmp_path / "run", role, iteration)
     result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=kill)
     assert kill.killed_pid is not None, "the run ended before the kill point"
-    assert result.restarts == (role,)
+    assert result.restarts == (Restart(role, alone=alone and role != "trainer-1"),)
     return final_model(job, result.run_dir), kill
 
 
@@ -86,8 +89,23 @@ KILL_POINTS = [(role, seed) for role in ("ps-0", "trainer-1", "oracle") for seed
 
 @pytest.mark.parametrize(("role", "seed"), KILL_POINTS)
 def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: FinalModel, role: str, seed: int) -> None:
+    """The PS and the oracle come back alone; the trainer's death restarts every role."""
     iteration = random.Random(f"{role}-{seed}").randrange(2, ITERATIONS - 4)
-    got, _ = run_with_kill(tmp_path, role, iteration)
+    got, kill = run_with_kill(tmp_path, role, iteration, alone=True)
+    assert_bit_identical(got, uninterrupted)
+    if role != "trainer-1":  # the trainers ran on: each started once
+        logs = tmp_path / "run" / "logs"
+        assert (logs / "trainer-0.log").read_text().count("resuming after checkpoint") == 0
+        replays = (logs / "trainer-0.log").read_text().count("restarted: replaying")
+        assert replays == (1 if role == "ps-0" else 0)
+
+
+@pytest.mark.parametrize("role", ["ps-0", "oracle"])
+def test_with_restart_alone_off_every_role_restarts_from_the_checkpoint(
+    tmp_path: Path, uninterrupted: FinalModel, role: str
+) -> None:
+    iteration = random.Random(f"{role}-whole").randrange(2, ITERATIONS - 4)
+    got, _ = run_with_kill(tmp_path, role, iteration, alone=False)
     assert_bit_identical(got, uninterrupted)
 
 
@@ -103,7 +121,7 @@ def test_resuming_after_the_last_iteration_keeps_the_final_model(whole_run: tupl
 def test_kill_the_ps_while_a_checkpoint_is_being_taken(tmp_path: Path, uninterrupted: FinalModel) -> None:
     """Iteration 3 * EVERY: checkpoint 3 * EVERY - 1's flushes and reports are in flight."""
     c = 3 * EVERY - 1
-    got, _ = run_with_kill(tmp_path, "ps-1", c + 1)
+    got, _ = run_with_kill(tmp_path, "ps-1", c + 1, alone=True)
     assert_bit_identical(got, uninterrupted)
 
 

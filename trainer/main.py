@@ -38,6 +38,7 @@ from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 INIT_CHUNK_ROWS = 1 << 20
+RESTART_WATCH_S = 0.5  # how often a trainer looks for a PS shard restarted alone
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,21 +80,28 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     io = IoThread()
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
     ps_client = None
+    watcher: concurrent.futures.Future | None = None
     try:
         local = spec.oracle.mode == "local"
         if not local:
+            # The journal lets a PS shard restart alone (from its snapshot) while this trainer
+            # waits; without checkpoints there is no snapshot, so nothing is kept.
             ps_client = PsClient(
                 peers.ps, token=token, dim=job.dim, state_width=job.state_width,
                 transport=spec.cluster.transport, timeout_s=spec.cluster.request_timeout_s,
-                retries=spec.cluster.retries,
+                retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
+                journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
             )
+        if ps_client is not None and spec.checkpoint.every:
+            watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
         engine = _build_engine(job, device, comm, io, ps_client)
         start = _resume_point(job, engine) if resume else 0
         checkpoints = Checkpointer(job, rank, io, ps_client, engine, records)
         engine.on_checkpoint_written = checkpoints.report
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
-            start=start, retries=spec.cluster.retries, timeout_s=spec.cluster.fetch_timeout_s,
+            start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
+            timeout_s=spec.cluster.fetch_timeout_s,
         )
         iterations = _train(job, engine, stream, comm, records, checkpoints)
         engine.drain()
@@ -108,6 +116,8 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
+        if watcher is not None:
+            watcher.cancel()
         if ps_client is not None:
             with contextlib.suppress(Exception):
                 io.run(ps_client.close(), timeout=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,8 +56,9 @@ class DirectiveStream:
 
     At most `read_ahead` steps are buffered here; beyond that the reader stops taking data
     and HTTP/2 flow control holds the oracle back. A broken connection is retried with
-    backoff from the first step not yet received, then reported as `Unavailable` naming the
-    oracle.
+    backoff from the first step not yet received (at least `retries` times and for at least
+    `reconnect_s`: an oracle restarted alone serves the same steps again), then reported as
+    `Unavailable` naming the oracle.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class DirectiveStream:
         start: int = 0,
         read_ahead: int = 8,
         retries: int = 5,
+        reconnect_s: float = 0.0,
         timeout_s: float = 120.0,
     ) -> None:
         self.endpoint = endpoint
@@ -80,6 +83,7 @@ class DirectiveStream:
         self._queue: asyncio.Queue = io.run(_make_queue(read_ahead))
         self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
         self._retries = retries
+        self._reconnect_s = reconnect_s
         self._timeout_s = timeout_s
         self._io = io
         self._next = start  # first step not yet handed to the queue: where a retry resumes
@@ -99,19 +103,25 @@ class DirectiveStream:
         self._io.submit(self._client.close()).result(10)
 
     async def _read(self) -> None:
-        delay = 0.2
-        for attempt in range(self._retries + 1):
+        delay, failures, first_failure, failed_at = 0.2, 0, 0.0, -1
+        while True:
             try:
                 await self._read_from(self._next)
                 return
-            except BagpipeError as exc:
-                if attempt == self._retries or not isinstance(exc, Unavailable):
+            except Unavailable as exc:
+                if self._next != failed_at:  # steps came since the last break: a new outage
+                    delay, failures, first_failure, failed_at = 0.2, 0, time.monotonic(), self._next
+                if failures >= self._retries and time.monotonic() - first_failure >= self._reconnect_s:
                     await self._put(_Failed(self._named(exc)))
                     return
                 log.warning("directive stream from %s broke (%s); resuming at %d in %.1f s",
                             self.endpoint, exc.message, self._next, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                failures += 1
+            except BagpipeError as exc:
+                await self._put(_Failed(self._named(exc)))
+                return
             except Exception as exc:  # a bug or a malformed message: stop the trainer clearly
                 await self._put(_Failed(exc))
                 return

@@ -193,6 +193,21 @@ async def test_a_second_stream_resumes_at_the_step_asked_for() -> None:
     assert rest.iterations == list(range(5, N)) and rest.end == N
 
 
+@pytest.mark.parametrize("first", [0, 10])
+async def test_an_oracle_restarted_alone_serves_the_same_steps_from_where_each_trainer_is(first: int) -> None:
+    """The new process replans from the run's first iteration; trainers that reconnect far
+    past `max_ahead` (and at different points) neither hold the planner nor get other bytes."""
+    async with serving(OracleService(config(first), workload(first), max_ahead=2)) as client:
+        before = await asyncio.gather(read(client, 0, first), read(client, 1, first))
+    restarted = OracleService(config(first), workload(first), max_ahead=2)
+    async with serving(restarted) as client:
+        after = await asyncio.gather(read(client, 0, first + 13), read(client, 1, first + 17))
+    for j, (whole, tail) in enumerate(zip(before, after)):
+        skip = tail.iterations[0] - first
+        assert tail.iterations == list(range(first + 13 + 4 * j, N)) and tail.end == N
+        assert tail.raw == whole.raw[2 * skip :]  # batch and directive per step, then the end
+
+
 async def test_a_start_below_the_oldest_kept_step_answers_409() -> None:
     service = OracleService(config(), workload(), max_ahead=4)
     async with serving(service) as client:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -131,10 +132,11 @@ def checkpointing_store(every: int = 5) -> ShardStore:
     return ShardStore(cfg)
 
 
-def put(store: ShardStore, keys: list[int], value: float, version: int, *, flush: bool = False) -> None:
+def put(store: ShardStore, keys: list[int], value: float, version: int, *, flush: bool = False, replay: bool = False) -> None:
     k = np.array(keys, dtype=np.int64)
     rows, state = np.full((len(k), 4), value, np.float32), np.full((len(k), 1), value, np.float32)
-    store.write_back(store.check_write(k, rows, state, version, flush=flush), rows, state, version, flush=flush)
+    local = store.check_write(k, rows, state, version, flush=flush, replay=replay)
+    store.write_back(local, rows, state, version, flush=flush, replay=replay)
 
 
 def values(snap, keys: list[int]) -> list[float]:
@@ -174,7 +176,7 @@ def test_a_flush_that_lands_after_a_newer_write_goes_only_to_its_checkpoint() ->
 def test_flush_versions_must_be_pending_checkpoints() -> None:
     store = checkpointing_store()
     put(store, [1], 1.0, version=4, flush=True)
-    with pytest.raises(BadRequest, match="not a pending checkpoint"):
+    with pytest.raises(BadRequest, match="not a checkpoint iteration"):
         put(store, [2], 1.0, version=5, flush=True)
     with pytest.raises(Conflict, match="not newer"):
         put(store, [1], 2.0, version=4, flush=True)  # a replay
@@ -190,3 +192,99 @@ def test_restore_sets_the_checkpoint_and_drops_saved_rows() -> None:
     put(store, [1], 2.0, version=11)  # saved for 9
     store.restore(snap, 4)
     assert store.last_checkpoint == 4 and values(store.snapshot(9), [1]) == [1.0]
+
+
+def test_a_replayed_write_that_landed_already_changes_nothing() -> None:
+    store = checkpointing_store()
+    put(store, [1, 2], 1.0, version=3)
+    put(store, [1, 2], 1.0, version=3, replay=True)  # retried after a broken connection
+    put(store, [2], 2.0, version=6)
+    put(store, [2], 1.0, version=3, replay=True)  # ... or after a newer write of the row
+    assert values(store.snapshot(), [1, 2]) == [1.0, 2.0]
+    assert values(store.snapshot(4), [1, 2]) == [1.0, 1.0]
+
+
+def test_a_replayed_write_older_than_the_table_still_reaches_its_checkpoint() -> None:
+    store = checkpointing_store()
+    put(store, [1], 5.0, version=11, replay=True)  # another trainer's newer write came first
+    put(store, [1], 3.0, version=7, replay=True)  # the value checkpoint 9 must hold
+    put(store, [1], 2.0, version=2, replay=True)  # the value of checkpoint 4
+    put(store, [1], 4.0, version=9, flush=True, replay=True)
+    put(store, [1], 4.0, version=9, flush=True, replay=True)  # twice
+    assert values(store.snapshot(4), [1]) == [2.0]
+    assert values(store.snapshot(9), [1]) == [4.0]
+    assert values(store.snapshot(), [1]) == [5.0]
+    put(store, [1], 4.0, version=9, flush=True, replay=True)  # its checkpoint is taken: ignored
+    assert values(store.snapshot(), [1]) == [5.0]
+
+
+def test_a_replayed_flush_must_still_be_a_checkpoint_iteration() -> None:
+    with pytest.raises(BadRequest, match="not a checkpoint iteration"):
+        put(checkpointing_store(), [1], 1.0, version=5, flush=True, replay=True)
+
+
+@dataclass(frozen=True)
+class Write:
+    version: int
+    keys: tuple[int, ...]
+    value: float
+    flush: bool
+
+
+def trainers_writes(rng: np.random.Generator, every: int, iterations: int) -> list[Write]:
+    """Write-backs in an order the PS can meet: by version, except that a checkpoint's flush
+    may land after writes of the next iterations (it comes from another trainer). A row has
+    one writer per version: its eviction or its flush."""
+    writes: list[tuple[float, Write]] = []
+    for v in range(iterations):
+        free = list(rng.permutation(12))
+        for _ in range(rng.integers(0, 3)):
+            keys, free = free[: rng.integers(1, 5)], free[4:]
+            if keys:
+                writes.append((v, Write(v, tuple(int(k) for k in keys), float(rng.normal()), False)))
+        if (v + 1) % every == 0 and free:
+            keys = free[: rng.integers(1, 6)]
+            late = rng.uniform(0, every - 1)  # lands before the next checkpoint's flushes
+            writes.append((v + late + 0.5, Write(v, tuple(int(k) for k in keys), float(rng.normal()), True)))
+    return [w for _, w in sorted(writes, key=lambda t: t[0])]
+
+
+def apply_in_order(writes: list[Write], every: int) -> tuple[list[Write], dict[int, object], object]:
+    """Apply `writes` strictly, dropping what the PS refuses (two trainers cannot both have
+    written a row at one version); snapshot each checkpoint once all its writes are in."""
+    store = checkpointing_store(every)
+    accepted, snaps = [], {}
+    for w in writes:
+        try:
+            put(store, list(w.keys), w.value, w.version, flush=w.flush)
+        except Conflict:
+            continue
+        accepted.append(w)
+        if w.flush:
+            snaps[w.version] = store.snapshot(w.version)
+    return accepted, snaps, store.snapshot()
+
+
+def same_rows(a, b) -> bool:
+    return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("local", "rows", "state", "versions"))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_restore_and_replay_in_any_order_equals_the_uninterrupted_shard(seed: int) -> None:
+    """A shard restarted alone from its snapshot of c, given every write since c again in
+    any order (some twice), holds the same rows and takes the same later checkpoints."""
+    rng = np.random.default_rng(seed)
+    every = int(rng.integers(2, 5))
+    writes, snaps, final = apply_in_order(trainers_writes(rng, every, 6 * every), every)
+    c = int(rng.choice(sorted(snaps))) if snaps and rng.random() < 0.8 else -1
+    store = checkpointing_store(every)
+    if c >= 0:
+        store.restore(snaps[c], c)
+    since = [w for w in writes if w.version > c]
+    replay = [since[i] for i in rng.permutation(len(since))]
+    replay += [replay[i] for i in rng.choice(len(replay), size=len(replay) // 4)] if replay else []
+    for w in replay:
+        put(store, list(w.keys), w.value, w.version, flush=w.flush, replay=True)
+    for later in sorted(k for k in snaps if k > c):
+        assert same_rows(store.snapshot(later), snaps[later]), f"checkpoint {later} differs"
+    assert same_rows(store.snapshot(), final)
