@@ -34,6 +34,7 @@ from ps.service import INCARNATION_HEADER
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_BACKOFF_S = 1.0  # a peer restarting is retried at least this often
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +195,7 @@ class PsClient:
                     ) from exc
                 log.warning("PS shard %d %s failed (%s); retrying in %.2f s", shard, path, exc.message, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, MAX_BACKOFF_S)
             failures += 1
 
     async def watch_restarts(self, interval_s: float) -> None:

@@ -246,10 +246,11 @@ class ShardStore:
         for name, shape in expected.items():
             if getattr(snap, name).shape != shape:
                 raise BadRequest(f"snapshot {name} has shape {getattr(snap, name).shape}, not {shape}")
-        self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
-        self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
-        self._versions = np.full(self.num_rows, -1, dtype=np.int64)
-        self._touched = np.zeros(self.num_rows, dtype=bool)
+        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
+            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
+            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
+            self._versions = np.full(self.num_rows, -1, dtype=np.int64)
+            self._touched = np.zeros(self.num_rows, dtype=bool)
         self._rows[snap.local] = snap.rows
         self._state[snap.local] = snap.state
         self._versions[snap.local] = snap.versions

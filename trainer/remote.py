@@ -16,7 +16,7 @@ from common.errors import BagpipeError, Unavailable, WireError
 from common.spec import Endpoint, Transport
 from common.steps import Step, decode_batch, decode_end, kind_of
 from common.transport import connect_client, read_messages
-from ps.client import PsClient
+from ps.client import MAX_BACKOFF_S, PsClient
 from trainer.io_thread import IoThread
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class DirectiveStream:
                 log.warning("directive stream from %s broke (%s); resuming at %d in %.1f s",
                             self.endpoint, exc.message, self._next, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, MAX_BACKOFF_S)
                 failures += 1
             except BagpipeError as exc:
                 await self._put(_Failed(self._named(exc)))
