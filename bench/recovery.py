@@ -8,7 +8,8 @@ For each case it reports the time from the kill to the first iteration finished 
 new process up ("not needed" when the trainers finished on what they had: an oracle's
 steps are streamed ahead, up to the HTTP/2 window), the time the failure cost (the run's
 length minus that of the same run uninterrupted), and what restarting the whole job from
-scratch would cost instead: the time a fresh start takes to get back to the kill point.
+scratch would cost instead: the time a fresh start takes to get back to the kill point; and whether the run ended with exactly
+the parameters of the uninterrupted one.
 
     python bench/recovery.py --quick --json runs/bench/recovery.json
 """
@@ -22,14 +23,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import orjson
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.checkpoints import ps_dir  # noqa: E402
 from common.cluster import LocalCluster, run_cluster  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
 from common.report import RunTail  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
+from ps.checkpoint import load_snapshot  # noqa: E402
 
 TOKEN = "recovery-bench"
 CASES = (("ps-0", True), ("ps-0", False), ("oracle", True), ("oracle", False), ("trainer-1", False))
@@ -100,6 +105,19 @@ def uninterrupted(iterations: int, every: int, out: Path) -> float:
     return run_cluster(job_in(folder, "recovery", iterations, every, True), folder / "run", token=TOKEN).seconds
 
 
+def same_final_model(job: Job, folder: Path, reference: Path) -> bool:
+    """Whether a run ended with exactly the dense parameters and table rows of another."""
+    dense = [torch.load(f / "run" / "final" / "dense.pt") for f in (folder, reference)]
+    if dense[0].keys() != dense[1].keys() or not all(torch.equal(dense[0][k], dense[1][k]) for k in dense[0]):
+        return False
+    last = job.spec.train.max_iterations
+    for shard in range(job.spec.ps.num_shards):
+        a, b = (load_snapshot(ps_dir(f / "checkpoints", shard), last)[0] for f in (folder, reference))
+        if not all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("local", "rows", "state", "versions")):
+            return False
+    return True
+
+
 def measure(role: str, alone: bool, iterations: int, every: int, kill_at: int, out: Path, baseline_s: float) -> dict:
     folder = out / f"{role}-{'alone' if alone else 'all'}"
     job = job_in(folder, f"recovery-{role}", iterations, every, alone)
@@ -118,6 +136,7 @@ def measure(role: str, alone: bool, iterations: int, every: int, kill_at: int, o
         "from_scratch_s": watch.reached_kill_point - watch.started,
         "run_s": result.seconds,
         "uninterrupted_s": baseline_s,
+        "bit_identical": same_final_model(job, folder, out / "uninterrupted"),
     }
 
 
@@ -140,13 +159,13 @@ def main() -> int:
     print(f"\nkill -9 once both trainers finished iteration {kill_at} of {iterations}, checkpoint every {every} iterations, T = 2, S = 2; "
           f"the run takes {baseline_s:.1f} s uninterrupted")
     print(f"{'restarted':<26} {'killed after':>12} {'kill -> first new iter':>23} {'time lost':>10} "
-          f"{'from scratch instead':>21} {'speed-up':>9}")
+          f"{'from scratch instead':>21} {'speed-up':>9} {'bit-identical':>14}")
     for r in rows:
         recovery = "not needed" if r["recovery_s"] is None else f"{r['recovery_s']:.2f} s"
         # below half a second the loss is within the noise of two runs' lengths
         speedup = f"{r['from_scratch_s'] / r['lost_s']:.1f}x" if r["lost_s"] >= 0.5 else "-"
         print(f"{r['restarted']:<26} {r['killed_at_iteration']:>12} {recovery:>23} {r['lost_s']:>8.2f} s "
-              f"{r['from_scratch_s']:>19.2f} s {speedup:>9}")
+              f"{r['from_scratch_s']:>19.2f} s {speedup:>9} {'yes' if r['bit_identical'] else 'NO':>14}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         body = {"iterations": iterations, "every": every, "uninterrupted_s": baseline_s, "roles": rows}

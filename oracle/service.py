@@ -50,7 +50,10 @@ class Workload:
 
     def __post_init__(self) -> None:
         if type(self.start) is not int or not 0 <= self.start <= self.num_iterations:
-            raise ConfigError("train.start", f"must be in 0..{self.num_iterations}, got {self.start!r}")
+            raise ConfigError(
+                "--first-iteration",
+                f"must be in 0..{self.num_iterations}, got {self.start!r} (given, or after the checkpoint resumed from)",
+            )
 
     @property
     def num_iterations(self) -> int:

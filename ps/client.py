@@ -213,6 +213,9 @@ class PsClient:
                         await self._rejoin(shard, known, str(health["incarnation"]))
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
+                except BagpipeError as exc:  # the next request to that shard meets it too
+                    log.error("cannot rejoin PS shard %d: %s", shard, exc.message)
+                    return
 
     async def _incarnation(self, shard: int) -> str:
         """The shard process this client speaks with (asked once, then after each restart)."""

@@ -238,7 +238,7 @@ def test_the_service_refuses_a_planner_numbered_differently_from_its_workload() 
     with pytest.raises(ConfigError) as err:
         OracleService(config(3), workload(0), max_ahead=4)
     assert err.value.field == "oracle.first_iteration"
-    with pytest.raises(ConfigError, match=r"train.start: must be in 0\.\.32"):
+    with pytest.raises(ConfigError, match=r"--first-iteration: must be in 0\.\.32"):
         workload(N + 1)
 
 
