@@ -55,6 +55,14 @@ def load_snapshot(directory: Path, checkpoint_id: int) -> tuple[Snapshot, dict]:
     return Snapshot(**arrays), meta
 
 
+def saved_checkpoint(directory: Path, checkpoint_id: int) -> tuple[Path, int] | None:
+    """Path and size in bytes of a complete checkpoint on disk, or None."""
+    path = directory / checkpoint_name(checkpoint_id)
+    if not (path / "meta.json").is_file():
+        return None
+    return path, sum(f.stat().st_size for f in path.iterdir())
+
+
 def list_checkpoints(directory: Path) -> list[int]:
     """Ids of the complete checkpoints in `directory`, oldest first."""
     if not directory.is_dir():

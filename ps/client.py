@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,13 +27,13 @@ from common.errors import BagpipeError, Restarted, TimedOut, Unavailable
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
 from common.transport import connect_client
+from common.transport.retry import RetryBudget
 from common.wire import decode, encode_parts, require
 from ps.journal import JournalEntry, WriteJournal
 from ps.service import INCARNATION_HEADER
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MAX_BACKOFF_S = 1.0  # a peer restarting is retried at least this often
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +120,7 @@ class PsClient:
             if self.journals is not None:
                 self.journals[shard].record(entry)
             await self._call(shard, "/v1/write_back", _write_body(entry, replay=False), self.timeout_s,
-                             retry_body=_write_body(entry, replay=True))
+                             retry_body=lambda: _write_body(entry, replay=True))
 
         await self._each_shard(keys, one)
 
@@ -166,14 +165,15 @@ class PsClient:
         timeout: float,
         *,
         method: str = "POST",
-        retry_body: Any = None,
+        retry_body: Callable[[], Any] | None = None,
     ) -> bytes:
-        """One request to one shard, retried while the shard is unreachable (with
-        `retry_body` after the first attempt) and replayed to after it restarted."""
-        delay = self.backoff_s
-        failures, first_failure = 0, 0.0
+        """One request to one shard, retried while the shard is unreachable (with the body
+        `retry_body()` makes after the first attempt) and replayed to after it restarted."""
+        budget = RetryBudget(self.retries, self.reconnect_s, self.backoff_s)
+        attempts = 0
         while True:
-            sent = body if failures == 0 or retry_body is None else retry_body
+            sent = body if attempts == 0 or retry_body is None else retry_body()
+            attempts += 1
             try:
                 incarnation = await self._incarnation(shard)
                 try:
@@ -185,18 +185,14 @@ class PsClient:
             except TimedOut as exc:
                 raise TimedOut(f"PS shard {shard} at {self.endpoints[shard]}: {exc.message}", shard=shard) from exc
             except Unavailable as exc:
-                first_failure = first_failure or time.monotonic()
-                waited = time.monotonic() - first_failure
-                if failures >= self.retries and waited >= self.reconnect_s:
+                if not budget.allows_retry():
                     raise Unavailable(
                         f"PS shard {shard} at {self.endpoints[shard]}: {exc.message} "
-                        f"(after {failures + 1} attempts in {waited:.1f} s)",
+                        f"(after {budget.failures + 1} attempts in {budget.waited_s:.1f} s)",
                         shard=shard,
                     ) from exc
-                log.warning("PS shard %d %s failed (%s); retrying in %.2f s", shard, path, exc.message, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF_S)
-            failures += 1
+                log.warning("PS shard %d %s failed (%s); retrying in %.2f s", shard, path, exc.message, budget.delay)
+                await budget.wait()
 
     async def watch_restarts(self, interval_s: float) -> None:
         """Until cancelled, notice a shard that restarted even while this client has nothing
@@ -208,9 +204,9 @@ class PsClient:
                 if known is None:
                     continue
                 try:
-                    health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
-                    if health["incarnation"] != known:
-                        await self._rejoin(shard, known, str(health["incarnation"]))
+                    current = await self._current_incarnation(shard)
+                    if current != known:
+                        await self._rejoin(shard, known, current)
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
                 except BagpipeError as exc:  # the next request to that shard meets it too
@@ -221,9 +217,12 @@ class PsClient:
         """The shard process this client speaks with (asked once, then after each restart)."""
         known = self._incarnations[shard]
         if known is None:
-            health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
-            known = self._incarnations[shard] = str(health["incarnation"])
+            known = self._incarnations[shard] = await self._current_incarnation(shard)
         return known
+
+    async def _current_incarnation(self, shard: int) -> str:
+        health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
+        return str(health["incarnation"])
 
     async def _rejoin(self, shard: int, seen: str, current: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""

@@ -40,7 +40,7 @@ from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedO
 from common.metrics import Registry
 from common.transport import Request, Response, Router
 from common.wire import decode, encode_parts, require
-from ps.checkpoint import checkpoint_name, list_checkpoints, load_snapshot, save_snapshot
+from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot, saved_checkpoint
 from ps.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,10 @@ class PsService:
             raise BadRequest(f"trainer {trainer} is not below trainers = {trainers}")
         if checkpoint_id <= self.store.last_checkpoint and checkpoint_id not in self._reports:
             # A report retried across a restart of this shard: its snapshot may be on disk.
-            if checkpoint_id not in list_checkpoints(self.checkpoint_dir):
+            saved = saved_checkpoint(self.checkpoint_dir, checkpoint_id)
+            if saved is None:
                 raise Conflict(f"checkpoint {checkpoint_id} was already taken", id=checkpoint_id)
-            path = self.checkpoint_dir / checkpoint_name(checkpoint_id)
-            nbytes = sum(f.stat().st_size for f in path.iterdir())
+            path, nbytes = saved
             return Response.json({"id": checkpoint_id, "path": str(path), "bytes": nbytes, "seconds": 0.0})
         reported, done = self._reports.setdefault(checkpoint_id, (set(), asyncio.get_running_loop().create_future()))
         reported.add(trainer)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,7 +15,8 @@ from common.errors import BagpipeError, Unavailable, WireError
 from common.spec import Endpoint, Transport
 from common.steps import Step, decode_batch, decode_end, kind_of
 from common.transport import connect_client, read_messages
-from ps.client import MAX_BACKOFF_S, PsClient
+from common.transport.retry import RetryBudget
+from ps.client import PsClient
 from trainer.io_thread import IoThread
 
 log = logging.getLogger(__name__)
@@ -103,22 +103,22 @@ class DirectiveStream:
         self._io.submit(self._client.close()).result(10)
 
     async def _read(self) -> None:
-        delay, failures, first_failure, failed_at = 0.2, 0, 0.0, -1
+        budget = RetryBudget(self._retries, self._reconnect_s, first_delay_s=0.2)
+        failed_at = -1
         while True:
             try:
                 await self._read_from(self._next)
                 return
             except Unavailable as exc:
                 if self._next != failed_at:  # steps came since the last break: a new outage
-                    delay, failures, first_failure, failed_at = 0.2, 0, time.monotonic(), self._next
-                if failures >= self._retries and time.monotonic() - first_failure >= self._reconnect_s:
+                    budget.reset()
+                    failed_at = self._next
+                if not budget.allows_retry():
                     await self._put(_Failed(self._named(exc)))
                     return
                 log.warning("directive stream from %s broke (%s); resuming at %d in %.1f s",
-                            self.endpoint, exc.message, self._next, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF_S)
-                failures += 1
+                            self.endpoint, exc.message, self._next, budget.delay)
+                await budget.wait()
             except BagpipeError as exc:
                 await self._put(_Failed(self._named(exc)))
                 return

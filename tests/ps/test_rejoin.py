@@ -33,6 +33,11 @@ def make_shard(directory: Path) -> PsService:
     return PsService(ShardStore(cfg), checkpoint_dir=directory / "ps-0", fetch_timeout_s=3)
 
 
+async def waiting_fetch(service: PsService) -> None:
+    while not service._waiters:
+        await asyncio.sleep(0.01)
+
+
 def trainer(endpoint: Endpoint, journal_bytes: int | None = 1 << 20) -> PsClient:
     return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1,
                     timeout_s=10, retries=20, backoff_s=0.02, journal_bytes=journal_bytes)
@@ -125,7 +130,7 @@ async def test_a_fetch_waits_for_the_other_trainers_replay(tmp_path: Path) -> No
         await write(b, key, 3, 1)
         await shard.crash_and_rejoin()  # no snapshot yet: it comes back empty
         fetch = asyncio.create_task(a.fetch(key, np.array([3])))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(waiting_fetch(shard.service), 10)  # a's fetch waits at the new process
         assert not fetch.done()  # version 3 is only in b's journal
         await write(b, KEYS[1:2], 4, 1)  # b's next request finds the restart and replays first
         got = await asyncio.wait_for(fetch, 10)
