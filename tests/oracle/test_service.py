@@ -35,6 +35,7 @@ SPEC = DataSpec(
 DATASET = open_dataset(SPEC)
 LAYOUT = TableLayout(DATASET.table_sizes)
 N = DATASET.num_batches(BATCH)  # 32 iterations
+STEP_TIMEOUT_S = 120
 
 
 def workload(start: int = 0) -> Workload:
@@ -90,7 +91,8 @@ async def serving(service: OracleService, *, client_token: str | None = TOKEN) -
 async def read(client: H2Client, trainer: int, start: int, limit: int | None = None) -> Received:
     """Read trainer's stream from `start` to its end, or stop after `limit` steps."""
     got = Received([], [], [], [])
-    chunks = client.stream("GET", f"/v1/stream?trainer={trainer}&start={start}", timeout=10)
+    # The first step may wait for numba to compile the planner (over 10 s on a cold cache).
+    chunks = client.stream("GET", f"/v1/stream?trainer={trainer}&start={start}", timeout=STEP_TIMEOUT_S)
     async with contextlib.aclosing(chunks), contextlib.aclosing(read_messages(chunks)) as messages:
         pending: tuple[int, np.ndarray, np.ndarray] | None = None
         async for message in messages:
