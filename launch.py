@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
+import logging
+import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from common.errors import BagpipeError
@@ -65,12 +70,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if args.role is None:
-            from common.cluster import run_local_cluster
+    if args.role is None:
+        from common.cluster import run_local_cluster
 
-            return run_local_cluster(Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet)
-        return run_role(args)
+        return _reporting_errors(lambda: run_local_cluster(Path(args.spec), resume=args.resume,
+                                                           run_dir=args.run_dir, quiet=args.quiet))
+    faulthandler.enable()  # a role killed by a signal leaves every thread's Python stack in its log
+    if args.role != "trainer":
+        return _reporting_errors(lambda: run_role(args))
+    # A trainer leaves without interpreter finalisation. Its process group outlives
+    # destroy_process_group (DDP holds it), and a gloo worker that frees a tensor while the
+    # interpreter finalises takes the GIL, gets unwound by CPython and aborts the process
+    # ("terminate called without an active exception", pytorch/pytorch#190489): a finished
+    # trainer then reads as killed by SIGABRT.
+    try:
+        code = _reporting_errors(lambda: run_role(args))
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _reporting_errors(run: Callable[[], int]) -> int:
+    try:
+        return run()
     except BagpipeError as exc:
         print(f"launch.py: {exc}", file=sys.stderr)
         return 2

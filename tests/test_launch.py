@@ -282,7 +282,9 @@ def test_killing_the_launcher_orphans_nothing(launcher: Callable[[], Launcher]) 
         assert_port_free(port)
 
 
-@pytest.mark.parametrize("role", [[], ["--role", "ps", "--index", "0"]], ids=["cluster", "ps"])
+@pytest.mark.parametrize(
+    "role", [[], ["--role", "ps", "--index", "0"], ["--role", "trainer", "--index", "0"]], ids=["cluster", "ps", "trainer"]
+)
 def test_a_bad_spec_is_refused_before_any_role_starts(tmp_path: Path, role: list[str]) -> None:
     spec = write_spec(tmp_path, "bad", {"oracle": {"lookahed": 3}})
     run_dir = tmp_path / "run"

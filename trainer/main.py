@@ -109,10 +109,6 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         checkpoints.wait()
         comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
         _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations)
-        # Tear the process group down together: a rank destroying it while rank 0 still
-        # saves the final model can abort in gloo ("terminate called without an active
-        # exception", seen with T = 4).
-        comm.barrier()
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
