@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,10 +157,16 @@ def cache_path(spec: DataSpec) -> Path:
     if spec.cache_dir:
         return Path(spec.cache_dir) / name
     source = Path(str(spec.path))
-    if os.access(source.parent, os.W_OK):
+    if _writable(source.parent):
         return source.with_name(source.name + ".bagpipe") / name
     tag = hashlib.blake2b(str(source).encode(), digest_size=5).hexdigest()
     return Path.home() / ".cache" / "bagpipe" / "data" / f"{source.name}-{tag}" / name
+
+
+def _writable(folder: Path) -> bool:
+    """Writable, and not marked read-only: root may write anywhere, but a data folder whose
+    mode denies writes (a shared read-only copy) is left as it is."""
+    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & stat.S_IWUSR)
 
 
 def _cached(spec: DataSpec, progress: bool) -> Preprocessed:

@@ -78,6 +78,22 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv"]
 
 
+def test_a_read_only_data_folder_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even for root, who may write anywhere: the conversion goes under ~/.cache instead."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    src = shared / "small.tsv"
+    src.write_text("\n".join(KAGGLE.read_text().splitlines()[:50]) + "\n")
+    shared.chmod(0o555)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    try:
+        assert open_dataset(DataSpec(format="criteo", path=str(src))).num_rows == 50
+        assert sorted(p.name for p in shared.iterdir()) == ["small.tsv"]
+        assert cache_path(DataSpec(format="criteo", path=str(src))).is_relative_to(tmp_path / "home" / ".cache" / "bagpipe")
+    finally:
+        shared.chmod(0o755)
+
+
 def test_raw_dataset_uses_and_refreshes_its_cache(tmp_path: Path) -> None:
     src = tmp_path / "small.tsv"
     src.write_text("\n".join(KAGGLE.read_text().splitlines()[:100]) + "\n")
