@@ -9,6 +9,7 @@ complete; recovery ignores the others (DESIGN §9).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,26 @@ def manifest_path(directory: Path, checkpoint_id: int) -> Path:
 
 
 def write_manifest(directory: Path, checkpoint_id: int, num_shards: int, extra: dict[str, Any]) -> Path:
-    """Publish checkpoint `checkpoint_id` as complete (temporary file + rename)."""
+    """Publish checkpoint `checkpoint_id` as complete."""
     path = manifest_path(directory, checkpoint_id)
     body = {"checkpoint": checkpoint_id, "shards": num_shards, "time": time.time(), **extra}
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(orjson.dumps(body))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, orjson.dumps(body))
     return path
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, on disk, or keeps what it held: a temporary file, fsync,
+    rename. OSError (a full disk, say) leaves no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:
@@ -51,7 +62,49 @@ def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:
 
 def latest_complete(directory: Path, num_shards: int) -> int | None:
     """The newest complete checkpoint's iteration, or None."""
-    ids = sorted(
-        (int(p.stem.removeprefix("ckpt-")) for p in directory.glob("ckpt-*.json")), reverse=True
-    ) if directory.is_dir() else []
-    return next((c for c in ids if is_complete(directory, c, num_shards)), None)
+    return next(iter(_complete(directory, num_shards)), None)
+
+
+def prune(directory: Path, num_shards: int, keep: int) -> list[int]:
+    """Delete every checkpoint, complete or not, older than the `keep` newest complete ones
+    (0 keeps all); returns their ids. The manifest goes first, so no checkpoint is ever seen
+    complete with a part missing."""
+    complete = _complete(directory, num_shards)
+    if keep <= 0 or len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    gone = sorted(c for c in _ids_on_disk(directory, num_shards) if c < oldest_kept)
+    for c in gone:
+        manifest_path(directory, c).unlink(missing_ok=True)
+        dense_path(directory, c).unlink(missing_ok=True)
+        for shard in range(num_shards):
+            shutil.rmtree(ps_dir(directory, shard) / checkpoint_name(c), ignore_errors=True)
+    return gone
+
+
+def remove_all(directory: Path) -> None:
+    """Delete everything in `directory` but the folder itself, which may be a mount point."""
+    for child in directory.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _complete(directory: Path, num_shards: int) -> list[int]:
+    """Ids of the complete checkpoints, newest first."""
+    ids = sorted((_id(p.stem) for p in directory.glob("ckpt-*.json")), reverse=True) if directory.is_dir() else []
+    return [c for c in ids if is_complete(directory, c, num_shards)]
+
+
+def _ids_on_disk(directory: Path, num_shards: int) -> set[int]:
+    """Every checkpoint id that has any part on disk (leftovers of failed saves included)."""
+    names = [p.stem for p in directory.glob("ckpt-*.json")]
+    names += [p.stem.removeprefix("dense-") for p in (directory / "trainer").glob("dense-*.pt")]
+    for shard in range(num_shards):
+        names += [p.name for p in ps_dir(directory, shard).glob("ckpt-*")]
+    return {_id(name) for name in names}
+
+
+def _id(name: str) -> int:
+    return int(name.removeprefix("ckpt-"))

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from common.auth import new_token
-from common.checkpoints import latest_complete
+from common.checkpoints import latest_complete, remove_all
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, Endpoint, load_spec
@@ -252,10 +252,10 @@ def run_cluster(
         shutil.rmtree(run_dir / "final", ignore_errors=True)
         # A fresh run starts a fresh checkpoint history: an automatic restart must resume
         # from this run's checkpoints, never from an earlier run's.
-        if job.spec.checkpoint.dir.exists():
+        if job.spec.checkpoint.dir.is_dir() and any(job.spec.checkpoint.dir.iterdir()):
             log.info("fresh run: removing the old checkpoints in %s (--resume continues from them)",
                      job.spec.checkpoint.dir)
-            shutil.rmtree(job.spec.checkpoint.dir)
+            remove_all(job.spec.checkpoint.dir)
     started = time.monotonic()
     restarts: list[Restart] = []
     while True:

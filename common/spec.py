@@ -98,6 +98,7 @@ class CheckpointSection:
     restart: bool = False
     restart_alone: bool = True
     journal_bytes: int = 1 << 30
+    keep: int = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +235,7 @@ def _checkpoint(s: _Section, name: str) -> CheckpointSection:
         restart=s.get("restart", bool, False),
         restart_alone=s.get("restart_alone", bool, True),
         journal_bytes=s.int("journal_mib", 1024, low=0) << 20,
+        keep=s.int("keep", 2, low=0),
     )
 
 

@@ -34,10 +34,14 @@ def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dic
     tmp = directory / f".tmp-{checkpoint_name(checkpoint_id)}"
     tmp.mkdir()
     written = 0
-    for name in _ARRAYS:
-        written += _write_fsynced(tmp / f"{name}.npy", getattr(snap, name))
-    body = orjson.dumps({**meta, "checkpoint": checkpoint_id, "rows": int(len(snap.local))})
-    written += _write_fsynced(tmp / "meta.json", body)
+    try:
+        for name in _ARRAYS:
+            written += _write_fsynced(tmp / f"{name}.npy", getattr(snap, name))
+        body = orjson.dumps({**meta, "checkpoint": checkpoint_id, "rows": int(len(snap.local))})
+        written += _write_fsynced(tmp / "meta.json", body)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back at once
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tests.cluster_helpers import TOKEN, FinalModel, final_model, write_spec
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parent.parent
 ITERATIONS, EVERY = 40, 5
 OVERRIDES = {
     "train": {"max_iterations": ITERATIONS},
@@ -155,3 +158,38 @@ def test_an_unwritable_checkpoint_directory_is_reported_and_training_goes_on(tmp
     trainer_log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
     assert f"checkpoint {EVERY - 1}: could not save the dense model" in trainer_log
     assert f"checkpoint {EVERY - 1} is incomplete" in trainer_log
+
+
+def test_a_full_checkpoint_disk_is_reported_and_the_last_complete_checkpoint_still_recovers(
+    tmp_path: Path, uninterrupted: FinalModel
+) -> None:
+    """The checkpoint folder is a 16 MiB tmpfs (tests/full_disk.py, in its own mount
+    namespace) that fills up once the first checkpoint is complete: later checkpoints and
+    the final tables fail with a clear error while training runs to the end; with space
+    freed, --resume from the last checkpoint that fit ends bit-identical."""
+    spec = write_spec(tmp_path, "fulldisk", OVERRIDES)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", sys.executable, "-m", "tests.full_disk", str(spec), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    facts = orjson.loads((out / "facts.json").read_bytes())
+    assert facts["filled"] and facts["restarts"] == 0, facts
+    latest = facts["latest_on_full_disk"]
+    assert latest is not None and latest < ITERATIONS - 1, facts  # the checkpoints after it were lost
+    logs = out / "full" / "logs"
+    trainer_log = (logs / "trainer-0.log").read_text()
+    assert "No space left on device" in trainer_log + (logs / "ps-0.log").read_text() + (logs / "ps-1.log").read_text()
+    assert "is incomplete" in trainer_log and "the final tables could not be saved" in trainer_log
+    assert max(_iterations(out / "full")) == ITERATIONS - 1  # trained to the end regardless
+    resumed = _iterations(out / "resumed")
+    assert (min(resumed), max(resumed)) == (latest + 1, ITERATIONS - 1)
+    tables = np.load(out / "tables.npz")
+    assert_bit_identical(FinalModel(torch.load(out / "dense.pt"), tables["table"], tables["state"]), uninterrupted)
+
+
+def _iterations(run_dir: Path) -> list[int]:
+    records = map(orjson.loads, (run_dir / "trainer-0.jsonl").read_bytes().splitlines())
+    return [r["iteration"] for r in records if r["kind"] == "iter"]

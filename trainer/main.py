@@ -6,10 +6,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.checkpoints import dense_path, latest_complete, write_manifest
+from common.checkpoints import dense_path, latest_complete, prune, write_atomically, write_manifest
 from common.data.dataset import open_dataset
 from common.errors import BagpipeError
 from common.init import initial_rows
@@ -192,12 +192,14 @@ class Checkpointer:
         if self.rank != 0:
             return
         path = dense_path(self.directory, c)
+        # Serialised in memory first: torch.save to a file reports a full disk as a
+        # RuntimeError from its C++ writer, an OSError here.
+        buffer = BytesIO()
+        torch.save({"model": self.engine.model.module.state_dict(),
+                    "optimizer": self.engine.dense_optimizer.state_dict(), "iteration": c}, buffer)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            torch.save({"model": self.engine.model.module.state_dict(),
-                        "optimizer": self.engine.dense_optimizer.state_dict(), "iteration": c}, tmp)
-            os.replace(tmp, path)
+            write_atomically(path, buffer.getvalue())
             self._saved.add(c)
         except OSError as exc:
             log.error("checkpoint %d: could not save the dense model to %s: %s", c, path, exc)
@@ -219,9 +221,25 @@ class Checkpointer:
         if self.rank == 0 and c in self._saved:
             nbytes = sum(a["bytes"] for a in answers) + dense_path(self.directory, c).stat().st_size
             seconds = time.perf_counter() - started
-            write_manifest(self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
+            try:
+                await asyncio.to_thread(write_manifest, self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
+            except OSError as exc:
+                log.error("checkpoint %d is incomplete: its manifest could not be written to %s: %s", c, self.directory, exc)
+                return
             self.records.write({"kind": "checkpoint", "iteration": c, "time": time.time(), "bytes": nbytes, "seconds": seconds})
             log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent", c, nbytes, seconds)
+            await asyncio.to_thread(self._prune)
+
+    def _prune(self) -> None:
+        """Delete what `[checkpoint] keep` no longer keeps; a failure costs only disk space."""
+        spec = self.job.spec
+        try:
+            gone = prune(self.directory, spec.ps.num_shards, spec.checkpoint.keep)
+        except OSError as exc:
+            log.warning("old checkpoints in %s could not be deleted: %s", self.directory, exc)
+            return
+        if gone:
+            log.info("deleted the checkpoints older than the %d kept: %s", spec.checkpoint.keep, ", ".join(map(str, gone)))
 
     def wait(self) -> None:
         """Block until every report finished (their failures are logged, not raised)."""

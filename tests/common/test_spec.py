@@ -18,6 +18,7 @@ def test_defaults_make_a_local_cluster() -> None:
     assert spec.oracle.mode == "bagpipe" and spec.cluster.transport == "h2"
     assert spec.trainers.count == 2
     assert spec.cluster.max_body_bytes == 256 << 20
+    assert spec.checkpoint.every == 0 and spec.checkpoint.keep == 2
 
 
 def test_values_are_read_and_typed() -> None:
@@ -58,6 +59,7 @@ def test_values_are_read_and_typed() -> None:
         ({"train": {"batch_size": 10}, "trainers": {"count": 3}}, "train.batch_size"),
         ({"train": {"epochs": True}}, "train.epochs"),
         ({"checkpoint": {"restart": "yes"}}, "checkpoint.restart"),
+        ({"checkpoint": {"keep": -1}}, "checkpoint.keep"),
         ({"seed": -1}, "spec.seed"),
         ({"extra": {}}, "extra"),
         ({"oracle": 3}, "oracle"),
