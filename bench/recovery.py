@@ -8,8 +8,8 @@ For each case it reports the time from the kill to the first iteration finished 
 new process up ("not needed" when the trainers finished on what they had: an oracle's
 steps are streamed ahead, up to the HTTP/2 window), the time the failure cost (the run's
 length minus that of the same run uninterrupted), and what restarting the whole job from
-scratch would cost instead: the time a fresh start takes to get back to the kill point; and whether the run ended with exactly
-the parameters of the uninterrupted one.
+scratch would cost instead: the time a fresh start takes to get back to the kill point; and
+whether the run ended with exactly the parameters of the uninterrupted one.
 
     python bench/recovery.py --quick --json runs/bench/recovery.json
 """

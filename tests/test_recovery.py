@@ -83,9 +83,9 @@ def run_with_kill(tmp_path: Path, role: str, iteration: int, *, alone: bool) -> 
     return final_model(job, result.run_dir), kill
 
 
-def last_iteration_time(run_dir: Path, trainer: int) -> float:
+def iteration_records(run_dir: Path, trainer: int = 0) -> list[dict]:
     lines = (run_dir / f"trainer-{trainer}.jsonl").read_bytes().splitlines()
-    return max(r["time"] for r in map(orjson.loads, lines) if r["kind"] == "iter")
+    return [r for r in map(orjson.loads, lines) if r["kind"] == "iter"]
 
 
 def assert_bit_identical(got: FinalModel, want: FinalModel) -> None:
@@ -113,7 +113,7 @@ def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: 
             replays = log.count("PS shard 0 restarted: replaying")
             # Still training after the kill, a trainer met the new PS process (its last
             # checkpoint report comes after its last iteration) and replayed to it, once.
-            trained_on = last_iteration_time(tmp_path / "run", j) > kill.killed_at
+            trained_on = max(r["time"] for r in iteration_records(tmp_path / "run", j)) > kill.killed_at
             assert replays == (1 if role == "ps-0" and trained_on else 0)
 
 
@@ -183,13 +183,8 @@ def test_a_full_checkpoint_disk_is_reported_and_the_last_complete_checkpoint_sti
     trainer_log = (logs / "trainer-0.log").read_text()
     assert "No space left on device" in trainer_log + (logs / "ps-0.log").read_text() + (logs / "ps-1.log").read_text()
     assert "is incomplete" in trainer_log and "the final tables could not be saved" in trainer_log
-    assert max(_iterations(out / "full")) == ITERATIONS - 1  # trained to the end regardless
-    resumed = _iterations(out / "resumed")
+    assert max(r["iteration"] for r in iteration_records(out / "full")) == ITERATIONS - 1  # trained to the end regardless
+    resumed = [r["iteration"] for r in iteration_records(out / "resumed")]
     assert (min(resumed), max(resumed)) == (latest + 1, ITERATIONS - 1)
     tables = np.load(out / "tables.npz")
     assert_bit_identical(FinalModel(torch.load(out / "dense.pt"), tables["table"], tables["state"]), uninterrupted)
-
-
-def _iterations(run_dir: Path) -> list[int]:
-    records = map(orjson.loads, (run_dir / "trainer-0.jsonl").read_bytes().splitlines())
-    return [r["iteration"] for r in records if r["kind"] == "iter"]

@@ -185,7 +185,7 @@ class Checkpointer:
     def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, engine: Engine, records: RecordWriter) -> None:
         self.job, self.rank, self.io, self.ps, self.engine, self.records = job, rank, io, ps, engine, records
         self.directory = job.spec.checkpoint.dir
-        self._saved: set[int] = set()
+        self._dense_bytes: dict[int, int] = {}  # checkpoint -> size of its saved dense state
         self._reports: list[concurrent.futures.Future] = []
 
     def save_dense(self, c: int) -> None:
@@ -200,7 +200,7 @@ class Checkpointer:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, buffer.getvalue())
-            self._saved.add(c)
+            self._dense_bytes[c] = buffer.getbuffer().nbytes
         except OSError as exc:
             log.error("checkpoint %d: could not save the dense model to %s: %s", c, path, exc)
 
@@ -218,8 +218,8 @@ class Checkpointer:
         except BagpipeError as exc:
             log.error("checkpoint %d is incomplete: %s", c, exc.message)
             return
-        if self.rank == 0 and c in self._saved:
-            nbytes = sum(a["bytes"] for a in answers) + dense_path(self.directory, c).stat().st_size
+        if self.rank == 0 and c in self._dense_bytes:
+            nbytes = sum(a["bytes"] for a in answers) + self._dense_bytes[c]
             seconds = time.perf_counter() - started
             try:
                 await asyncio.to_thread(write_manifest, self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
