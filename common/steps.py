@@ -35,6 +35,20 @@ class Step:
         return encode(meta, {"labels": self.labels, "dense": self.dense})
 
 
+def trainer_steps(directives: list[Directive], labels: np.ndarray, dense: np.ndarray) -> list[Step]:
+    """One iteration's steps, one per trainer: its directive and its contiguous slice of the
+    global batch (trainer j gets samples j*B/T .. (j+1)*B/T - 1)."""
+    per = len(labels) // len(directives)
+    return [
+        Step(
+            directive=d,
+            labels=np.ascontiguousarray(labels[d.trainer * per : (d.trainer + 1) * per]),
+            dense=np.ascontiguousarray(dense[d.trainer * per : (d.trainer + 1) * per]),
+        )
+        for d in directives
+    ]
+
+
 @dataclass(frozen=True, kw_only=True)
 class EndOfStream:
     iterations: int

@@ -24,7 +24,7 @@ from common.data.dataset import Dataset
 from common.errors import BadRequest, ConfigError
 from common.keys import TableLayout
 from common.metrics import Registry
-from common.steps import EndOfStream, Step
+from common.steps import EndOfStream, trainer_steps
 from common.transport import Request, Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
@@ -137,16 +137,10 @@ class OracleService:
 
     def _publish(self, final: list, batches: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         assert self.buffer is not None
-        per_trainer = self.workload.batch_size // self.config.num_trainers
         for directives in final:
             x = directives[0].iteration
-            labels, dense = batches.pop(x)
-            messages = []
-            for d in directives:
-                part = slice(d.trainer * per_trainer, (d.trainer + 1) * per_trainer)
-                step = Step(directive=d, labels=np.ascontiguousarray(labels[part]), dense=np.ascontiguousarray(dense[part]))
-                messages.append(encode_message(step.encode_batch()) + encode_message(d.to_wire()))
-            self.buffer.put(x, messages)
+            steps = trainer_steps(directives, *batches.pop(x))
+            self.buffer.put(x, [encode_message(s.encode_batch()) + encode_message(s.directive.to_wire()) for s in steps])
             self.metrics.inc("iterations_planned_total", help="Iterations whose directives are final")
 
     # -- routes --------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from ps.store import ShardConfig, ShardStore
 log = logging.getLogger(__name__)
 
 
-def build_service(job: Job, index: int) -> PsService:
+def shard_config(job: Job, index: int) -> ShardConfig:
     spec = job.spec
-    config = ShardConfig(
+    return ShardConfig(
         shard=index,
         num_shards=spec.ps.num_shards,
         layout=job.layout,
@@ -27,6 +27,11 @@ def build_service(job: Job, index: int) -> PsService:
         seed=spec.seed,
         checkpoint_every=spec.checkpoint.every,
     )
+
+
+def build_service(job: Job, index: int) -> PsService:
+    spec = job.spec
+    config = shard_config(job, index)
     return PsService(
         ShardStore(config),
         checkpoint_dir=ps_dir(spec.checkpoint.dir, index),

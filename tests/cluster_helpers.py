@@ -35,10 +35,13 @@ BASE: dict[str, dict[str, Any]] = {
 }
 
 
-def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]], seed: int = 7) -> Path:
+def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]], seed: int = 7, *, data: dict[str, Any] | None = None) -> Path:
+    """A spec of BASE with `overrides` merged into its sections; `data` replaces `[data]`."""
     sections = {key: dict(value) for key, value in BASE.items()}
     for key, value in overrides.items():
         sections.setdefault(key, {}).update(value)
+    if data is not None:
+        sections["data"] = dict(data)
     sections["checkpoint"] = {"dir": str(directory / "checkpoints"), **sections.get("checkpoint", {})}
     path = directory / f"{name}.toml"
     path.write_text(spec_toml(name, seed, sections))
@@ -82,13 +85,38 @@ def _iterations(final: Path) -> int:
     return int(orjson.loads((final / "final.json").read_bytes())["iterations"])
 
 
-def reference_for(job: Job) -> ReferenceResult:
+def reference_for(job: Job, slices: int | None = None) -> ReferenceResult:
+    """The data-parallel reference of `job` (`slices` defaults to its trainer count)."""
     workload = build_workload(job)
     batches = (
         (torch.from_numpy(labels.copy()), torch.from_numpy(dense.copy()), torch.from_numpy(keys))
         for keys, labels, dense in workload.key_batches()
     )
-    return reference_train(job.model, job.optimizer, job.layout, job.spec.seed, batches, job.num_dense)
+    slices = job.spec.trainers.count if slices is None else slices
+    return reference_train(job.model, job.optimizer, job.layout, job.spec.seed, batches, job.num_dense, slices)
+
+
+def as_final(result: ReferenceResult) -> FinalModel:
+    return FinalModel(result.dense_state, result.table.numpy(), result.state.numpy())
+
+
+def differing_elements(got: FinalModel, want: FinalModel) -> dict[str, int]:
+    """Per tensor, how many elements differ (an empty dict: bit-identical, -0.0 == 0.0)."""
+    pairs = [(f"dense {name}", got.dense[name].numpy(), t.numpy()) for name, t in want.dense.items()]
+    pairs += [("embedding rows", got.table, want.table), ("optimizer state", got.state, want.state)]
+    out = {}
+    for what, have, expected in pairs:
+        if have.shape != expected.shape:
+            raise AssertionError(f"{what}: shape {have.shape} != {expected.shape}")
+        count = int(np.count_nonzero(have != expected))
+        if count:
+            out[what] = count
+    return out
+
+
+def assert_identical(got: FinalModel, want: FinalModel) -> None:
+    differing = differing_elements(got, want)
+    assert not differing, f"not bit-identical: {differing}"
 
 
 def assert_same_model(got: FinalModel, want: ReferenceResult, rtol: float = 1e-5) -> None:

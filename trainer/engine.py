@@ -1,23 +1,10 @@
-"""One trainer's iteration loop: the boundary of DESIGN §4, forward/backward, and the sync.
+"""One trainer's iteration loop: executes the actions of `trainer.boundary.Boundary`.
 
-For each directive x the engine runs, in this order (the simulator showed other orders
-deadlock or read stale rows):
-
-0. issue x's prefetches at once;
-1. apply sync_later(x−2) to the copies that stay and to the rows held back for write-back,
-   and send those write-backs;
-2. join sources read the rows they send (one collective carries value and state);
-3. copies leaving after x−1 leave; writers copy their rows out and send them, unless the key
-   is in sync_later(x−1): those are held until step 1 of the next boundary;
-4. joined rows are written into the joiners' slots;
-5. wait for the fetches targeting x and insert them;
-6. forward and backward on x;
-7. sync_now(x) is reduced and applied in every copy's slot, one-copy keys are updated
-   locally, sync_later(x) is launched asynchronously.
-
-Gradients follow DESIGN §5: each trainer's loss is the mean over its slice, dense gradients
-are averaged by DDP, embedding gradients are summed across trainers and divided by T.
-Network I/O is handed to `RowSource` (futures); the engine waits only where the order says.
+The order (DESIGN §4, "The boundary into x", steps 0-7) lives in `Boundary`; this file only
+carries each action out with torch tensors, the PS futures of a `RowSource` and the trainers'
+collectives, and times it. Gradients follow DESIGN §5: each trainer's loss is the mean over
+its slice, dense gradients are averaged by DDP, embedding gradients are summed across
+trainers in rank order (`Collectives.sum_rows`) and divided by T, for one-copy keys too.
 """
 
 from __future__ import annotations
@@ -32,15 +19,33 @@ import torch
 import torch.nn.functional as F
 
 from common.directive import Directive
+from trainer.boundary import (
+    Action,
+    ApplySyncLater,
+    Boundary,
+    CheckpointsWritten,
+    InsertFetched,
+    IssueFetches,
+    LaunchSyncLater,
+    Leave,
+    ReadJoinSources,
+    SyncNow,
+    Train,
+    UpdateAlone,
+    WaitWrites,
+    WriteJoins,
+)
 from trainer.cache import EmbeddingCache
-from trainer.collectives import Collectives, Work
+from trainer.collectives import Collectives, RowSum
 from trainer.timing import PhaseTimer
 
 Future = concurrent.futures.Future
+#: Called once every write-back of checkpoint c has been sent, with their futures.
+CheckpointCallback = Callable[[int, list[Future]], None]
 
 
 class RowSource(Protocol):
-    """Asynchronous access to the PS (see `trainer.remote.RemoteRows`)."""
+    """Asynchronous access to the PS (`trainer.remote.RemoteRows`; in tests, shard stores)."""
 
     def fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> Future: ...
 
@@ -63,31 +68,27 @@ class IterationStats:
 
 
 @dataclass
-class _PendingSync:
-    """sync_later(e) in flight, with what is needed to apply it at the boundary into e+2."""
-
-    work: Work
-    grad: torch.Tensor  # [M, d], summed across trainers once `work` is done
-    keys: np.ndarray  # int64 [M], ascending
-    slots: np.ndarray  # int32 [M], this trainer's slot during e or −1
-    left: np.ndarray  # bool [M], the copy left after e (its slot may hold another key now)
-
-
-@dataclass
 class _HeldRows:
     """Rows copied out for write-back that wait for sync_later(version) before being sent."""
 
-    version: int
-    keys: np.ndarray
     rows: np.ndarray
     state: np.ndarray
-    flush: np.ndarray  # bool: a checkpoint flush of a row that stays cached
 
 
-@dataclass
-class _Fetch:
-    future: Future
-    slots: np.ndarray
+#: The phase each action's time is counted in; `Train` times its own parts.
+_PHASE = {
+    IssueFetches: "boundary",
+    WaitWrites: "write_back_queue",
+    ApplySyncLater: "sync_later_wait",
+    CheckpointsWritten: "boundary",
+    ReadJoinSources: "boundary",
+    Leave: "boundary",
+    WriteJoins: "boundary",
+    InsertFetched: "wait_prefetch",
+    SyncNow: "sync_now",
+    UpdateAlone: "optimizer",
+    LaunchSyncLater: "sync_now",
+}
 
 
 class Engine:
@@ -101,7 +102,7 @@ class Engine:
         rows: RowSource | None,
         timer: PhaseTimer,
         write_lag: int = 32,
-        on_checkpoint_written: Callable[[int, list[Future]], None] | None = None,
+        on_checkpoint_written: CheckpointCallback | None = None,
     ) -> None:
         self.cache = cache
         self.model = model
@@ -109,15 +110,17 @@ class Engine:
         self.comm = collectives
         self.rows = rows
         self.timer = timer
-        self.write_lag = write_lag
+        self.boundary = Boundary(write_lag=write_lag)
         self.on_checkpoint_written = on_checkpoint_written
-        self._checkpoints: list[int] = []  # marked iterations whose writes are not all sent
         self.device = cache.device.torch_device
-        self._prev: Directive | None = None
-        self._fetches: dict[int, list[_Fetch]] = {}
-        self._later: dict[int, _PendingSync] = {}
+        self._fetches: dict[int, list[tuple[Future, np.ndarray]]] = {}
+        self._later: dict[int, RowSum] = {}
         self._held: dict[int, _HeldRows] = {}
         self._writes: list[tuple[int, Future]] = []
+        self._joined: torch.Tensor | None = None
+        self._grad: torch.Tensor | None = None  # (U, d): the current iteration's used-row gradients
+        self._batch: tuple[np.ndarray, np.ndarray] | None = None
+        self._stats: IterationStats | None = None
         self.fetched_rows = 0
         self.written_rows = 0
 
@@ -125,44 +128,19 @@ class Engine:
 
     def step(self, d: Directive, labels: np.ndarray, dense: np.ndarray) -> IterationStats:
         """Run the boundary into d.iteration, then forward/backward and the end of it."""
-        x = d.iteration
-        stats = IterationStats(iteration=x, samples=len(labels), loss=0.0)
-        with self.timer.phase("boundary"):
-            self._issue_prefetches(d)
-            self._bound_write_lag(x)
-            self._apply_sync_later(x - 2)
-            self._checkpoints_sent(up_to=x - 2)
-            joined = self._read_join_sources(d)
-            self._leave(self._prev)
-            self._write_joins(d, joined)
-            stats.join_rows = len(d.join_keys)
-        with self.timer.phase("wait_prefetch"):
-            fetched = self._insert_fetched(x)
-        self._train(d, labels, dense, stats)
-        filled = np.concatenate([fetched, d.join_recv_slots[d.join_recv_slots >= 0]])
-        stats.fetch_rows = len(fetched)
-        # A hit is a used row that was resident before this boundary's fetches and joins.
-        stats.hits = stats.uses - int(np.isin(np.unique(d.input_slots), filled).sum())
-        if d.checkpoint:
-            self._checkpoints.append(x)
-        self._prev = d
+        stats = IterationStats(iteration=d.iteration, samples=len(labels), loss=0.0, join_rows=len(d.join_keys))
+        self._batch, self._stats = (labels, dense), stats
+        written = self.written_rows
+        self._execute(self.boundary.plan(d))
+        stats.write_back_rows = self.written_rows - written
+        self._batch = self._stats = self._grad = None
         return stats
 
     def drain(self) -> None:
         """After the last directive: the boundaries into N and N+1 without new work, then wait
         until the PS has acknowledged every write-back."""
-        if self._prev is None:
-            return
-        n = self._prev.iteration + 1
-        with self.timer.phase("boundary"):
-            self._apply_sync_later(n - 2)
-            self._leave(self._prev)
-            self._prev = None
-            self._apply_sync_later(n - 1)
-            self._checkpoints_sent(up_to=n)
+        self._execute(self.boundary.drain())
         self.wait_for_writes()
-        if self._fetches:
-            raise RuntimeError(f"fetches for iterations {sorted(self._fetches)} were never used")
 
     def wait_for_writes(self, up_to: int | None = None) -> None:
         """Block until write-backs of versions <= `up_to` (default: all) are acknowledged."""
@@ -174,78 +152,68 @@ class Engine:
                 keep.append((version, future))
         self._writes = keep
 
-    def _checkpoints_sent(self, up_to: int) -> None:
-        """Hand over marked checkpoints <= `up_to`: every write of theirs has been sent."""
-        while self._checkpoints and self._checkpoints[0] <= up_to:
-            c = self._checkpoints.pop(0)
-            if self.on_checkpoint_written is not None:
-                self.on_checkpoint_written(c, [f for v, f in self._writes if v <= c])
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            handler = getattr(self, _HANDLER[type(action)])
+            phase = _PHASE.get(type(action))
+            if phase is None:
+                handler(action)
+            else:
+                with self.timer.phase(phase):
+                    handler(action)
 
-    # -- boundary steps ------------------------------------------------------------------
+    # -- the boundary into x ---------------------------------------------------------------
 
-    def _issue_prefetches(self, d: Directive) -> None:
-        if not len(d.prefetch_keys):
-            return
-        assert self.rows is not None, "a directive with prefetches needs a PS"
-        targets = d.prefetch_targets
-        for target in np.unique(targets):
-            mine = targets == target
-            future = self.rows.fetch(d.prefetch_keys[mine], d.prefetch_min_versions[mine])
-            self._fetches.setdefault(int(target), []).append(_Fetch(future, d.prefetch_slots[mine]))
+    def _issue_fetches(self, a: IssueFetches) -> None:
+        for group in a.groups:
+            assert self.rows is not None, "a directive with prefetches needs a PS"
+            future = self.rows.fetch(group.keys, group.min_versions)
+            self._fetches.setdefault(group.target, []).append((future, group.slots))
 
-    def _bound_write_lag(self, x: int) -> None:
-        with self.timer.phase("write_back_queue"):
-            self.wait_for_writes(up_to=x - self.write_lag)
+    def _wait_writes(self, a: WaitWrites) -> None:
+        self.wait_for_writes(up_to=a.up_to)
         for _, future in self._writes:  # surface a failed write-back at once, not at the end
             if future.done() and future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
 
-    def _apply_sync_later(self, e: int) -> None:
-        pending = self._later.pop(e, None)
+    def _apply_sync_later(self, a: ApplySyncLater) -> None:
+        pending = self._later.pop(a.iteration, None)
         if pending is None:
             return
-        with self.timer.phase("sync_later_wait"):
-            pending.work.wait()
-        grad = pending.grad / self.comm.world_size
-        with self.timer.phase("optimizer"):
-            stay = (pending.slots >= 0) & ~pending.left
-            self.cache.apply(pending.slots[stay], grad[torch.from_numpy(stay).to(self.device)])
-            held = self._held.pop(e, None)
-            if held is not None:
-                pos = torch.from_numpy(np.searchsorted(pending.keys, held.keys)).to(self.device)
-                rows = torch.from_numpy(held.rows).to(self.device)
-                state = torch.from_numpy(held.state).to(self.device)
-                self.cache.optimizer.step(rows, state, grad[pos].contiguous())
-                self._send(held.keys, rows.cpu().numpy(), state.cpu().numpy(), e, held.flush)
+        grad = pending.wait() / self.comm.world_size
+        self.cache.apply(a.slots, grad[self._index(a.positions)])
+        held = self._held.pop(a.iteration, None)
+        if held is not None:
+            rows = torch.from_numpy(held.rows).to(self.device)
+            state = torch.from_numpy(held.state).to(self.device)
+            self.cache.optimizer.step(rows, state, grad[self._index(a.held_positions)].contiguous())
+            self._send(a.held_keys, rows.cpu().numpy(), state.cpu().numpy(), a.iteration, a.held_flush)
 
-    def _read_join_sources(self, d: Directive) -> torch.Tensor | None:
-        if not len(d.join_keys):
-            return None
-        width = self.cache.dim + self.cache.state_width
-        buf = torch.zeros(len(d.join_keys), width, device=self.device)
-        send = d.join_send_slots >= 0
+    def _checkpoints_written(self, a: CheckpointsWritten) -> None:
+        for c in a.iterations:
+            if self.on_checkpoint_written is not None:
+                self.on_checkpoint_written(c, [f for v, f in self._writes if v <= c])
+
+    def _read_join_sources(self, a: ReadJoinSources) -> None:
+        if not len(a.keys):
+            return
+        buf = torch.zeros(len(a.keys), self.cache.dim + self.cache.state_width, device=self.device)
+        send = a.send_slots >= 0
         if send.any():
-            rows, state = self.cache.read(d.join_send_slots[send])
+            rows, state = self.cache.read(a.send_slots[send])
             buf[torch.from_numpy(send).to(self.device)] = torch.cat([rows, state], dim=1)
         self.comm.all_reduce(buf)  # one holder sends, the others add zeros: exact copies
-        return buf
+        self._joined = buf
 
-    def _leave(self, prev: Directive | None) -> None:
-        """Copies leaving after prev's iteration leave; writers copy out and send (or hold)."""
-        if prev is None or not len(prev.write_keys):
+    def _leave(self, a: Leave) -> None:
+        if not len(a.keys):
             return
-        rows, state = self.cache.read_host(prev.write_slots)
-        flush = ~np.isin(prev.write_slots, prev.leave_slots)  # the row stays: a checkpoint copy
-        self._send_or_hold(prev, prev.write_keys, rows, state, flush)
-
-    def _send_or_hold(self, prev: Directive, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, flush: np.ndarray) -> None:
-        e = prev.iteration
-        later = np.isin(keys, prev.sync_later_keys)
-        if later.any():
-            self._held[e] = _HeldRows(version=e, keys=keys[later], rows=rows[later], state=state[later], flush=flush[later])
-        now = ~later
+        rows, state = self.cache.read_host(a.slots)
+        if a.hold.any():
+            self._held[a.iteration] = _HeldRows(rows=rows[a.hold], state=state[a.hold])
+        now = ~a.hold
         if now.any():
-            self._send(keys[now], rows[now], state[now], e, flush[now])
+            self._send(a.keys[now], rows[now], state[now], a.iteration, a.flush[now])
 
     def _send(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: np.ndarray) -> None:
         """Write back evicted rows and checkpoint flushes (separate requests: a flush may be
@@ -258,87 +226,87 @@ class Engine:
                 self._writes.append((version, future))
         self.written_rows += len(keys)
 
-    def _write_joins(self, d: Directive, joined: torch.Tensor | None) -> None:
-        if joined is None:
+    def _write_joins(self, a: WriteJoins) -> None:
+        joined, self._joined = self._joined, None
+        if joined is None or not len(a.slots):
             return
-        recv = d.join_recv_slots >= 0
-        if recv.any():
-            part = joined[torch.from_numpy(recv).to(self.device)]
-            self.cache.write(d.join_recv_slots[recv], part[:, : self.cache.dim], part[:, self.cache.dim :])
+        part = joined[self._index(a.positions)]
+        self.cache.write(a.slots, part[:, : self.cache.dim], part[:, self.cache.dim :])
 
-    def _insert_fetched(self, x: int) -> np.ndarray:
-        """Wait for the fetches targeting x and write them into their slots; returns the slots."""
-        filled = [np.zeros(0, np.int32)]
-        for fetch in self._fetches.pop(x, []):
-            got = fetch.future.result()
-            self.cache.write_host(fetch.slots, got.rows, got.state)
-            filled.append(fetch.slots)
-        slots = np.concatenate(filled)
-        self.fetched_rows += len(slots)
-        return slots
+    def _insert_fetched(self, a: InsertFetched) -> None:
+        for future, slots in self._fetches.pop(a.target, []):
+            got = future.result()
+            self.cache.write_host(slots, got.rows, got.state)
+        self.fetched_rows += len(a.slots)
+        assert self._stats is not None
+        self._stats.fetch_rows = len(a.slots)
 
-    # -- compute and sync ----------------------------------------------------------------
+    # -- compute and the end of x ----------------------------------------------------------
 
-    def _train(self, d: Directive, labels: np.ndarray, dense: np.ndarray, stats: IterationStats) -> None:
-        dev = self.device
+    def _train(self, a: Train) -> None:
+        assert self._batch is not None and self._stats is not None
+        labels, dense = self._batch
         with self.timer.phase("forward"):
-            slots = torch.from_numpy(d.input_slots.astype(np.int64)).to(dev)  # (b, F)
-            used, inverse = torch.unique(slots, return_inverse=True)  # (U,), (b, F)
-            leaf = self.cache.rows[used].detach().requires_grad_()  # (U, d)
-            logits = self.model(torch.from_numpy(dense.copy()).to(dev), leaf[inverse])  # (b,)
-            target = torch.from_numpy(labels.copy()).to(dev)
-            loss = F.binary_cross_entropy_with_logits(logits, target)
+            leaf = self.cache.rows[self._index(a.used)].detach().requires_grad_()  # (U, d)
+            logits = self.model(torch.from_numpy(dense.copy()).to(self.device), leaf[self._index(a.inverse)])  # (b,)
+            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels.copy()).to(self.device))
         with self.timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
         with self.timer.phase("optimizer"):
             self.dense_optimizer.step()
-        used_slots = used.cpu().numpy()
-        grad = leaf.grad  # (U, d): each used slot's gradient, summed over its uses
-        with self.timer.phase("sync_now"):
-            self._sync_now(d, used_slots, grad)
-        with self.timer.phase("optimizer"):
-            self._update_one_copy_keys(d, used_slots, grad)
-        self._launch_sync_later(d, used_slots, grad)
+        self._grad = leaf.grad  # (U, d): each used slot's gradient, summed over its uses
+        stats = self._stats
         stats.loss = float(loss.detach())
-        stats.uses = len(used_slots)
-        stats.sync_rows = len(d.sync_now_keys) + len(d.sync_later_keys)
+        stats.uses, stats.hits = len(a.used), a.hits
         stats.probs = torch.sigmoid(logits.detach()).cpu().numpy()
         stats.labels = labels
 
-    def _local_grads(self, slots: np.ndarray, used: np.ndarray, grad: torch.Tensor) -> torch.Tensor:
-        """[len(slots), d]: this trainer's gradient for each listed slot, zero where unused."""
-        out = torch.zeros(len(slots), grad.shape[1], device=self.device)
-        pos = np.searchsorted(used, slots)
-        hit = (slots >= 0) & (pos < len(used))
-        hit[hit] = used[pos[hit]] == slots[hit]
-        if hit.any():
-            out[torch.from_numpy(hit).to(self.device)] = grad[torch.from_numpy(pos[hit]).to(self.device)]
+    def _local_grads(self, positions: np.ndarray) -> torch.Tensor:
+        """[len(positions), d]: row positions[i] of this iteration's gradients, zero where -1."""
+        assert self._grad is not None
+        out = torch.zeros(len(positions), self._grad.shape[1], device=self.device)
+        mine = positions >= 0
+        if mine.any():
+            out[torch.from_numpy(mine).to(self.device)] = self._grad[self._index(positions[mine])]
         return out
 
-    def _sync_now(self, d: Directive, used: np.ndarray, grad: torch.Tensor) -> None:
-        if not len(d.sync_now_keys):
+    def _sync_now(self, a: SyncNow) -> None:
+        if not len(a.keys):
             return
-        buf = self._local_grads(d.sync_now_slots, used, grad)
-        self.comm.all_reduce(buf)
-        mine = d.sync_now_slots >= 0
-        self.cache.apply(d.sync_now_slots[mine], (buf / self.comm.world_size)[torch.from_numpy(mine).to(self.device)])
+        grad = self.comm.sum_rows(self._local_grads(a.positions)).wait() / self.comm.world_size
+        mine = a.slots >= 0
+        self.cache.apply(a.slots[mine], grad[torch.from_numpy(mine).to(self.device)])
+        assert self._stats is not None
+        self._stats.sync_rows += len(a.keys)
 
-    def _update_one_copy_keys(self, d: Directive, used: np.ndarray, grad: torch.Tensor) -> None:
-        synced = np.concatenate([d.sync_now_slots, d.sync_later_slots])
-        alone = ~np.isin(used, synced)
-        if alone.any():
-            idx = torch.from_numpy(np.flatnonzero(alone)).to(self.device)
-            self.cache.apply(used[alone], grad[idx] / self.comm.world_size)
+    def _update_alone(self, a: UpdateAlone) -> None:
+        if len(a.slots):
+            assert self._grad is not None
+            self.cache.apply(a.slots, self._grad[self._index(a.positions)] / self.comm.world_size)
 
-    def _launch_sync_later(self, d: Directive, used: np.ndarray, grad: torch.Tensor) -> None:
-        if not len(d.sync_later_keys):
+    def _launch_sync_later(self, a: LaunchSyncLater) -> None:
+        if not len(a.keys):
             return
-        buf = self._local_grads(d.sync_later_slots, used, grad)
-        self._later[d.iteration] = _PendingSync(
-            work=self.comm.all_reduce_async(buf),
-            grad=buf,
-            keys=d.sync_later_keys,
-            slots=d.sync_later_slots,
-            left=np.isin(d.sync_later_slots, d.leave_slots),
-        )
+        self._later[a.iteration] = self.comm.sum_rows(self._local_grads(a.positions))
+        assert self._stats is not None
+        self._stats.sync_rows += len(a.keys)
+
+    def _index(self, positions: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(self.device)
+
+
+_HANDLER = {
+    IssueFetches: "_issue_fetches",
+    WaitWrites: "_wait_writes",
+    ApplySyncLater: "_apply_sync_later",
+    CheckpointsWritten: "_checkpoints_written",
+    ReadJoinSources: "_read_join_sources",
+    Leave: "_leave",
+    WriteJoins: "_write_joins",
+    InsertFetched: "_insert_fetched",
+    Train: "_train",
+    SyncNow: "_sync_now",
+    UpdateAlone: "_update_alone",
+    LaunchSyncLater: "_launch_sync_later",
+}

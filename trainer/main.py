@@ -28,7 +28,7 @@ from ps.client import PsClient
 from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, close_collectives, init_collectives
 from trainer.device import Device, select_device
-from trainer.engine import Engine, IterationStats
+from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
 from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
@@ -94,10 +94,10 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
-        engine = _build_engine(job, device, comm, io, ps_client)
+        checkpoints = Checkpointer(job, rank, io, ps_client, records)
+        rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
+        engine = build_engine(job, device, comm, rows, seeded_model(job, device), on_checkpoint_written=checkpoints.report)
         start = _resume_point(job, engine) if resume else 0
-        checkpoints = Checkpointer(job, rank, io, ps_client, engine, records)
-        engine.on_checkpoint_written = checkpoints.report
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
@@ -125,25 +125,35 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         close_collectives()
 
 
-def _build_engine(job: Job, device: Device, comm: Collectives, io: IoThread, ps: PsClient | None) -> Engine:
+def seeded_model(job: Job, device: Device) -> torch.nn.Module:
+    """The dense model as every trainer (and the reference) initialises it. It seeds torch's
+    global generator: trainers sharing one process must build theirs one at a time."""
+    torch.manual_seed(job.spec.seed)
+    return build_model(job.model, job.num_dense, job.layout.num_tables).to(device.torch_device)
+
+
+def build_engine(
+    job: Job, device: Device, comm: Collectives, rows: RowSource | None, model: torch.nn.Module, *,
+    on_checkpoint_written: CheckpointCallback | None = None,
+) -> Engine:
+    """This trainer's engine: `model` (from `seeded_model`) under DDP over `comm`'s group, and
+    the cache; `rows` None is local mode (the whole table in the trainer, slot = key)."""
     spec = job.spec
-    torch.manual_seed(spec.seed)  # identical dense initialisation on every trainer
-    model = build_model(job.model, job.num_dense, job.layout.num_tables).to(device.torch_device)
-    ddp = DistributedDataParallel(model, device_ids=[device.torch_device.index] if device.is_cuda else None)
+    ddp = DistributedDataParallel(
+        model, process_group=comm.group, device_ids=[device.torch_device.index] if device.is_cuda else None,
+    )
     dense_optimizer = build_dense_optimizer(job.optimizer, ddp.parameters())
     embedding_optimizer = build_embedding_optimizer(job.optimizer)
-    if ps is None:  # local mode: the whole table in the trainer, slot = key
+    if rows is None:
         cache = EmbeddingCache(job.layout.total_rows, job.dim, embedding_optimizer, device)
         for start in range(0, job.layout.total_rows, INIT_CHUNK_ROWS):  # bounded temporaries
             keys = np.arange(start, min(start + INIT_CHUNK_ROWS, job.layout.total_rows), dtype=np.int64)
             cache.rows[start : start + len(keys)] = torch.from_numpy(initial_rows(job.layout, spec.seed, keys, job.dim))
-        rows = None
     else:
         cache = EmbeddingCache(spec.oracle.cache_rows, job.dim, embedding_optimizer, device)
-        rows = RemoteRows(io, ps, wait_s=spec.cluster.fetch_timeout_s)
     return Engine(
         cache=cache, model=ddp, dense_optimizer=dense_optimizer, collectives=comm, rows=rows,
-        timer=PhaseTimer(),
+        timer=PhaseTimer(), on_checkpoint_written=on_checkpoint_written,
     )
 
 
@@ -157,11 +167,10 @@ def _train(
     for step in stream:
         engine.timer.current["wait_directive"] += time.perf_counter() - waited
         engine.timer.total["wait_directive"] += time.perf_counter() - waited
-        written_before = engine.written_rows
         stats = engine.step(step.directive, step.labels, step.dense)
         if step.directive.checkpoint:
-            checkpoints.save_dense(stats.iteration)
-        records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim, engine.written_rows - written_before))
+            checkpoints.save_dense(stats.iteration, engine)
+        records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim))
         progressive.add(stats.labels, stats.probs)
         done = stats.iteration + 1
         if spec.train.eval_every and done % spec.train.eval_every == 0:
@@ -182,21 +191,21 @@ class Checkpointer:
     the checkpoint complete. A failure is logged and training goes on: the previous
     complete checkpoint still holds."""
 
-    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, engine: Engine, records: RecordWriter) -> None:
-        self.job, self.rank, self.io, self.ps, self.engine, self.records = job, rank, io, ps, engine, records
+    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, records: RecordWriter) -> None:
+        self.job, self.rank, self.io, self.ps, self.records = job, rank, io, ps, records
         self.directory = job.spec.checkpoint.dir
         self._dense_bytes: dict[int, int] = {}  # checkpoint -> size of its saved dense state
         self._reports: list[concurrent.futures.Future] = []
 
-    def save_dense(self, c: int) -> None:
+    def save_dense(self, c: int, engine: Engine) -> None:
         if self.rank != 0:
             return
         path = dense_path(self.directory, c)
         # Serialised in memory first: torch.save to a file reports a full disk as a
         # RuntimeError from its C++ writer, an OSError here.
         buffer = BytesIO()
-        torch.save({"model": self.engine.model.module.state_dict(),
-                    "optimizer": self.engine.dense_optimizer.state_dict(), "iteration": c}, buffer)
+        torch.save({"model": engine.model.module.state_dict(),
+                    "optimizer": engine.dense_optimizer.state_dict(), "iteration": c}, buffer)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, buffer.getvalue())
@@ -261,7 +270,7 @@ def _resume_point(job: Job, engine: Engine) -> int:
     return c + 1
 
 
-def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int, written: int) -> dict[str, Any]:
+def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int) -> dict[str, Any]:
     return {
         "kind": "iter",
         "iteration": stats.iteration,
@@ -272,8 +281,8 @@ def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, gra
         "hits": stats.hits,
         "fetch_rows": stats.fetch_rows,
         "fetch_bytes": stats.fetch_rows * row_bytes,
-        "write_back_rows": written,
-        "write_back_bytes": written * row_bytes,
+        "write_back_rows": stats.write_back_rows,
+        "write_back_bytes": stats.write_back_rows * row_bytes,
         "sync_rows": stats.sync_rows,
         "sync_bytes": stats.sync_rows * grad_bytes + stats.join_rows * row_bytes,
         "join_rows": stats.join_rows,

@@ -5,8 +5,19 @@ its `common.init.initial_rows` value) with the row-wise optimizer state beside i
 global batch is trained as DESIGN §5 defines: gather rows by key, forward, BCE-with-logits
 loss averaged over the global batch, backward, one dense optimizer step, and one row-wise
 embedding optimizer step per unique key of the batch with the sum of its per-use gradients.
-Rows a batch does not use are not stepped. A distributed run on the same specs, seed and
-batches must end with the same parameters within 1e-5 relative.
+Rows a batch does not use are not stepped.
+
+With `slices` = T > 1 it is the *data-parallel* reference: the same global step computed as
+T trainers compute it. Each contiguous slice of B/T samples is forwarded and backpropagated
+on its own (its loss the mean over the slice); the dense gradients are combined as DDP does
+(each scaled by 1/T, then summed) and each row's embedding gradients are summed over the
+slices in rank order and divided by T, as `trainer.collectives.Collectives.sum_rows` does.
+One forward over the global batch rounds differently, and training amplifies the difference
+(DESIGN §11), so only this form can be compared bit for bit with a cluster.
+
+torch runs on one thread here (`reference_train` sets it): its intra-op threads split
+reductions into chunks whose partial sums depend on the thread count, so the reference
+would not even agree with itself across machines.
 """
 
 from __future__ import annotations
@@ -61,21 +72,44 @@ class ReferenceTrainer:
         )  # (total_rows, d)
         self.state = self.embedding_optimizer.initial_state(layout.total_rows)
 
-    def step(self, labels: torch.Tensor, dense: torch.Tensor, keys: torch.Tensor) -> float:
-        """Train on one global batch; returns its loss before the update."""
+    def step(self, labels: torch.Tensor, dense: torch.Tensor, keys: torch.Tensor, slices: int = 1) -> float:
+        """Train on one global batch as `slices` trainers would; returns its loss (the mean
+        of the slices' losses) before the update."""
         self.layout.check_keys(keys.numpy())
-        unique, inverse = torch.unique(keys, return_inverse=True)  # (U,), (B, F)
+        unique = torch.unique(keys)  # (U,)
+        params = list(self.model.parameters())
+        dense_grad = [torch.zeros_like(p) for p in params]
+        row_grad = torch.zeros(len(unique), self.table.shape[1])  # (U, d)
+        per = len(labels) // slices
+        losses = []
+        for r in range(slices):
+            part = slice(r * per, (r + 1) * per)
+            loss, grads, slice_keys, slice_grad = self.slice_gradients(labels[part], dense[part], keys[part])
+            losses.append(loss)
+            for total, g in zip(dense_grad, grads):
+                total.add_(g * (1.0 / slices))  # DDP scales each gradient, then sums
+            row_grad[torch.searchsorted(unique, slice_keys)] += slice_grad
+        for p, g in zip(params, dense_grad):
+            p.grad = g
+        self.dense_optimizer.step()
+        self.embedding_optimizer.step_at(self.table, self.state, unique, row_grad / slices)
+        return sum(losses) / slices
+
+    def slice_gradients(
+        self, labels: torch.Tensor, dense: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[float, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(loss, dense gradients, unique keys, their gradients) of one slice's mean loss."""
+        unique, inverse = torch.unique(keys, return_inverse=True)  # (u,), (b, F)
         # One leaf per unique row: indexing it by `inverse` makes autograd sum the
         # gradients of every use of a row, as embedding_bag's backward does.
-        rows = self.table[unique].requires_grad_(True)  # (U, d)
-        logits = self.model(dense, rows[inverse])  # (B, F, d) -> (B,)
+        rows = self.table[unique].requires_grad_(True)  # (u, d)
+        logits = self.model(dense, rows[inverse])  # (b, F, d) -> (b,)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
-        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         loss.backward()
-        self.dense_optimizer.step()
         assert rows.grad is not None
-        self.embedding_optimizer.step_at(self.table, self.state, unique, rows.grad)
-        return float(loss.detach())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
+        return float(loss.detach()), grads, unique, rows.grad
 
 
 def reference_train(
@@ -85,10 +119,13 @@ def reference_train(
     seed: int,
     batches: Iterable[Batch],
     num_dense: int,
+    slices: int = 1,
 ) -> ReferenceResult:
-    """Train on every batch of `batches` in order and return the final parameters."""
+    """Train on every batch of `batches` in order (on one torch thread, as `slices`
+    trainers would) and return the final parameters."""
+    torch.set_num_threads(1)
     trainer = ReferenceTrainer(model_spec, optimizer_spec, layout, seed, num_dense)
-    losses = tuple(trainer.step(*batch) for batch in batches)
+    losses = tuple(trainer.step(*batch, slices=slices) for batch in batches)
     return ReferenceResult(
         dense_state={k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         table=trainer.table,

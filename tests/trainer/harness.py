@@ -1,0 +1,204 @@
+"""T trainers in one process: the production engine, DDP and gloo, without servers.
+
+Each trainer is a thread running `trainer.main.build_engine`'s engine over a real gloo
+process group built in this process (ranks meet through an in-memory store), so DDP's
+dense all-reduce and the embedding sync are the collectives a cluster runs. The PS is
+`StoreRows`: the production `ShardStore`s behind a lock, a fetch resolved once its rows
+reach the version it asks for. The oracle is the production `Planner`, run ahead over the
+whole stream. What this leaves out — HTTP/2, the directive stream, processes, the launcher
+— the cluster tests cover.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.directive import Directive
+from common.init import initial_rows
+from common.job import Job
+from common.keys import local_index, shard_of
+from common.steps import Step, trainer_steps
+from oracle.main import build_workload, planner_config
+from oracle.planner import Planner
+from ps.client import Rows
+from ps.main import shard_config
+from ps.store import ShardStore
+from tests.cluster_helpers import FinalModel
+from trainer.collectives import Collectives
+from trainer.device import select_device
+from trainer.engine import Engine, IterationStats
+from trainer.main import build_engine, seeded_model
+
+TIMEOUT_S = 60.0  # a collective or fetch that waits longer has deadlocked
+
+
+class StoreRows:
+    """`RowSource` over the shards' stores, for trainers in this process.
+
+    A write-back is applied at once; a fetch is served as soon as every row has reached its
+    `min_version` (checked again after each write-back), or fails after `TIMEOUT_S`.
+    """
+
+    def __init__(self, stores: list[ShardStore]) -> None:
+        self.stores = stores
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[np.ndarray, np.ndarray, concurrent.futures.Future]] = []
+
+    def fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self._serve(keys, min_versions, future):
+                self._waiting.append((keys, min_versions, future))
+        return future
+
+    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: bool) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            for s, store in enumerate(self.stores):
+                mine = shard_of(keys, len(self.stores)) == s
+                if mine.any():
+                    local = store.check_write(keys[mine], rows[mine], state[mine], version, flush=flush)
+                    store.write_back(local, rows[mine], state[mine], version, flush=flush)
+            self._waiting = [w for w in self._waiting if not self._serve(*w)]
+        future.set_result(None)
+        return future
+
+    def _serve(self, keys: np.ndarray, min_versions: np.ndarray, future: concurrent.futures.Future) -> bool:
+        """Resolve `future` if every row is ready (caller holds the lock)."""
+        num_shards = len(self.stores)
+        shards, local = shard_of(keys, num_shards), local_index(keys, num_shards)
+        if not all(store.ready(local[shards == s], min_versions[shards == s]) for s, store in enumerate(self.stores)):
+            return False
+        out = Rows(
+            rows=np.empty((len(keys), self.stores[0].config.dim), np.float32),
+            state=np.empty((len(keys), self.stores[0].config.state_width), np.float32),
+            versions=np.empty(len(keys), np.int64),
+        )
+        for s, store in enumerate(self.stores):
+            mine = shards == s
+            out.rows[mine], out.state[mine], out.versions[mine] = store.gather(local[mine])
+        future.set_result(out)
+        return True
+
+    def table(self, job: Job) -> tuple[np.ndarray, np.ndarray]:
+        """The full (rows, state) the shards hold, initial values where never written."""
+        keys = np.arange(job.layout.total_rows, dtype=np.int64)
+        table = initial_rows(job.layout, job.spec.seed, keys, job.dim)
+        state = np.full((job.layout.total_rows, job.state_width), job.state_init, np.float32)
+        for s, store in enumerate(self.stores):
+            snap = store.snapshot()
+            table[snap.local * len(self.stores) + s] = snap.rows
+            state[snap.local * len(self.stores) + s] = snap.state
+        return table, state
+
+
+_groups: dict[int, list[Any]] = {}
+
+
+def process_groups(world_size: int) -> list[Any]:
+    """`world_size` gloo process groups of one world, one per rank, made once per test
+    session (building one takes a TCP mesh; DDP and the engines can share them)."""
+    if world_size not in _groups:
+        store = dist.HashStore()
+        groups: list[Any] = [None] * world_size
+
+        def join(rank: int) -> None:
+            prefixed = dist.PrefixStore(f"harness-{world_size}", store)
+            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
+            group = dist.ProcessGroup(prefixed, rank, world_size)
+            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            groups[rank] = group
+
+        _run_ranks(world_size, join)
+        _groups[world_size] = groups
+    return _groups[world_size]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InProcessRun:
+    model: FinalModel
+    stats: list[list[IterationStats]]  # per trainer, per iteration
+    dense_grads: dict[str, torch.Tensor]  # rank 0's averaged dense gradients of the last step
+
+
+def run_in_process(job: Job) -> InProcessRun:
+    """Train `job` (any mode) with its trainers as threads of this process."""
+    torch.set_num_threads(1)
+    world = job.spec.trainers.count
+    steps = _plan(job)
+    local = job.spec.oracle.mode == "local"
+    rows = None if local else StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
+    groups = process_groups(world)
+    models = [seeded_model(job, select_device("cpu", rank)) for rank in range(world)]
+    engines: list[Engine | None] = [None] * world
+    stats: list[list[IterationStats]] = [[] for _ in range(world)]
+
+    def train(rank: int) -> None:
+        comm = Collectives(world_size=world, rank=rank, group=groups[rank])
+        engine = build_engine(job, select_device("cpu", rank), comm, rows, models[rank])
+        engines[rank] = engine
+        for iteration in steps:
+            step = iteration[rank]
+            stats[rank].append(engine.step(step.directive, step.labels, step.dense))
+        engine.drain()
+
+    _run_ranks(world, train)
+    first = engines[0]
+    assert first is not None
+    module = first.model.module
+    dense = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    grads = {k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None}
+    if rows is None:
+        table, state = first.cache.rows.numpy(), first.cache.state.numpy()
+    else:
+        table, state = rows.table(job)
+    return InProcessRun(model=FinalModel(dense, table, state), stats=stats, dense_grads=grads)
+
+
+def _plan(job: Job) -> list[list[Step]]:
+    """Every iteration's steps, per trainer, from the production planner."""
+    workload = build_workload(job)
+    planner = Planner(planner_config(job, workload))
+    batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    steps: list[list[Step]] = []
+
+    def publish(final: list[list[Directive]]) -> None:
+        for directives in final:
+            steps.append(trainer_steps(directives, *batches.pop(directives[0].iteration)))
+
+    for x, (keys, labels, dense) in enumerate(workload.key_batches(), start=workload.start):
+        batches[x] = (labels, dense)
+        publish(planner.push(keys))
+    publish(planner.finish())
+    return steps
+
+
+def _run_ranks(world_size: int, target: Callable[[int], None]) -> None:
+    """Run `target(rank)` on one thread per rank; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            target(rank)
+        except BaseException as exc:  # reported by the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 4)
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a trainer thread of {world_size} did not finish")

@@ -1,0 +1,321 @@
+"""The order of DESIGN §4 ("The boundary into x") as a sans-IO protocol object.
+
+`Boundary.plan(d)` turns trainer j's directive for iteration x into the ordered actions it
+performs: the boundary into x (steps 0-5), forward and backward (6), the end of x (7).
+`Boundary.drain()` gives the boundaries into N and N+1 after the last directive. The object
+keeps only bookkeeping — which sync_later rounds are pending and which of their copies
+stay, which rows are held back for write-back, which fetches target which iteration — and
+derives every index the executor needs (gradient positions, held-row positions, hits). It
+touches no tensor, socket or clock: the trainer's `Engine` executes the actions with torch
+and futures, the planner simulator (tests/oracle/simulator.py) executes the very same
+actions on a value model, so the order exists once.
+
+Every plan is the same sequence of action types (an action may be empty), so the plans of
+T trainers line up step by step. The collective steps (`ReadJoinSources`, `Train`,
+`SyncNow`, `LaunchSyncLater`) are empty on every trainer or on none: their key lists are
+identical across trainers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.directive import Directive
+
+_NO_I32 = np.zeros(0, np.int32)
+_NO_I64 = np.zeros(0, np.int64)
+_NO_BOOL = np.zeros(0, bool)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FetchGroup:
+    """Rows fetched together: inserted at the boundary into `target`, step 5."""
+
+    target: int
+    keys: np.ndarray  # int64 [P]
+    slots: np.ndarray  # int32 [P]
+    min_versions: np.ndarray  # int64 [P]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class IssueFetches:
+    """Step 0: send these fetches at once."""
+
+    groups: tuple[FetchGroup, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitWrites:
+    """Wait until the PS acknowledged every write-back of a version <= `up_to` (the bounded
+    write lag that lets the oracle forget old versions, DESIGN §4 "State")."""
+
+    up_to: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ApplySyncLater:
+    """Step 1: wait for the sum of sync_later(`iteration`) and apply it, divided by T, to the
+    copies that stay (`slots`, taking row `positions[i]` of the sum) and to the rows held back
+    for write-back (`held_keys`, row `held_positions[i]`), then send those at version
+    `iteration` (`held_flush`: a checkpoint copy of a row that stays cached)."""
+
+    iteration: int
+    slots: np.ndarray  # int32
+    positions: np.ndarray  # int64
+    held_keys: np.ndarray  # int64
+    held_positions: np.ndarray  # int64
+    held_flush: np.ndarray  # bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointsWritten:
+    """Every write-back of these checkpoint iterations has been sent (DESIGN §9)."""
+
+    iterations: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ReadJoinSources:
+    """Step 2 (collective): the holder of each joined key reads value and state from
+    `send_slots[i]` (-1 elsewhere); one collective sums them, so every trainer gets the rows
+    (the others add zeros, which is exact)."""
+
+    keys: np.ndarray  # int64 [J]
+    send_slots: np.ndarray  # int32 [J]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Leave:
+    """Step 3: copies leaving after `iteration` leave `freed`. This trainer copies out the
+    rows it writes (`keys`, from `slots`); rows not in `hold` are sent at once, version
+    `iteration`; held rows wait for `ApplySyncLater(iteration)`. `flush`: a checkpoint copy of
+    a row that stays cached."""
+
+    iteration: int
+    keys: np.ndarray  # int64 [W]
+    slots: np.ndarray  # int32 [W]
+    flush: np.ndarray  # bool [W]
+    hold: np.ndarray  # bool [W]
+    freed: np.ndarray  # int32: every slot whose copy leaves, written back or not
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class WriteJoins:
+    """Step 4: row `positions[i]` of the join collective goes into `slots[i]`."""
+
+    slots: np.ndarray  # int32
+    positions: np.ndarray  # int64
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class InsertFetched:
+    """Step 5: wait for the fetches targeting `target` and write them into their slots."""
+
+    target: int
+    slots: np.ndarray  # int32: every slot filled, in the order the fetches were issued
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Train:
+    """Step 6 (collective: the dense gradient average): forward and backward over the rows
+    at `used` (ascending unique slots); input (i, f) reads row `inverse[i, f]` of them.
+
+    `hits`: used rows that were resident before this boundary's fetches and joins."""
+
+    iteration: int
+    used: np.ndarray  # int64 [U]
+    inverse: np.ndarray  # int64 [B/T, F]
+    hits: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SyncNow:
+    """Step 7 (collective): sum each key's gradient across trainers (this trainer's is row
+    `positions[i]` of its used-row gradient, zero where -1) and apply the sum, divided by T,
+    at `slots[i]` wherever it is >= 0 (copies leaving after x included)."""
+
+    keys: np.ndarray  # int64 [N]
+    slots: np.ndarray  # int32 [N]
+    positions: np.ndarray  # int64 [N]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class UpdateAlone:
+    """Step 7: one-copy keys take this trainer's own gradient, divided by T."""
+
+    slots: np.ndarray  # int32
+    positions: np.ndarray  # int64
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LaunchSyncLater:
+    """Step 7 (collective, asynchronous): start summing sync_later(`iteration`); applied by
+    `ApplySyncLater(iteration)` at the boundary into `iteration` + 2."""
+
+    iteration: int
+    keys: np.ndarray  # int64 [M]
+    slots: np.ndarray  # int32 [M]
+    positions: np.ndarray  # int64 [M]
+
+
+Action = (
+    IssueFetches | WaitWrites | ApplySyncLater | CheckpointsWritten | ReadJoinSources | Leave
+    | WriteJoins | InsertFetched | Train | SyncNow | UpdateAlone | LaunchSyncLater
+)
+
+
+@dataclass
+class _LaterRound:
+    """A launched sync_later round: its keys, and for each this trainer's slot that stays."""
+
+    keys: np.ndarray
+    stay_slots: np.ndarray
+    stay_positions: np.ndarray
+    held_keys: np.ndarray = field(default_factory=lambda: _NO_I64)
+    held_flush: np.ndarray = field(default_factory=lambda: _NO_BOOL)
+
+
+class Boundary:
+    """One trainer's bookkeeping of the boundary protocol; see the module docstring.
+
+    Directives must come in order, one per iteration; `write_lag` is how many iterations a
+    write-back may stay unacknowledged before the trainer waits for it.
+    """
+
+    def __init__(self, *, write_lag: int = 32) -> None:
+        self.write_lag = write_lag
+        self._prev: Directive | None = None
+        self._later: dict[int, _LaterRound] = {}
+        self._fetched: dict[int, list[np.ndarray]] = {}  # target -> slots of each fetch group
+        self._checkpoints: list[int] = []  # marked iterations whose writes are not all sent
+
+    def plan(self, d: Directive) -> list[Action]:
+        """The actions of iteration `d.iteration`, in order."""
+        x = d.iteration
+        if self._prev is not None and x != self._prev.iteration + 1:
+            raise ValueError(f"directive {x} after directive {self._prev.iteration}")
+        fetches = self._issue(d)
+        entering: list[Action] = [
+            fetches,
+            WaitWrites(up_to=x - self.write_lag),
+            self._apply_later(x - 2),
+            self._checkpoints_written(up_to=x - 2),
+            ReadJoinSources(keys=d.join_keys, send_slots=d.join_send_slots),
+            self._leave(self._prev),
+            _write_joins(d),
+        ]
+        inserted = InsertFetched(target=x, slots=_concat(self._fetched.pop(x, []), np.int32))
+        train = _train(d, inserted.slots)
+        actions = [*entering, inserted, train, *self._end(d, train.used)]
+        self._prev = d
+        if d.checkpoint:
+            self._checkpoints.append(x)
+        return actions
+
+    def drain(self) -> list[Action]:
+        """After the last directive N-1: the boundaries into N (steps 1 and 3) and N+1 (step
+        1), so every held-back write-back is sent. ValueError if a fetch was never used."""
+        if self._fetched:
+            raise ValueError(f"fetches for iterations {sorted(self._fetched)} were never used")
+        if self._prev is None:
+            return []
+        n = self._prev.iteration + 1
+        actions: list[Action] = [self._apply_later(n - 2), self._leave(self._prev)]
+        self._prev = None
+        actions += [self._apply_later(n - 1), self._checkpoints_written(up_to=n)]
+        return actions
+
+    # -- the boundary into x -----------------------------------------------------------
+
+    def _issue(self, d: Directive) -> IssueFetches:
+        targets = d.prefetch_targets
+        groups = []
+        for target in np.unique(targets):
+            mine = targets == target
+            group = FetchGroup(
+                target=int(target), keys=d.prefetch_keys[mine], slots=d.prefetch_slots[mine],
+                min_versions=d.prefetch_min_versions[mine],
+            )
+            self._fetched.setdefault(group.target, []).append(group.slots)
+            groups.append(group)
+        return IssueFetches(groups=tuple(groups))
+
+    def _apply_later(self, e: int) -> ApplySyncLater:
+        later = self._later.pop(e, None)
+        if later is None:
+            return ApplySyncLater(
+                iteration=e, slots=_NO_I32, positions=_NO_I64, held_keys=_NO_I64,
+                held_positions=_NO_I64, held_flush=_NO_BOOL,
+            )
+        return ApplySyncLater(
+            iteration=e, slots=later.stay_slots, positions=later.stay_positions,
+            held_keys=later.held_keys, held_positions=np.searchsorted(later.keys, later.held_keys),
+            held_flush=later.held_flush,
+        )
+
+    def _checkpoints_written(self, up_to: int) -> CheckpointsWritten:
+        done = tuple(c for c in self._checkpoints if c <= up_to)
+        self._checkpoints = self._checkpoints[len(done):]
+        return CheckpointsWritten(iterations=done)
+
+    def _leave(self, prev: Directive | None) -> Leave:
+        if prev is None:
+            return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
+        keys = prev.write_keys
+        hold = np.isin(keys, prev.sync_later_keys)
+        flush = ~np.isin(prev.write_slots, prev.leave_slots)
+        if hold.any():
+            later = self._later[prev.iteration]
+            later.held_keys, later.held_flush = keys[hold], flush[hold]
+        return Leave(
+            iteration=prev.iteration, keys=keys, slots=prev.write_slots, flush=flush, hold=hold,
+            freed=prev.leave_slots,
+        )
+
+    # -- the end of x ------------------------------------------------------------------
+
+    def _end(self, d: Directive, used: np.ndarray) -> list[Action]:
+        synced = np.concatenate([d.sync_now_slots, d.sync_later_slots])
+        alone = np.flatnonzero(~np.isin(used, synced))
+        later_positions = _positions(used, d.sync_later_slots)
+        if len(d.sync_later_keys):
+            stay = (d.sync_later_slots >= 0) & ~np.isin(d.sync_later_slots, d.leave_slots)
+            self._later[d.iteration] = _LaterRound(
+                keys=d.sync_later_keys, stay_slots=d.sync_later_slots[stay], stay_positions=np.flatnonzero(stay),
+            )
+        return [
+            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=_positions(used, d.sync_now_slots)),
+            UpdateAlone(slots=used[alone].astype(np.int32), positions=alone),
+            LaunchSyncLater(
+                iteration=d.iteration, keys=d.sync_later_keys, slots=d.sync_later_slots, positions=later_positions,
+            ),
+        ]
+
+
+def _write_joins(d: Directive) -> WriteJoins:
+    positions = np.flatnonzero(d.join_recv_slots >= 0)
+    return WriteJoins(slots=d.join_recv_slots[positions], positions=positions)
+
+
+def _train(d: Directive, fetched: np.ndarray) -> Train:
+    used, inverse = np.unique(d.input_slots, return_inverse=True)
+    filled = np.concatenate([fetched, d.join_recv_slots[d.join_recv_slots >= 0]])
+    hits = len(used) - int(np.isin(used, filled).sum())
+    return Train(
+        iteration=d.iteration, used=used.astype(np.int64), inverse=inverse.reshape(d.input_slots.shape).astype(np.int64),
+        hits=hits,
+    )
+
+
+def _positions(used: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """For each slot, its index in the ascending `used`, or -1 (not used, or -1 itself)."""
+    pos = np.searchsorted(used, slots)
+    hit = (slots >= 0) & (pos < len(used))
+    hit[hit] = used[pos[hit]] == slots[hit]
+    return np.where(hit, pos, -1).astype(np.int64)
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
