@@ -3,8 +3,9 @@
 Each trainer has a cache of C slots holding (key, value[2], adagrad state) in float64. A
 pseudo-gradient depends on (iteration, trainer, key) and on the value read, so a stale read
 changes every later value. A single-process reference applies the same updates to a full table.
-Trainers follow "The boundary into x" of DESIGN §4 step by step, in lockstep (their collectives
-make them so); the PS and network are asynchronous: write-backs arrive in a random order at
+Trainers execute the actions of `trainer.boundary.Boundary` — the production implementation
+of "The boundary into x" (DESIGN §4), which the trainer's engine executes too — in lockstep
+(their collectives make them so), checking every index the actions carry; the PS and network are asynchronous: write-backs arrive in a random order at
 random times, fetches are served at random times once the PS version reaches their
 `min_version`. A trainer waiting for a fetch lets the network deliver what is in flight; if
 the write-back it needs has not been sent, that is a deadlock.
@@ -30,10 +31,27 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.directive import Directive
-from oracle.planner import Planner
 from oracle.config import PlannerConfig, required_capacity
+from oracle.planner import Planner
+from trainer.boundary import (
+    Action,
+    ApplySyncLater,
+    Boundary,
+    CheckpointsWritten,
+    InsertFetched,
+    IssueFetches,
+    LaunchSyncLater,
+    Leave,
+    ReadJoinSources,
+    SyncNow,
+    Train,
+    UpdateAlone,
+    WaitWrites,
+    WriteJoins,
+)
 
 LR = 0.1
+WRITE_LAG = 4  # small enough that the bounded write lag (`WaitWrites`) acts in short streams
 
 
 class SimulationError(AssertionError):
@@ -71,9 +89,9 @@ def reduce(grads: list[tuple[float, float] | None], num_trainers: int) -> tuple[
 @dataclass
 class _Trainer:
     cache: dict[int, tuple[int, Row]] = field(default_factory=dict)  # slot -> key, row
-    staged: dict[tuple[int, int], tuple[int, Row]] = field(default_factory=dict)  # (target, slot)
-    held: list[tuple[int, int, Row]] = field(default_factory=list)  # key, version, row (x-1)
-    grads: dict[int, tuple[float, float]] = field(default_factory=dict)
+    held: dict[int, list[tuple[int, Row]]] = field(default_factory=dict)  # version -> key, row
+    grads: dict[int, tuple[float, float]] = field(default_factory=dict)  # key -> its gradient at x
+    used: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # Train.used at x
 
 
 @dataclass
@@ -89,8 +107,9 @@ class _Fetch:
 class Simulation:
     """One replay; see `simulate`."""
 
-    def __init__(self, config: PlannerConfig, batches: list[np.ndarray], seed: int) -> None:
+    def __init__(self, config: PlannerConfig, batches: list[np.ndarray], seed: int, boundary: type[Boundary] = Boundary) -> None:
         self.cfg = config
+        self.boundary = boundary
         self.T = config.num_trainers
         self.first = config.first_iteration
         self.batches = batches  # batch i is iteration first + i
@@ -103,7 +122,13 @@ class Simulation:
         self.in_flight: list[tuple[int, int, Row]] = []  # key, version, row
         self.fetches: list[_Fetch] = []
         self.trainers = [_Trainer() for _ in range(self.T)]
-        self.later: dict[int, dict[int, tuple[float, float]]] = {}  # x -> key -> reduced grad
+        self.later: dict[int, tuple[list[int], list[tuple[float, float]]]] = {}  # x -> keys, sums / T
+        self.write_lag = WRITE_LAG
+        self.x = config.first_iteration
+        self.directives: list[Directive] = []  # of iteration x
+        self.joined: dict[int, Row] = {}  # key -> row read by its join source at x
+        self.join_keys: list[int] = []
+        self.leaving: int | None = None  # copies left after this iteration: check residency ends
         self.sent: dict[int, dict[int, int]] = {}  # version -> key -> write count
         self.resident: dict[int, set[int]] = {}
         self.resumed: dict[int, int] = self.resumed_versions()  # key -> version before F
@@ -200,16 +225,15 @@ class Simulation:
         n, first = len(self.batches), self.first
         if len(directives) != n:
             self.fail(f"{len(directives)} directive iterations for {n} batches")
+        boundaries = [self.boundary(write_lag=self.write_lag) for _ in range(self.T)]
         for x in range(first, first + n):
             ds = directives[x - first]
             self.check_lists(x, ds)
-            self.boundary(x, directives)
-            self.network()
-            self.step(x, ds)
+            self.x, self.directives = x, ds
+            self.execute([b.plan(d) for b, d in zip(boundaries, ds)])
             self.network()
             self.resident[x] = self.keys_resident()
-        self.boundary(first + n, directives)
-        self.boundary(first + n + 1, directives)
+        self.execute([b.drain() for b in boundaries])
         while self.in_flight:
             self.deliver(self.in_flight.pop())
         self.final_checks(n)
@@ -221,80 +245,96 @@ class Simulation:
         if any(d.iteration != x or d.trainer != j for j, d in enumerate(ds)):
             self.fail(f"directives of iteration {x} are mislabelled")
 
-    def boundary(self, x: int, directives: list[list[Directive]]) -> None:
-        n, i = len(directives), x - self.first  # directives[i] is iteration x
-        cur = directives[i] if i < n else None
-        prev = directives[i - 1] if 0 < i <= n else None
-        prev2 = directives[i - 2] if 1 < i <= n + 1 else None
-        if cur is not None:  # 0. issue prefetches
-            for j, d in enumerate(cur):
-                for k, s, v, tg in zip(d.prefetch_keys, d.prefetch_slots, d.prefetch_min_versions, d.prefetch_targets):
-                    self.fetches.append(_Fetch(j, int(k), int(s), int(v), int(tg)))
-        if prev2 is not None:  # 1. sync_later(x-2) to staying copies and held rows
-            self.apply_later(x - 2, prev2)
-        sources = self.read_join_sources(cur) if cur is not None else {}  # 2.
-        if prev is not None:  # 3. leave after x-1
-            self.leave(x - 1, prev)
-        if cur is not None:  # 4. joins
-            self.write_joins(cur, sources)
-        if prev is not None and not self.local:
-            self.check_residency_ends(x - 1)
-        if cur is not None:  # 5. fetches targeting x
-            self.insert_fetches(x)
+    def execute(self, plans: list[list[Action]]) -> None:
+        """The trainers' plans in lockstep, one action of each at a time (their collectives
+        make them so); the PS and the network run in between."""
+        if len({tuple(type(a) for a in plan) for plan in plans}) != 1:
+            self.fail("the trainers' plans differ in their sequence of actions")
+        for step in zip(*plans):
+            getattr(self, _HANDLER[type(step[0])])(list(step))
+        if self.leaving is not None:
+            self.check_residency_ends(self.leaving)
 
-    def apply_later(self, e: int, ds: list[Directive]) -> None:
-        reduced = self.later.pop(e, {})
-        for j, d in enumerate(ds):
+    # ----------------------------------------------------------------- the boundary into x
+    def issue_fetches(self, actions: list[IssueFetches]) -> None:
+        for j, a in enumerate(actions):
+            for g in a.groups:
+                for k, s, v in zip(g.keys, g.slots, g.min_versions):
+                    self.fetches.append(_Fetch(j, int(k), int(s), int(v), g.target))
+
+    def wait_writes(self, actions: list[WaitWrites]) -> None:
+        """The bounded write lag: every write-back of a version <= up_to lands now."""
+        up_to = actions[0].up_to
+        for item in [i for i in self.in_flight if i[1] <= up_to]:
+            self.in_flight.remove(item)
+            self.deliver(item)
+
+    def apply_sync_later(self, actions: list[ApplySyncLater]) -> None:
+        e = actions[0].iteration
+        keys, reduced = self.later.pop(e, ([], []))
+        for j, a in enumerate(actions):
             t = self.trainers[j]
-            left = set(int(s) for s in d.leave_slots)
-            for k, s in zip(d.sync_later_keys, d.sync_later_slots):
-                k, s = int(k), int(s)
-                if s >= 0 and s not in left:
-                    row = self.read_slot(j, s, k, f"sync_later({e})")
-                    t.cache[s] = (k, apply(row, reduced[k]))
-            for key, version, row in t.held:
-                self.send(key, version, apply(row, reduced[key]))
-            t.held = []
+            for s, pos in zip(a.slots, a.positions):
+                key = keys[int(pos)]
+                t.cache[int(s)] = (key, apply(self.read_slot(j, int(s), key, f"sync_later({e})"), reduced[int(pos)]))
+            held = t.held.pop(e, [])
+            if [k for k, _ in held] != [int(k) for k in a.held_keys]:
+                self.fail(f"trainer {j}: rows held after {e} are not the ones sync_later({e}) updates")
+            for (key, row), pos in zip(held, a.held_positions):
+                if keys[int(pos)] != key:
+                    self.fail(f"trainer {j}: held row of key {key} takes the sync_later gradient of {keys[int(pos)]}")
+                self.send(key, e, apply(row, reduced[int(pos)]))
 
-    def read_join_sources(self, ds: list[Directive]) -> dict[int, tuple[int, Row]]:
-        sources: dict[int, tuple[int, Row]] = {}
-        for j, d in enumerate(ds):
-            for k, s in zip(d.join_keys, d.join_send_slots):
+    def checkpoints_written(self, actions: list[CheckpointsWritten]) -> None:
+        """Checkpoints are checked at the end, from every write the PS received."""
+
+    def read_join_sources(self, actions: list[ReadJoinSources]) -> None:
+        self.joined = {}
+        for j, a in enumerate(actions):
+            for k, s in zip(a.keys, a.send_slots):
                 if s >= 0:
-                    if int(k) in sources:
+                    if int(k) in self.joined:
                         self.fail(f"two join sources for key {int(k)}")
-                    sources[int(k)] = (j, self.read_slot(j, int(s), int(k), "join source"))
-        return sources
+                    self.joined[int(k)] = self.read_slot(j, int(s), int(k), "join source")
+        self.join_keys = [int(k) for k in actions[0].keys]
 
-    def leave(self, e: int, ds: list[Directive]) -> None:
-        for j, d in enumerate(ds):
+    def leave(self, actions: list[Leave]) -> None:
+        e = actions[0].iteration
+        for j, a in enumerate(actions):
             t = self.trainers[j]
-            later = set(int(k) for k in d.sync_later_keys)
-            for k, s, v in zip(d.write_keys, d.write_slots, d.write_versions):
+            for k, s, hold in zip(a.keys, a.slots, a.hold):
                 key = int(k)
                 row = self.read_slot(j, int(s), key, f"write-back after {e}")
                 self.sent.setdefault(e, {}).setdefault(key, 0)
                 self.sent[e][key] += 1
-                if key in later:
-                    t.held.append((key, int(v), row))
+                if hold:
+                    t.held.setdefault(e, []).append((key, row))
                 else:
-                    self.send(key, int(v), row)
-            for s in d.leave_slots:
+                    self.send(key, e, row)
+            for s in a.freed:
                 if int(s) not in t.cache:
                     self.fail(f"trainer {j} frees empty slot {int(s)} after {e}")
                 del t.cache[int(s)]
+        if e >= self.first and not self.local:
+            self.leaving = e
 
-    def write_joins(self, ds: list[Directive], sources: dict[int, tuple[int, Row]]) -> None:
-        for j, d in enumerate(ds):
-            for k, s in zip(d.join_keys, d.join_recv_slots):
-                if s >= 0:
-                    if int(k) not in sources:
-                        self.fail(f"trainer {j} joins key {int(k)} that nobody sends")
-                    self.write_slot(self.trainers[j], j, int(s), int(k), sources[int(k)][1])
+    def write_joins(self, actions: list[WriteJoins]) -> None:
+        for j, a in enumerate(actions):
+            for s, pos in zip(a.slots, a.positions):
+                key = self.join_keys[int(pos)]
+                if key not in self.joined:
+                    self.fail(f"trainer {j} joins key {key} that nobody sends")
+                self.write_slot(self.trainers[j], j, int(s), key, self.joined[key])
+        if self.leaving is not None:
+            self.check_residency_ends(self.leaving)
 
-    def insert_fetches(self, x: int) -> None:
+    def insert_fetched(self, actions: list[InsertFetched]) -> None:
+        x = actions[0].target
         due = [f for f in self.fetches if f.target == x]
         self.fetches = [f for f in self.fetches if f.target != x]
+        for j, a in enumerate(actions):
+            if sorted(f.slot for f in due if f.trainer == j) != sorted(int(s) for s in a.slots):
+                self.fail(f"trainer {j} inserts other slots at {x} than its fetches target")
         for f in due:
             self.wait(f)
             assert f.row is not None
@@ -302,6 +342,7 @@ class Simulation:
 
     def check_residency_ends(self, e: int) -> None:
         """Keys resident during e and gone now ended after e: one write-back of version e."""
+        self.leaving = None
         ended = self.resident.get(e, set()) - self.keys_resident()
         written = self.sent.get(e, {})
         for key in ended:
@@ -314,17 +355,19 @@ class Simulation:
     def keys_resident(self) -> set[int]:
         return {key for t in self.trainers for key, _ in t.cache.values()}
 
-    # ----------------------------------------------------------------- forward, sync
-    def step(self, x: int, ds: list[Directive]) -> None:
+    # ----------------------------------------------------------------- forward, the end of x
+    def train(self, actions: list[Train]) -> None:
+        self.network()
+        x, ds = self.x, self.directives
         batch = self.batches[x - self.first]
         per = batch.shape[0] // self.T
         users: dict[int, list[tuple[float, float] | None]] = {}
-        for j, d in enumerate(ds):
+        for j, (a, d) in enumerate(zip(actions, ds)):
             t = self.trainers[j]
-            t.grads = {}
+            t.grads, t.used = {}, a.used
             part = batch[j * per : (j + 1) * per]
-            if d.input_slots.shape != part.shape:
-                self.fail(f"input_slots of trainer {j} at {x} have shape {d.input_slots.shape}")
+            if d.input_slots.shape != part.shape or not np.array_equal(a.used[a.inverse], d.input_slots):
+                self.fail(f"trainer {j} at {x} trains on other slots than its input_slots")
             for k, s in zip(part.reshape(-1), d.input_slots.reshape(-1)):
                 key = int(k)
                 row = self.read_slot(j, int(s), key, f"input at {x}")
@@ -335,7 +378,6 @@ class Simulation:
             for key in t.grads:
                 users.setdefault(key, [None] * self.T)[j] = t.grads[key]
         self.reference_step(x, users)
-        self.sync(x, ds, users)
 
     def reference_step(self, x: int, users: dict[int, list[tuple[float, float] | None]]) -> None:
         for key in sorted(users):
@@ -343,24 +385,40 @@ class Simulation:
             self.ref[key] = row
             self.ref_history.setdefault(key, []).append((x, row))
 
-    def sync(self, x: int, ds: list[Directive], users: dict[int, list[tuple[float, float] | None]]) -> None:
-        now = [int(k) for k in ds[0].sync_now_keys]
-        later = [int(k) for k in ds[0].sync_later_keys]
-        listed = set(now) | set(later)
-        if not listed <= set(users):
-            self.fail(f"sync lists of {x} name keys nobody used")
-        for j, d in enumerate(ds):
-            t = self.trainers[j]
-            for k, s in zip(now, d.sync_now_slots):
+    def local_grad(self, j: int, position: int) -> tuple[float, float] | None:
+        """Trainer j's gradient for row `position` of its used slots (None: -1, zeros)."""
+        if position < 0:
+            return None
+        t = self.trainers[j]
+        return t.grads[t.cache[int(t.used[position])][0]]
+
+    def summed(self, actions: list[SyncNow] | list[LaunchSyncLater]) -> tuple[list[int], list[tuple[float, float]]]:
+        """The keys of a sync list and the sum of every trainer's gradient, divided by T."""
+        keys = [int(k) for k in actions[0].keys]
+        if not set(keys) <= set().union(*(t.grads for t in self.trainers)):
+            self.fail(f"sync lists of {self.x} name keys nobody used")
+        grads = [reduce([self.local_grad(j, int(a.positions[i])) for j, a in enumerate(actions)], self.T) for i in range(len(keys))]
+        return keys, grads
+
+    def sync_now(self, actions: list[SyncNow]) -> None:
+        keys, grads = self.summed(actions)
+        for j, a in enumerate(actions):
+            for i, s in enumerate(a.slots):
                 if s >= 0:
-                    row = self.read_slot(j, int(s), k, f"sync_now({x})")
-                    t.cache[int(s)] = (k, apply(row, reduce(users[k], self.T)))
-            slot_of = {key: s for s, (key, _) in t.cache.items()}
-            for key, g in t.grads.items():
-                if key not in listed:
-                    s = slot_of[key]
-                    t.cache[s] = (key, apply(t.cache[s][1], (g[0] / self.T, g[1] / self.T)))
-        self.later[x] = {k: reduce(users[k], self.T) for k in later}
+                    row = self.read_slot(j, int(s), keys[i], f"sync_now({self.x})")
+                    self.trainers[j].cache[int(s)] = (keys[i], apply(row, grads[i]))
+
+    def update_alone(self, actions: list[UpdateAlone]) -> None:
+        for j, a in enumerate(actions):
+            t = self.trainers[j]
+            for s, pos in zip(a.slots, a.positions):
+                key, row = t.cache[int(s)]
+                g = self.local_grad(j, int(pos))
+                assert g is not None
+                t.cache[int(s)] = (key, apply(row, (g[0] / self.T, g[1] / self.T)))
+
+    def launch_sync_later(self, actions: list[LaunchSyncLater]) -> None:
+        self.later[actions[0].iteration] = self.summed(actions)
 
     # ----------------------------------------------------------------- the end
     def final_checks(self, n: int) -> None:
@@ -391,10 +449,29 @@ class Simulation:
                 self.fail(f"checkpoint {c}: PS row of key {key} is not the reference's")
 
 
-def simulate(config: PlannerConfig, batches: list[np.ndarray], directives: list[list[Directive]], seed: int = 0) -> None:
-    """Replay `directives` (per iteration, per trainer) for `batches`; SimulationError if any
-    invariant of DESIGN §4 breaks."""
-    Simulation(config, [np.asarray(b, dtype=np.int64) for b in batches], seed).run(directives)
+_HANDLER = {
+    IssueFetches: "issue_fetches",
+    WaitWrites: "wait_writes",
+    ApplySyncLater: "apply_sync_later",
+    CheckpointsWritten: "checkpoints_written",
+    ReadJoinSources: "read_join_sources",
+    Leave: "leave",
+    WriteJoins: "write_joins",
+    InsertFetched: "insert_fetched",
+    Train: "train",
+    SyncNow: "sync_now",
+    UpdateAlone: "update_alone",
+    LaunchSyncLater: "launch_sync_later",
+}
+
+
+def simulate(
+    config: PlannerConfig, batches: list[np.ndarray], directives: list[list[Directive]], seed: int = 0,
+    boundary: type[Boundary] = Boundary,
+) -> None:
+    """Replay `directives` (per iteration, per trainer) for `batches`, the trainers following
+    `boundary`; SimulationError if any invariant of DESIGN §4 breaks."""
+    Simulation(config, [np.asarray(b, dtype=np.int64) for b in batches], seed, boundary).run(directives)
 
 
 # --------------------------------------------------------------------------- workloads

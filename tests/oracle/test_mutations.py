@@ -1,17 +1,24 @@
-"""The simulator must catch planners that break one rule of DESIGN §4 (mutation tests).
+"""The simulator must catch planners that break one rule of DESIGN §4, and trainers that
+cross the boundary in another order (mutation tests).
 
-Each mutant is the reference planner with one rule changed. A mutant is caught when the
-simulator fails on at least one workload of a fixed set on which the reference passes.
+Each planner mutant is the reference planner with one rule changed; each boundary mutant is
+`trainer.boundary.Boundary` (what the trainers run) with two steps swapped or one dropped. A
+mutant is caught when the simulator fails on at least one workload of a fixed set on which the
+reference passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from common.directive import Directive
 from oracle.config import PlannerConfig
 from tests.oracle.reference_planner import ReferencePlanner
 from tests.oracle.simulator import SimulationError, Workload, plan_incrementally, simulate, wire
+from trainer.boundary import Action, Boundary, InsertFetched, Leave, ReadJoinSources, Train
 
 
 class NoMinVersion(ReferencePlanner):
@@ -104,14 +111,52 @@ def _cases() -> list[tuple[PlannerConfig, list[np.ndarray], int]]:
 CASES = _cases()
 
 
-def _failures(planner: type[ReferencePlanner]) -> int:
+def _failures(planner: type[ReferencePlanner], boundary: type[Boundary] = Boundary) -> int:
     failures = 0
     for config, batches, seed in CASES:
         try:
-            simulate(config, batches, planner(config, batches).plan(), seed=seed)
+            simulate(config, batches, planner(config, batches).plan(), seed=seed, boundary=boundary)
         except SimulationError:
             failures += 1
     return failures
+
+
+def _swapped(first: type, second: type) -> type[Boundary]:
+    """`Boundary` with the actions of types `first` and `second` swapped in every plan."""
+
+    class Swapped(Boundary):
+        def plan(self, d: Directive) -> list[Action]:
+            actions = super().plan(d)
+            i = next(n for n, a in enumerate(actions) if isinstance(a, first))
+            k = next(n for n, a in enumerate(actions) if isinstance(a, second))
+            actions[i], actions[k] = actions[k], actions[i]
+            return actions
+
+    Swapped.__name__ = f"{first.__name__}After{second.__name__}"
+    return Swapped
+
+
+class SendsHeldRowsAtOnce(Boundary):
+    """A writer whose key is in sync_later(x-1) sends its row at once, without that update."""
+
+    def plan(self, d: Directive) -> list[Action]:
+        return [_no_hold(a) if isinstance(a, Leave) else a for a in super().plan(d)]
+
+    def drain(self) -> list[Action]:
+        return [_no_hold(a) if isinstance(a, Leave) else a for a in super().drain()]
+
+
+def _no_hold(a: Leave) -> Leave:
+    return dataclasses.replace(a, hold=np.zeros_like(a.hold))
+
+
+@pytest.mark.parametrize(
+    "boundary",
+    [_swapped(ReadJoinSources, Leave), _swapped(InsertFetched, Train), SendsHeldRowsAtOnce],
+    ids=lambda b: b.__name__,
+)
+def test_simulator_catches_a_boundary_in_another_order(boundary: type[Boundary]) -> None:
+    assert _failures(ReferencePlanner, boundary) > 0
 
 
 def test_reference_passes_every_case() -> None:
