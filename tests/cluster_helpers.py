@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.cluster import ClusterResult, run_cluster
+from launcher.cluster import ClusterResult, run_cluster
 from common.init import initial_rows
 from common.job import Job, build_job
 from common.spec import load_spec, spec_toml

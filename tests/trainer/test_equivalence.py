@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from common.job import Job
-from common.report import read_run
+from launcher.report import read_run
 from oracle.main import build_workload
 from tests.cluster_helpers import assert_same_model, final_model, reference_for, run_spec, write_spec
 

@@ -302,8 +302,8 @@ def _watch(cluster: LocalCluster, on_poll: Callable[[LocalCluster], None] | None
 def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
-    from common.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
     from common.runtime import configure_logging
+    from launcher.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
 
     configure_logging("launch")
     spec = load_spec(spec_path)

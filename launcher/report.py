@@ -36,6 +36,7 @@ import orjson
 from tqdm import tqdm
 
 from common.errors import BagpipeError
+from trainer.timing import PHASES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,18 +45,6 @@ logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 
-#: Trainer phases in the order they happen within an iteration.
-PHASES: tuple[str, ...] = (
-    "wait_directive",
-    "boundary",
-    "wait_prefetch",
-    "forward",
-    "backward",
-    "sync_now",
-    "sync_later_wait",
-    "optimizer",
-    "write_back_queue",
-)
 #: Integer counters of an iteration record, summed across trainers.
 COUNTERS: tuple[str, ...] = (
     "samples",
