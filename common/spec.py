@@ -2,8 +2,9 @@
 
 Every role reads the same file. A bad value raises `ConfigError` naming the field
 (``oracle.lookahead: must be >= 0``); unknown keys are refused too, so a typo never silently
-falls back to a default. Sections owned by one role (data, model, optimizer, planner) are
-parsed by that role's own parser; this module only assembles them.
+falls back to a default. The data, model and optimizer sections have parsers of their own
+(`common/data/spec.py`, `common/model_spec.py`, `common/optimizer_spec.py`); `common/job.py`
+puts them together with this one.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class ClusterSpec:
     train: TrainSection
     checkpoint: CheckpointSection
     sections: dict[str, dict[str, Any]]
-    """Raw role-owned sections (data, model, optimizer), each parsed by its role."""
+    """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
 
     def token(self) -> str:
         """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""

@@ -13,21 +13,19 @@ from collections.abc import Callable
 from torch import nn
 
 from common.errors import ConfigError
+from common.model_spec import ModelSpec
 from trainer.models.dcn import DCN
 from trainer.models.deepfm import DeepFM
 from trainer.models.dlrm import DLRM
-from trainer.models.spec import MODEL_NAMES, ModelSpec, parse_model_spec
 from trainer.models.wide_deep import WideDeep
 
 __all__ = [
     "DCN",
     "DLRM",
-    "MODEL_NAMES",
     "DeepFM",
     "ModelSpec",
     "WideDeep",
     "build_model",
-    "parse_model_spec",
 ]
 
 _MODELS: dict[str, Callable[[ModelSpec, int, int], nn.Module]] = {
