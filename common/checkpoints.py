@@ -1,4 +1,8 @@
-"""Where a cluster's checkpoint lives on disk, and which one is the latest complete.
+"""Which iterations are checkpoints, where a cluster's checkpoint lives on disk, and which one
+is the latest complete.
+
+With ``[checkpoint] every`` = n > 0, checkpoints are taken after iterations n-1, 2n-1, ...
+(`is_checkpoint`); the oracle marks them, the PS shards and trainers save them.
 
 Checkpoint c is made of one snapshot per PS shard (``<dir>/ps-<s>/ckpt-<c>/``), the dense
 model and optimizer of trainer 0 (``<dir>/trainer/dense-<c>.pt``) and, written last, the
@@ -16,7 +20,32 @@ from typing import Any
 
 import orjson
 
-from ps.checkpoint import checkpoint_name
+_PREFIX = "ckpt-"
+#: Matches what `checkpoint_name` makes.
+CHECKPOINT_GLOB = f"{_PREFIX}*"
+
+
+def is_checkpoint(iteration: int, every: int) -> bool:
+    """Whether a checkpoint is taken after `iteration` when one is taken every `every`
+    iterations (0: never)."""
+    return every > 0 and (iteration + 1) % every == 0
+
+
+def checkpoints_between(after: int, before: int, every: int) -> range:
+    """Checkpoint iterations c with after < c < before."""
+    if every <= 0:
+        return range(0)
+    return range((after + 1) // every * every + every - 1, before, every)
+
+
+def checkpoint_name(checkpoint_id: int) -> str:
+    """The name of checkpoint `checkpoint_id`'s PS snapshot folders and the stem of its manifest."""
+    return f"{_PREFIX}{checkpoint_id:010d}"
+
+
+def parse_checkpoint_name(name: str) -> int:
+    """The id in a name made by `checkpoint_name`."""
+    return int(name.removeprefix(_PREFIX))
 
 
 def ps_dir(directory: Path, shard: int) -> Path:
@@ -93,18 +122,17 @@ def remove_all(directory: Path) -> None:
 
 def _complete(directory: Path, num_shards: int) -> list[int]:
     """Ids of the complete checkpoints, newest first."""
-    ids = sorted((_id(p.stem) for p in directory.glob("ckpt-*.json")), reverse=True) if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    ids = sorted((parse_checkpoint_name(p.stem) for p in directory.glob(f"{CHECKPOINT_GLOB}.json")),
+                 reverse=True)
     return [c for c in ids if is_complete(directory, c, num_shards)]
 
 
 def _ids_on_disk(directory: Path, num_shards: int) -> set[int]:
     """Every checkpoint id that has any part on disk (leftovers of failed saves included)."""
-    names = [p.stem for p in directory.glob("ckpt-*.json")]
+    names = [p.stem for p in directory.glob(f"{CHECKPOINT_GLOB}.json")]
     names += [p.stem.removeprefix("dense-") for p in (directory / "trainer").glob("dense-*.pt")]
     for shard in range(num_shards):
-        names += [p.name for p in ps_dir(directory, shard).glob("ckpt-*")]
-    return {_id(name) for name in names}
-
-
-def _id(name: str) -> int:
-    return int(name.removeprefix("ckpt-"))
+        names += [p.name for p in ps_dir(directory, shard).glob(CHECKPOINT_GLOB)]
+    return {parse_checkpoint_name(name) for name in names}

@@ -8,6 +8,7 @@ from typing import Literal
 
 import numpy as np
 
+from common.checkpoints import is_checkpoint
 from common.errors import ConfigError
 
 Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
@@ -91,7 +92,7 @@ class PlannerConfig:
 
     def is_checkpoint(self, iteration: int) -> bool:
         """Whether global iteration `iteration` is a checkpoint."""
-        return self.checkpoint_every > 0 and (iteration + 1) % self.checkpoint_every == 0
+        return is_checkpoint(iteration, self.checkpoint_every)
 
     def is_local_checkpoint(self, x: int) -> bool:
         """Whether the planner's own iteration x (counted from 0) is a checkpoint, judged by
