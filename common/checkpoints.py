@@ -12,13 +12,14 @@ complete; recovery ignores the others (DESIGN §9).
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from common.files import write_atomically
 
 _PREFIX = "ckpt-"
 #: Matches what `checkpoint_name` makes.
@@ -66,21 +67,6 @@ def write_manifest(directory: Path, checkpoint_id: int, num_shards: int, extra: 
     body = {"checkpoint": checkpoint_id, "shards": num_shards, "time": time.time(), **extra}
     write_atomically(path, orjson.dumps(body))
     return path
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole, on disk, or keeps what it held: a temporary file, fsync,
-    rename. OSError (a full disk, say) leaves no temporary file behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:

@@ -20,6 +20,7 @@ plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ import orjson
 from tqdm import tqdm
 
 from common.errors import BagpipeError
+from common.files import write_atomically
 from trainer.timing import PHASES
 
 if TYPE_CHECKING:
@@ -602,9 +604,7 @@ def write_report(
         default=str,
         option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
     )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(body + b"\n")
-    tmp.replace(path)
+    write_atomically(path, body + b"\n")
     return path
 
 
@@ -631,9 +631,9 @@ def _zero_based(ax: Any, values: Sequence[float] | np.ndarray) -> None:
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    tmp.replace(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    write_atomically(path, png.getvalue())
     return path
 
 
