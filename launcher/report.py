@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from common.errors import BagpipeError
 from common.files import write_atomically
+from common.spec import MODES
 from trainer.timing import PHASES
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ COUNTERS: tuple[str, ...] = (
     "sync_bytes",
     "join_rows",
 )
-#: Benchmark modes in the order tables and charts list them (DESIGN §8).
-MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
 
 _MB = 1e6
 

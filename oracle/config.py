@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from common.checkpoints import is_checkpoint
 from common.errors import ConfigError
+from common.spec import MODES, Mode
 
-Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
-MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
 #: Pair ids are ``key * T + trainer`` in int64; this bound keeps them exact.
 MAX_TRAINERS = 1 << 12
-
 
 
 @dataclass(frozen=True, kw_only=True)
