@@ -14,7 +14,7 @@ from common.data.spec import DataSpec, parse_data_spec
 from common.keys import TableLayout
 from common.model_spec import ModelSpec, parse_model_spec
 from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
-from common.spec import ClusterSpec, load_spec
+from common.spec import ClusterSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +56,3 @@ def build_job(spec: ClusterSpec) -> Job:
         layout=TableLayout(tuple(dataset.table_sizes)),
         num_dense=dataset.num_dense,
     )
-
-
-def load_job(path: str) -> Job:
-    return build_job(load_spec(path))

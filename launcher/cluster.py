@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,7 +33,6 @@ from typing import Any
 
 import orjson
 
-from common.auth import new_token
 from common.checkpoints import latest_complete, remove_all
 from common.errors import BagpipeError
 from common.job import Job, build_job
@@ -310,7 +310,7 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     job = build_job(spec)
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
     open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
-    token = spec.cluster.token or os.environ.get(TOKEN_ENV) or new_token()
+    token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     total = _iterations(job)
     tail = RunTail(run_dir, spec.trainers.count)
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "

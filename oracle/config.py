@@ -1,4 +1,4 @@
-"""Planner configuration and the capacity checks a launcher runs before training starts."""
+"""Planner configuration and the capacity checks the oracle runs before training starts."""
 
 from __future__ import annotations
 
@@ -120,21 +120,6 @@ def capacity_bound(config: PlannerConfig, batch_size: int, num_features: int) ->
     """Rows a trainer may need in one iteration at worst: (B/T) x F, plus the pinned set."""
     per_trainer = check_batch_size(config, batch_size)
     return int(config.hot_keys.size) + per_trainer * num_features
-
-
-def check_capacity(config: PlannerConfig, batch_size: int, num_features: int) -> None:
-    """Fail before training starts if C could be infeasible for some batch (DESIGN §4 rule 4).
-
-    The bound is safe, not tight: `required_capacity` gives the exact need of a known stream.
-    """
-    if config.mode == "local":
-        return
-    need = capacity_bound(config, batch_size, num_features)
-    if config.capacity < need:
-        raise ConfigError(
-            "oracle.capacity",
-            f"C = {config.capacity} < {need} = hot rows + (B/T) x F rows a trainer may use at once",
-        )
 
 
 def check_batch_size(config: PlannerConfig, batch_size: int) -> int:

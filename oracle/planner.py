@@ -27,7 +27,6 @@ from oracle.config import (
     PlannerConfig,
     capacity_bound,
     check_batch_size,
-    check_capacity,
     hottest_keys,
     required_capacity,
 )
@@ -41,7 +40,6 @@ __all__ = [
     "PlannerConfig",
     "PlannerStats",
     "capacity_bound",
-    "check_capacity",
     "hottest_keys",
     "required_capacity",
 ]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.errors import ConfigError
-from oracle.config import check_capacity, hottest_keys, required_capacity
+from oracle.config import capacity_bound, hottest_keys, required_capacity
 from oracle.planner import Planner, PlannerConfig
 from tests.oracle.simulator import Workload, plan_incrementally, simulate, wire
 
@@ -50,9 +50,9 @@ def test_infeasible_capacity_names_iteration_trainer_and_need() -> None:
 
 
 def test_capacity_helpers() -> None:
-    with pytest.raises(ConfigError, match="C = 8 < 10"):
-        check_capacity(config(), batch_size=10, num_features=2)
-    check_capacity(config(capacity=10), batch_size=10, num_features=2)
+    assert capacity_bound(config(), batch_size=10, num_features=2) == 10  # (B/T) x F
+    static = config(mode="static-cache", hot_keys=np.array([3, 7]))
+    assert capacity_bound(static, batch_size=10, num_features=2) == 2 + 10
     batches = [np.array([[1, 2], [3, 3]]), np.array([[5, 5], [5, 6]])]
     assert required_capacity(config(), batches) == 2
     assert list(hottest_keys([np.array([[4, 4], [2, 9]]), np.array([[2, 4], [7, 2]])], 2)) == [2, 4]
