@@ -110,7 +110,7 @@ def test_criteo_defaults() -> None:
 def test_build_model_rejects_impossible_feature_counts() -> None:
     with pytest.raises(ConfigError) as info:
         build_model(small_spec("dlrm"), 0, 1)
-    assert info.value.field == "num_tables"
+    assert info.value.field == "data.num_tables"
     with pytest.raises(ConfigError) as info:
         build_model(small_spec("dcn"), -1, 2)
-    assert info.value.field == "num_dense"
+    assert info.value.field == "data.num_dense"
