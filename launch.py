@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.role is None:
-        from common.cluster import run_local_cluster
+        from launcher.cluster import run_local_cluster
 
         return _reporting_errors(lambda: run_local_cluster(Path(args.spec), resume=args.resume,
                                                            run_dir=args.run_dir, quiet=args.quiet))

@@ -21,10 +21,10 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.cluster import run_cluster  # noqa: E402
 from common.job import build_job  # noqa: E402
-from common.report import compare_modes, plot_modes, read_run, summarise  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
+from launcher.cluster import run_cluster  # noqa: E402
+from launcher.report import compare_modes, plot_modes, read_run, summarise  # noqa: E402
 
 TOKEN = "e2e-bench"
 

@@ -13,7 +13,7 @@ import re
 import subprocess
 from collections.abc import Iterator
 
-from common.cluster import PsHost
+from launcher.cluster import PsHost
 
 NAMESPACE = "bagpipe-ps"
 HOST_SIDE, NS_SIDE = "bp-host0", "bp-ps0"

@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.checkpoints import ps_dir  # noqa: E402
-from common.cluster import LocalCluster, run_cluster  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
-from common.report import RunTail  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
+from launcher.cluster import LocalCluster, run_cluster  # noqa: E402
+from launcher.report import RunTail  # noqa: E402
 from ps.checkpoint import load_snapshot  # noqa: E402
 
 TOKEN = "recovery-bench"

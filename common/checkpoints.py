@@ -1,4 +1,8 @@
-"""Where a cluster's checkpoint lives on disk, and which one is the latest complete.
+"""Which iterations are checkpoints, where a cluster's checkpoint lives on disk, and which one
+is the latest complete.
+
+With ``[checkpoint] every`` = n > 0, checkpoints are taken after iterations n-1, 2n-1, ...
+(`is_checkpoint`); the oracle marks them, the PS shards and trainers save them.
 
 Checkpoint c is made of one snapshot per PS shard (``<dir>/ps-<s>/ckpt-<c>/``), the dense
 model and optimizer of trainer 0 (``<dir>/trainer/dense-<c>.pt``) and, written last, the
@@ -8,7 +12,6 @@ complete; recovery ignores the others (DESIGN §9).
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -16,7 +19,34 @@ from typing import Any
 
 import orjson
 
-from ps.checkpoint import checkpoint_name
+from common.files import write_atomically
+
+_PREFIX = "ckpt-"
+#: Matches what `checkpoint_name` makes.
+CHECKPOINT_GLOB = f"{_PREFIX}*"
+
+
+def is_checkpoint(iteration: int, every: int) -> bool:
+    """Whether a checkpoint is taken after `iteration` when one is taken every `every`
+    iterations (0: never)."""
+    return every > 0 and (iteration + 1) % every == 0
+
+
+def checkpoints_between(after: int, before: int, every: int) -> range:
+    """Checkpoint iterations c with after < c < before."""
+    if every <= 0:
+        return range(0)
+    return range((after + 1) // every * every + every - 1, before, every)
+
+
+def checkpoint_name(checkpoint_id: int) -> str:
+    """The name of checkpoint `checkpoint_id`'s PS snapshot folders and the stem of its manifest."""
+    return f"{_PREFIX}{checkpoint_id:010d}"
+
+
+def parse_checkpoint_name(name: str) -> int:
+    """The id in a name made by `checkpoint_name`."""
+    return int(name.removeprefix(_PREFIX))
 
 
 def ps_dir(directory: Path, shard: int) -> Path:
@@ -37,21 +67,6 @@ def write_manifest(directory: Path, checkpoint_id: int, num_shards: int, extra: 
     body = {"checkpoint": checkpoint_id, "shards": num_shards, "time": time.time(), **extra}
     write_atomically(path, orjson.dumps(body))
     return path
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole, on disk, or keeps what it held: a temporary file, fsync,
-    rename. OSError (a full disk, say) leaves no temporary file behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:
@@ -93,18 +108,17 @@ def remove_all(directory: Path) -> None:
 
 def _complete(directory: Path, num_shards: int) -> list[int]:
     """Ids of the complete checkpoints, newest first."""
-    ids = sorted((_id(p.stem) for p in directory.glob("ckpt-*.json")), reverse=True) if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    ids = sorted((parse_checkpoint_name(p.stem) for p in directory.glob(f"{CHECKPOINT_GLOB}.json")),
+                 reverse=True)
     return [c for c in ids if is_complete(directory, c, num_shards)]
 
 
 def _ids_on_disk(directory: Path, num_shards: int) -> set[int]:
     """Every checkpoint id that has any part on disk (leftovers of failed saves included)."""
-    names = [p.stem for p in directory.glob("ckpt-*.json")]
+    names = [p.stem for p in directory.glob(f"{CHECKPOINT_GLOB}.json")]
     names += [p.stem.removeprefix("dense-") for p in (directory / "trainer").glob("dense-*.pt")]
     for shard in range(num_shards):
-        names += [p.name for p in ps_dir(directory, shard).glob("ckpt-*")]
-    return {_id(name) for name in names}
-
-
-def _id(name: str) -> int:
-    return int(name.removeprefix("ckpt-"))
+        names += [p.name for p in ps_dir(directory, shard).glob(CHECKPOINT_GLOB)]
+    return {parse_checkpoint_name(name) for name in names}

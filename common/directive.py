@@ -169,11 +169,3 @@ def _same_length(d: Directive, prefix: str, names: tuple[str, ...]) -> None:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise WireError(f"invalid directive: {message}")
-
-
-def empty_i32() -> np.ndarray:
-    return np.zeros(0, dtype=np.int32)
-
-
-def empty_i64() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)

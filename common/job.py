@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from common.data.spec import DataSpec, parse_data_spec
 from common.keys import TableLayout
-from common.spec import ClusterSpec, load_spec
-from trainer.models.spec import ModelSpec, parse_model_spec
-from trainer.optim import OptimizerSpec, build_embedding_optimizer, parse_optimizer_spec
+from common.model_spec import ModelSpec, parse_model_spec
+from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
+from common.spec import ClusterSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,12 +32,12 @@ class Job:
 
     @property
     def state_width(self) -> int:
-        return build_embedding_optimizer(self.optimizer).state_width
+        return self.optimizer.state_width
 
     @property
     def state_init(self) -> float:
         """The optimizer state of a row never updated (Adagrad's initial accumulator)."""
-        return self.optimizer.initial_accumulator if self.state_width else 0.0
+        return self.optimizer.state_init
 
 
 def build_job(spec: ClusterSpec) -> Job:
@@ -56,7 +56,3 @@ def build_job(spec: ClusterSpec) -> Job:
         layout=TableLayout(tuple(dataset.table_sizes)),
         num_dense=dataset.num_dense,
     )
-
-
-def load_job(path: str) -> Job:
-    return build_job(load_spec(path))

@@ -22,10 +22,10 @@ class TableLayout:
 
     def __post_init__(self) -> None:
         if not self.sizes:
-            raise ConfigError("tables.sizes", "at least one table is needed")
+            raise ConfigError("data.table_sizes", "at least one table is needed")
         for t, n in enumerate(self.sizes):
             if type(n) is not int or n <= 0:
-                raise ConfigError(f"tables.sizes[{t}]", f"must be a positive integer, got {n!r}")
+                raise ConfigError(f"data.table_sizes[{t}]", f"must be a positive integer, got {n!r}")
         offsets = np.zeros(len(self.sizes) + 1, dtype=np.int64)
         np.cumsum(self.sizes, out=offsets[1:])
         offsets.flags.writeable = False

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from common.files import write_atomically
 from common.transport import H2Server, Http1Server, Router
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,10 @@ def configure_logging(role: str, level: str | None = None) -> None:
 
 
 def write_ready_file(path: Path | None, info: dict[str, Any]) -> None:
-    """Publish `info` atomically (temp file + rename): the launcher never reads half a file."""
+    """Publish `info` atomically: the launcher never reads half a file."""
     if path is None:
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(orjson.dumps(info))
-    os.replace(tmp, path)
+    write_atomically(path, orjson.dumps(info))
 
 
 def make_server(transport: str, router: Router, *, host: str, port: int, token: str, max_body_bytes: int) -> H2Server | Http1Server:

@@ -2,8 +2,9 @@
 
 Every role reads the same file. A bad value raises `ConfigError` naming the field
 (``oracle.lookahead: must be >= 0``); unknown keys are refused too, so a typo never silently
-falls back to a default. Sections owned by one role (data, model, optimizer, planner) are
-parsed by that role's own parser; this module only assembles them.
+falls back to a default. The data, model and optimizer sections have parsers of their own
+(`common/data/spec.py`, `common/model_spec.py`, `common/optimizer_spec.py`); `common/job.py`
+puts them together with this one.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from common.errors import ConfigError
 
 T = TypeVar("T")
 Transport = Literal["h2", "http1"]
 Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
-MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
+#: The modes in the order DESIGN §8 describes them (tables and charts list them so too).
+MODES: tuple[str, ...] = get_args(Mode)
 TOKEN_ENV = "BAGPIPE_TOKEN"
 
 
@@ -113,7 +115,7 @@ class ClusterSpec:
     train: TrainSection
     checkpoint: CheckpointSection
     sections: dict[str, dict[str, Any]]
-    """Raw role-owned sections (data, model, optimizer), each parsed by its role."""
+    """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
 
     def token(self) -> str:
         """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""

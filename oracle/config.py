@@ -1,20 +1,18 @@
-"""Planner configuration and the capacity checks a launcher runs before training starts."""
+"""Planner configuration and the capacity checks the oracle runs before training starts."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
+from common.checkpoints import is_checkpoint
 from common.errors import ConfigError
+from common.spec import MODES, Mode
 
-Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
-MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
 #: Pair ids are ``key * T + trainer`` in int64; this bound keeps them exact.
 MAX_TRAINERS = 1 << 12
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,36 +45,44 @@ class PlannerConfig:
     hot_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False)
 
     def __post_init__(self) -> None:
-        _positive_int("oracle.num_trainers", self.num_trainers)
+        # Errors name the spec field (or command-line option) each parameter comes from.
+        _positive_int("trainers.count", self.num_trainers)
         if self.num_trainers > MAX_TRAINERS:
-            raise ConfigError("oracle.num_trainers", f"at most {MAX_TRAINERS} trainers")
+            raise ConfigError("trainers.count", f"at most {MAX_TRAINERS} trainers")
         _non_negative_int("oracle.lookahead", self.lookahead)
         _non_negative_int("oracle.prefetch_lead", self.prefetch_lead)
-        _non_negative_int("oracle.checkpoint_every", self.checkpoint_every)
-        _non_negative_int("oracle.first_iteration", self.first_iteration)
-        _non_negative_int("oracle.total_rows", self.total_rows)
+        _non_negative_int("checkpoint.every", self.checkpoint_every)
+        _non_negative_int("--first-iteration", self.first_iteration)
+        if type(self.total_rows) is not int or self.total_rows < 0:
+            raise ConfigError(
+                "data.table_sizes", f"total rows must be an integer >= 0, got {self.total_rows!r}"
+            )
         if self.mode not in MODES:
             raise ConfigError("oracle.mode", f"must be one of {MODES}, got {self.mode!r}")
         if self.mode == "local":
             if not 0 < self.total_rows <= np.iinfo(np.int32).max:
-                raise ConfigError("oracle.total_rows", "local mode needs 0 < total_rows < 2**31")
+                raise ConfigError(
+                    "data.table_sizes", f"local mode needs 0 < total rows < 2**31, got {self.total_rows}"
+                )
         else:
-            _positive_int("oracle.capacity", self.capacity)
+            _positive_int("oracle.cache_rows", self.capacity)
             if self.capacity > np.iinfo(np.int32).max:
-                raise ConfigError("oracle.capacity", "slots must fit in int32")
+                raise ConfigError("oracle.cache_rows", "slots must fit in int32")
         object.__setattr__(self, "hot_keys", self._checked_hot_keys())
 
     def _checked_hot_keys(self) -> np.ndarray:
         hot = np.asarray(self.hot_keys)
         if hot.size and self.mode != "static-cache":
-            raise ConfigError("oracle.hot_keys", "only static-cache mode pins hot keys")
+            raise ConfigError("oracle.mode", f"only static-cache pins hot keys, not {self.mode!r}")
+        # The hot set is computed from the data (`hottest_keys`), never written in a spec: a
+        # malformed one is the caller's bug, not a configuration error.
         if hot.ndim != 1 or (hot.size and not np.issubdtype(hot.dtype, np.integer)):
-            raise ConfigError("oracle.hot_keys", "must be a 1-d integer array")
+            raise ValueError("hot_keys must be a 1-d integer array")
         hot = np.asarray(hot, dtype=np.int64)
         if hot.size and (hot.min() < 0 or np.any(np.diff(hot) <= 0)):
-            raise ConfigError("oracle.hot_keys", "must be non-negative, ascending and unique")
+            raise ValueError("hot_keys must be non-negative, ascending and unique")
         if self.mode == "static-cache" and hot.size > self.capacity:
-            raise ConfigError("oracle.hot_keys", f"{hot.size} hot keys exceed capacity {self.capacity}")
+            raise ConfigError("oracle.cache_rows", f"{hot.size} hot keys exceed C = {self.capacity}")
         hot = hot.copy()
         hot.flags.writeable = False
         return hot
@@ -91,7 +97,7 @@ class PlannerConfig:
 
     def is_checkpoint(self, iteration: int) -> bool:
         """Whether global iteration `iteration` is a checkpoint."""
-        return self.checkpoint_every > 0 and (iteration + 1) % self.checkpoint_every == 0
+        return is_checkpoint(iteration, self.checkpoint_every)
 
     def is_local_checkpoint(self, x: int) -> bool:
         """Whether the planner's own iteration x (counted from 0) is a checkpoint, judged by
@@ -112,7 +118,7 @@ def _non_negative_int(name: str, value: object) -> None:
 def infeasible_capacity(iteration: int, trainer: int, need: int, capacity: int) -> ConfigError:
     """The error of DESIGN §4 rule 4: some trainer needs more than C rows at one iteration."""
     return ConfigError(
-        "oracle.capacity",
+        "oracle.cache_rows",
         f"C = {capacity} is infeasible: trainer {trainer} uses {need} distinct rows at iteration "
         f"{iteration}; C >= {need} needed",
     )
@@ -124,27 +130,13 @@ def capacity_bound(config: PlannerConfig, batch_size: int, num_features: int) ->
     return int(config.hot_keys.size) + per_trainer * num_features
 
 
-def check_capacity(config: PlannerConfig, batch_size: int, num_features: int) -> None:
-    """Fail before training starts if C could be infeasible for some batch (DESIGN §4 rule 4).
-
-    The bound is safe, not tight: `required_capacity` gives the exact need of a known stream.
-    """
-    if config.mode == "local":
-        return
-    need = capacity_bound(config, batch_size, num_features)
-    if config.capacity < need:
-        raise ConfigError(
-            "oracle.capacity",
-            f"C = {config.capacity} < {need} = hot rows + (B/T) x F rows a trainer may use at once",
-        )
-
-
 def check_batch_size(config: PlannerConfig, batch_size: int) -> int:
     """Samples per trainer; ConfigError unless B is a positive multiple of T."""
     if batch_size <= 0 or batch_size % config.num_trainers:
         raise ConfigError(
-            "oracle.batch_size",
-            f"global batch {batch_size} is not a positive multiple of {config.num_trainers} trainers",
+            "train.batch_size",
+            f"global batch {batch_size} is not a positive multiple of "
+            f"trainers.count = {config.num_trainers}",
         )
     return batch_size // config.num_trainers
 

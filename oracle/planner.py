@@ -21,13 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.directive import Directive
-from common.errors import ConfigError
 from oracle.bagpipe import BagpipeRules
 from oracle.config import (
     PlannerConfig,
     capacity_bound,
     check_batch_size,
-    check_capacity,
     hottest_keys,
     required_capacity,
 )
@@ -41,7 +39,6 @@ __all__ = [
     "PlannerConfig",
     "PlannerStats",
     "capacity_bound",
-    "check_capacity",
     "hottest_keys",
     "required_capacity",
 ]
@@ -81,7 +78,7 @@ class Planner:
     def push(self, keys: np.ndarray) -> list[list[Directive]]:
         """Read the next global batch: int64 ``[B, F]`` keys, sample i on trainer i // (B/T)."""
         if self._finished:
-            raise ConfigError("oracle.stream", "push after finish")
+            raise RuntimeError("push after finish")
         batch = self._read_batch(keys)
         z = self._read
         self._pending[z] = _Pending(batch=batch)
@@ -107,17 +104,20 @@ class Planner:
 
     # ----------------------------------------------------------------- internals
     def _read_batch(self, keys: np.ndarray) -> Batch:
+        # Keys come from the data through the table layout, never from a spec: a malformed
+        # batch is the caller's bug (ValueError); a batch size that does not split is a
+        # spec error (ConfigError from `check_batch_size`).
         keys = np.asarray(keys)
         if keys.ndim != 2 or not np.issubdtype(keys.dtype, np.integer):
-            raise ConfigError("oracle.batch", f"keys must be a 2-d integer array, got {keys.dtype} {keys.shape}")
+            raise ValueError(f"keys must be a 2-d integer array, got {keys.dtype} {keys.shape}")
         if self._shape is not None and keys.shape != self._shape:
-            raise ConfigError("oracle.batch", f"batch shape {keys.shape} differs from {self._shape}")
+            raise ValueError(f"batch shape {keys.shape} differs from {self._shape}")
         check_batch_size(self.config, keys.shape[0])
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         if keys.size and keys.min() < 0:
-            raise ConfigError("oracle.batch", "keys must be non-negative")
+            raise ValueError("keys must be non-negative")
         if self.config.mode == "local" and keys.size and keys.max() >= self.config.total_rows:
-            raise ConfigError("oracle.batch", f"key {int(keys.max())} >= total_rows {self.config.total_rows}")
+            raise ValueError(f"key {int(keys.max())} >= total_rows {self.config.total_rows}")
         self._shape = keys.shape
         return Batch.read(keys, self.config.num_trainers)
 

@@ -78,7 +78,7 @@ class OracleService:
     def __init__(self, config: PlannerConfig, workload: Workload, *, max_ahead: int, registry: Registry | None = None) -> None:
         if config.first_iteration != workload.start:
             raise ConfigError(
-                "oracle.first_iteration",
+                "--first-iteration",
                 f"{config.first_iteration} differs from the workload's first iteration {workload.start}",
             )
         self.config = config

@@ -15,14 +15,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from common.checkpoints import CHECKPOINT_GLOB, checkpoint_name, parse_checkpoint_name
 from common.errors import NotFound
 from ps.store import Snapshot
 
 _ARRAYS = ("local", "rows", "state", "versions")
-
-
-def checkpoint_name(checkpoint_id: int) -> str:
-    return f"ckpt-{checkpoint_id:010d}"
 
 
 def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dict) -> tuple[Path, int]:
@@ -72,9 +69,9 @@ def list_checkpoints(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
     ids = []
-    for path in directory.glob("ckpt-*"):
+    for path in directory.glob(CHECKPOINT_GLOB):
         if (path / "meta.json").is_file():
-            ids.append(int(path.name.removeprefix("ckpt-")))
+            ids.append(parse_checkpoint_name(path.name))
     return sorted(ids)
 
 

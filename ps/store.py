@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.checkpoints import checkpoints_between, is_checkpoint
 from common.errors import BadRequest, Conflict
 from common.init import initial_rows
 from common.keys import TableLayout, global_key, local_index, shard_of, shard_size
@@ -29,17 +30,7 @@ class ShardConfig:
     state_width: int
     state_init: float = 0.0
     seed: int = 0
-    checkpoint_every: int = 0  # checkpoints are taken at iterations c with (c + 1) % every == 0
-
-    def is_checkpoint(self, iteration: int) -> bool:
-        return bool(self.checkpoint_every) and (iteration + 1) % self.checkpoint_every == 0
-
-    def checkpoints_between(self, after: int, before: int) -> range:
-        """Checkpoint iterations c with after < c < before."""
-        if not self.checkpoint_every:
-            return range(0)
-        every = self.checkpoint_every
-        return range((after + 1) // every * every + every - 1, before, every)
+    checkpoint_every: int = 0  # 0: none; which iterations: common.checkpoints.is_checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +127,7 @@ class ShardStore:
             raise BadRequest(f"version must be >= 0, got {version}")
         if len(np.unique(local)) != len(local):
             raise BadRequest("a write-back names the same key twice")
-        if flush and not self.config.is_checkpoint(version):
+        if flush and not is_checkpoint(version, self.config.checkpoint_every):
             raise BadRequest(f"flush version {version} is not a checkpoint iteration", version=version)
         if replay:
             return local
@@ -191,14 +182,14 @@ class ShardStore:
     def _save_behind(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
         """Rows of `version` that the table has already replaced by newer ones: they are
         still the value of each pending checkpoint c >= version that the table moved past."""
-        stored = self._versions[local]
-        for c in self.config.checkpoints_between(max(self.last_checkpoint, version - 1), int(stored.max())):
+        stored, every = self._versions[local], self.config.checkpoint_every
+        for c in checkpoints_between(max(self.last_checkpoint, version - 1), int(stored.max()), every):
             past = stored > c
             self._pending_part(c, local[past], rows[past], state[past], np.full(int(past.sum()), version))
 
     def _save_for_checkpoints(self, local: np.ndarray, version: int) -> None:
         """Keep the current value of rows this write moves past a pending checkpoint."""
-        for c in self.config.checkpoints_between(self.last_checkpoint, version):
+        for c in checkpoints_between(self.last_checkpoint, version, self.config.checkpoint_every):
             crossing = local[self._touched[local] & (self._versions[local] <= c)]
             if crossing.size:
                 self._pending_part(c, crossing, self._rows[crossing], self._state[crossing], self._versions[crossing])

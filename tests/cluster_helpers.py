@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.cluster import ClusterResult, run_cluster
 from common.init import initial_rows
 from common.job import Job, build_job
 from common.spec import load_spec, spec_toml
+from launcher.cluster import ClusterResult, run_cluster
 from oracle.main import build_workload
 from ps.checkpoint import load_snapshot
 from tests.trainer.reference import ReferenceResult, reference_train

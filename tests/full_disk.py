@@ -25,9 +25,9 @@ import orjson
 import torch
 
 from common.checkpoints import latest_complete
-from common.cluster import LocalCluster, run_cluster
 from common.job import build_job
 from common.spec import load_spec
+from launcher.cluster import LocalCluster, run_cluster
 from tests.cluster_helpers import TOKEN, final_model
 
 TMPFS_SIZE = "16m"

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from common.checkpoints import latest_complete, manifest_path
-from common.cluster import LocalCluster, Restart, run_cluster
 from common.job import Job, build_job
-from common.report import RunTail
 from common.spec import load_spec
+from launcher.cluster import LocalCluster, Restart, run_cluster
+from launcher.report import RunTail
 from tests.cluster_helpers import TOKEN, FinalModel, final_model, write_spec
 
 pytestmark = pytest.mark.slow

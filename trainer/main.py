@@ -18,9 +18,10 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.checkpoints import dense_path, latest_complete, prune, write_atomically, write_manifest
+from common.checkpoints import dense_path, latest_complete, prune, write_manifest
 from common.data.dataset import open_dataset
 from common.errors import BagpipeError
+from common.files import write_atomically
 from common.init import initial_rows
 from common.job import Job
 from common.spec import Endpoint

@@ -1,4 +1,5 @@
-"""Row-wise embedding optimizers and the dense optimizer factory (DESIGN §5).
+"""Row-wise embedding optimizers and the dense optimizer factory (DESIGN §5), built from the
+`[optimizer]` section (`common/optimizer_spec.py`).
 
 An embedding optimizer updates a set of rows from their gradients, each row on its own:
 whoever holds a row (a trainer's cache, the reference trainer) applies the same arithmetic,
@@ -12,18 +13,13 @@ summed across trainers, divided by T). Rows not used in a batch are not stepped.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
 
 import torch
 
-from common.errors import ConfigError
-
-EmbeddingOptimizerName = Literal["sgd", "rowwise_adagrad"]
-DenseOptimizerName = Literal["sgd", "adagrad"]
+from common.optimizer_spec import OptimizerSpec
 
 
 class EmbeddingOptimizer(ABC):
@@ -114,43 +110,6 @@ def _check_shapes(rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, w
             raise ValueError(f"{name} must be float32, got {t.dtype}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSpec:
-    """The `[optimizer]` section.
-
-    `eps` and `initial_accumulator` apply to whichever of the two optimizers is Adagrad.
-    """
-
-    embedding: EmbeddingOptimizerName = "sgd"
-    embedding_lr: float = 0.01
-    dense: DenseOptimizerName = "sgd"
-    dense_lr: float = 0.01
-    eps: float = 1e-8
-    initial_accumulator: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_choice("optimizer.embedding", self.embedding, get_args(EmbeddingOptimizerName))
-        _check_choice("optimizer.dense", self.dense, get_args(DenseOptimizerName))
-        _check_number("optimizer.embedding_lr", self.embedding_lr, positive=True)
-        _check_number("optimizer.dense_lr", self.dense_lr, positive=True)
-        _check_number("optimizer.eps", self.eps, positive=True)
-        _check_number("optimizer.initial_accumulator", self.initial_accumulator, positive=False)
-
-
-def parse_optimizer_spec(section: dict[str, Any]) -> OptimizerSpec:
-    """Build an `OptimizerSpec` from a parsed TOML `[optimizer]` table (every key optional).
-
-    An unknown key or a bad value raises `ConfigError` naming the field.
-    """
-    known = {f.name for f in fields(OptimizerSpec)}
-    for key in section:
-        if key not in known:
-            raise ConfigError(
-                f"optimizer.{key}", f"unknown field; known fields are {sorted(known)}"
-            )
-    return OptimizerSpec(**section)
-
-
 def build_embedding_optimizer(spec: OptimizerSpec) -> EmbeddingOptimizer:
     if spec.embedding == "sgd":
         return SGD(lr=spec.embedding_lr)
@@ -168,18 +127,3 @@ def build_dense_optimizer(
     return torch.optim.Adagrad(
         params, lr=spec.dense_lr, eps=spec.eps, initial_accumulator_value=spec.initial_accumulator
     )
-
-
-def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(field, f"must be one of {list(choices)}, got {value!r}")
-
-
-def _check_number(field: str, value: object, *, positive: bool) -> None:
-    # bool is an int subclass; `true` in a TOML file is never meant as a rate.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(field, f"must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(field, f"must be > 0, got {value!r}")
-    if not positive and value < 0:
-        raise ConfigError(field, f"must be >= 0, got {value!r}")

@@ -6,7 +6,18 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from common.report import PHASES
+#: Phases in the order they happen within an iteration; the run report lists them so.
+PHASES: tuple[str, ...] = (
+    "wait_directive",
+    "boundary",
+    "wait_prefetch",
+    "forward",
+    "backward",
+    "sync_now",
+    "sync_later_wait",
+    "optimizer",
+    "write_back_queue",
+)
 
 
 class PhaseTimer:

@@ -90,9 +90,9 @@ class Dataset:
 
 def _check_batch(batch_size: int, epochs: int) -> None:
     if type(batch_size) is not int or batch_size < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {batch_size!r}")
+        raise ConfigError("train.batch_size", f"must be a positive integer, got {batch_size!r}")
     if type(epochs) is not int or epochs < 0:
-        raise ConfigError("epochs", f"must be an integer >= 0, got {epochs!r}")
+        raise ConfigError("train.epochs", f"must be an integer >= 0, got {epochs!r}")
 
 
 class ArrayDataset(Dataset):

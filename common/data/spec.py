@@ -28,7 +28,6 @@ CRITEO_NUM_DENSE = 13
 # Avazu: hour of day and weekday map directly (row 0 stays the missing row, as everywhere);
 # the 21 other columns hash into 2**20 rows each unless the spec says otherwise.
 AVAZU_DIRECT_SIZES: tuple[int, ...] = (25, 8)
-AVAZU_HASHED_COLUMNS = 21
 AVAZU_DEFAULT_HASHED_SIZE = 1 << 20
 AVAZU_SIZES: tuple[int, ...] = AVAZU_DIRECT_SIZES + (AVAZU_DEFAULT_HASHED_SIZE,) * 21
 

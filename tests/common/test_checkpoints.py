@@ -1,4 +1,5 @@
-"""Which checkpoints are complete, and which ones retention deletes (real files)."""
+"""Which iterations are checkpoints, which checkpoints are complete, and which ones retention
+deletes (real files)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,20 @@ from pathlib import Path
 
 import numpy as np
 
-from common.checkpoints import dense_path, latest_complete, manifest_path, prune, ps_dir, remove_all, write_manifest
-from ps.checkpoint import checkpoint_name, list_checkpoints, save_snapshot
+from common.checkpoints import (
+    checkpoint_name,
+    checkpoints_between,
+    dense_path,
+    is_checkpoint,
+    latest_complete,
+    manifest_path,
+    parse_checkpoint_name,
+    prune,
+    ps_dir,
+    remove_all,
+    write_manifest,
+)
+from ps.checkpoint import list_checkpoints, save_snapshot
 from ps.store import Snapshot
 
 SHARDS = 2
@@ -36,6 +49,20 @@ def _ids_left(directory: Path) -> dict[str, list[int]]:
         "dense": sorted(int(p.stem.removeprefix("dense-")) for p in (directory / "trainer").glob("dense-*.pt")),
         **{f"ps-{s}": list_checkpoints(ps_dir(directory, s)) for s in range(SHARDS)},
     }
+
+
+def test_checkpoint_schedule() -> None:
+    assert [c for c in range(20) if is_checkpoint(c, 5)] == [4, 9, 14, 19]
+    assert not any(is_checkpoint(c, 0) for c in range(20))
+    assert list(checkpoints_between(-1, 20, 5)) == [4, 9, 14, 19]
+    assert list(checkpoints_between(4, 10, 5)) == [9]
+    assert list(checkpoints_between(4, 9, 5)) == []
+    assert list(checkpoints_between(-1, 100, 0)) == []
+
+
+def test_checkpoint_names_sort_as_their_ids_and_give_them_back() -> None:
+    names = [checkpoint_name(c) for c in (9, 10, 123)]
+    assert names == sorted(names) and [parse_checkpoint_name(n) for n in names] == [9, 10, 123]
 
 
 def test_a_checkpoint_missing_any_part_is_not_complete(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def test_offsets_and_key_mapping() -> None:
 
 @pytest.mark.parametrize("sizes", [(), (3, 0), (2, -1), (1.5,)])
 def test_bad_sizes_name_the_field(sizes: tuple) -> None:
-    with pytest.raises(ConfigError, match="tables.sizes"):
+    with pytest.raises(ConfigError, match="data.table_sizes"):
         TableLayout(sizes)
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.auth import bearer, check_bearer, new_token
 from common.errors import Unauthorized
 from common.metrics import Registry
+from common.transport.http import TokenCheck, auth_headers
 
 
 def test_registry_renders_prometheus_text() -> None:
@@ -37,8 +37,11 @@ def test_a_name_keeps_its_kind() -> None:
 
 
 def test_bearer_check() -> None:
-    token = new_token()
-    check_bearer(bearer(token)["authorization"], token)
-    for header in (None, "", "Basic abc", f"Bearer {token}x", "Bearer "):
+    token = "s3cret"
+    check = TokenCheck(token)
+    check.check(auth_headers(token))
+    for headers in ({}, {"authorization": ""}, {"authorization": "Basic abc"},
+                    {"authorization": f"Bearer {token}x"}, {"authorization": "Bearer "}):
         with pytest.raises(Unauthorized):
-            check_bearer(header, token)
+            check.check(headers)
+    TokenCheck(None).check({})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.errors import ConfigError
-from oracle.config import check_capacity, hottest_keys, required_capacity
+from oracle.config import capacity_bound, hottest_keys, required_capacity
 from oracle.planner import Planner, PlannerConfig
 from tests.oracle.simulator import Workload, plan_incrementally, simulate, wire
 
@@ -20,25 +20,61 @@ def config(**kw: object) -> PlannerConfig:
 @pytest.mark.parametrize(
     ("kw", "field"),
     [
-        ({"num_trainers": 0}, "oracle.num_trainers"),
+        ({"num_trainers": 0}, "trainers.count"),
+        ({"num_trainers": 1 << 13}, "trainers.count"),
         ({"lookahead": -1}, "oracle.lookahead"),
         ({"prefetch_lead": 1.5}, "oracle.prefetch_lead"),
-        ({"capacity": 0}, "oracle.capacity"),
+        ({"capacity": 0}, "oracle.cache_rows"),
+        ({"checkpoint_every": -1}, "checkpoint.every"),
+        ({"first_iteration": -1}, "--first-iteration"),
+        ({"total_rows": -1}, "data.table_sizes"),
         ({"mode": "lru"}, "oracle.mode"),
-        ({"mode": "local"}, "oracle.total_rows"),
-        ({"hot_keys": np.array([3, 1])}, "oracle.hot_keys"),
-        ({"mode": "static-cache", "hot_keys": np.arange(9)}, "oracle.hot_keys"),
+        ({"mode": "local"}, "data.table_sizes"),
+        ({"hot_keys": np.array([3, 1])}, "oracle.mode"),
+        ({"mode": "static-cache", "hot_keys": np.arange(9)}, "oracle.cache_rows"),
     ],
 )
-def test_config_errors_name_the_field(kw: dict[str, object], field: str) -> None:
+def test_config_errors_name_the_spec_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as err:
         config(**kw)
     assert err.value.field == field
 
 
+@pytest.mark.parametrize(
+    "hot", [np.array([[1, 2]]), np.array([1.0, 2.0]), np.array([3, 1]), np.array([-1, 2])]
+)
+def test_a_malformed_hot_set_is_the_callers_bug(hot: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="hot_keys"):
+        config(mode="static-cache", hot_keys=hot)
+
+
 def test_batch_must_split_evenly() -> None:
-    with pytest.raises(ConfigError, match="multiple of 2"):
+    with pytest.raises(ConfigError, match="train.batch_size: .* multiple of trainers.count = 2"):
         Planner(config()).push(np.zeros((3, 2), np.int64))
+
+
+@pytest.mark.parametrize(
+    ("kw", "keys"),
+    [
+        ({}, np.zeros(4, np.int64)),
+        ({}, np.zeros((4, 2), np.float64)),
+        ({}, np.full((4, 2), -1)),
+        ({"mode": "local", "total_rows": 5}, np.full((4, 2), 5)),
+    ],
+)
+def test_a_malformed_batch_is_the_callers_bug(kw: dict[str, object], keys: np.ndarray) -> None:
+    with pytest.raises(ValueError):
+        Planner(config(**kw)).push(keys)
+
+
+def test_batches_keep_their_shape_and_stop_at_finish() -> None:
+    planner = Planner(config())
+    planner.push(np.zeros((4, 2), np.int64))
+    with pytest.raises(ValueError, match="differs"):
+        planner.push(np.zeros((4, 3), np.int64))
+    planner.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        planner.push(np.zeros((4, 2), np.int64))
 
 
 def test_infeasible_capacity_names_iteration_trainer_and_need() -> None:
@@ -50,9 +86,9 @@ def test_infeasible_capacity_names_iteration_trainer_and_need() -> None:
 
 
 def test_capacity_helpers() -> None:
-    with pytest.raises(ConfigError, match="C = 8 < 10"):
-        check_capacity(config(), batch_size=10, num_features=2)
-    check_capacity(config(capacity=10), batch_size=10, num_features=2)
+    assert capacity_bound(config(), batch_size=10, num_features=2) == 10  # (B/T) x F
+    static = config(mode="static-cache", hot_keys=np.array([3, 7]))
+    assert capacity_bound(static, batch_size=10, num_features=2) == 2 + 10
     batches = [np.array([[1, 2], [3, 3]]), np.array([[5, 5], [5, 6]])]
     assert required_capacity(config(), batches) == 2
     assert list(hottest_keys([np.array([[4, 4], [2, 9]]), np.array([[2, 4], [7, 2]])], 2)) == [2, 4]

@@ -44,7 +44,7 @@ def test_first_iteration_is_validated(value: object) -> None:
         PlannerConfig(
             num_trainers=2, lookahead=1, prefetch_lead=1, capacity=4, first_iteration=value  # type: ignore[arg-type]
         )
-    assert err.value.field == "oracle.first_iteration"
+    assert err.value.field == "--first-iteration"
 
 
 @settings(FAST, max_examples=300)

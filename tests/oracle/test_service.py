@@ -239,7 +239,7 @@ async def test_a_workload_starting_late_streams_from_its_start() -> None:
 def test_the_service_refuses_a_planner_numbered_differently_from_its_workload() -> None:
     with pytest.raises(ConfigError) as err:
         OracleService(config(3), workload(0), max_ahead=4)
-    assert err.value.field == "oracle.first_iteration"
+    assert err.value.field == "--first-iteration"
     with pytest.raises(ConfigError, match=r"--first-iteration: must be in 0\.\.32"):
         workload(N + 1)
 

@@ -144,14 +144,6 @@ def values(snap, keys: list[int]) -> list[float]:
     return [float(snap.rows[pos[k], 0]) if k in pos else None for k in keys]
 
 
-def test_checkpoint_schedule() -> None:
-    cfg = checkpointing_store(5).config
-    assert list(cfg.checkpoints_between(-1, 20)) == [4, 9, 14, 19]
-    assert list(cfg.checkpoints_between(4, 10)) == [9]
-    assert list(cfg.checkpoints_between(4, 9)) == []
-    assert list(checkpointing_store(0).config.checkpoints_between(-1, 100)) == []
-
-
 def test_a_write_past_a_pending_checkpoint_keeps_the_old_value_for_it() -> None:
     store = checkpointing_store()
     put(store, [1, 2], 1.0, version=3)  # before checkpoint 4

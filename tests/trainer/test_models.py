@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from trainer.models import MODEL_NAMES, ModelSpec, build_model, parse_model_spec
+from common.model_spec import MODEL_NAMES, ModelSpec, parse_model_spec
+from trainer.models import build_model
 from trainer.models.deepfm import fm_second_order
 from trainer.models.dlrm import pairwise_dots
 
@@ -106,44 +107,10 @@ def test_criteo_defaults() -> None:
     assert model(torch.zeros(2, 13), torch.zeros(2, 26, 16)).shape == (2,)
 
 
-def test_parse_turns_lists_into_tuples() -> None:
-    spec = parse_model_spec(
-        {"name": "dcn", "embedding_dim": 8, "deep_mlp": [16, 8], "cross_layers": 0}
-    )
-    assert spec == ModelSpec(name="dcn", embedding_dim=8, deep_mlp=(16, 8), cross_layers=0)
-
-
-@pytest.mark.parametrize(
-    ("section", "field"),
-    [
-        ({}, "model.name"),
-        ({"name": "gpt"}, "model.name"),
-        ({"name": "dlrm", "embeding_dim": 16}, "model.embeding_dim"),
-        ({"name": "dlrm", "embedding_dim": 0}, "model.embedding_dim"),
-        ({"name": "dlrm", "embedding_dim": True}, "model.embedding_dim"),
-        ({"name": "dlrm", "embedding_dim": 8.0}, "model.embedding_dim"),
-        ({"name": "dlrm", "embedding_dim": 32}, "model.bottom_mlp"),
-        ({"name": "dlrm", "bottom_mlp": []}, "model.bottom_mlp"),
-        ({"name": "dlrm", "bottom_mlp": 16}, "model.bottom_mlp"),
-        ({"name": "dlrm", "top_mlp": [512, -1]}, "model.top_mlp[1]"),
-        ({"name": "deepfm", "deep_mlp": ["400"]}, "model.deep_mlp[0]"),
-        ({"name": "dcn", "cross_layers": -1}, "model.cross_layers"),
-    ],
-)
-def test_bad_fields_raise_config_error_naming_them(section: dict[str, object], field: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        parse_model_spec(section)
-    assert info.value.field == field
-
-
-def test_bottom_mlp_is_only_checked_against_the_dimension_for_dlrm() -> None:
-    assert parse_model_spec({"name": "deepfm", "embedding_dim": 32}).embedding_dim == 32
-
-
 def test_build_model_rejects_impossible_feature_counts() -> None:
     with pytest.raises(ConfigError) as info:
         build_model(small_spec("dlrm"), 0, 1)
-    assert info.value.field == "num_tables"
+    assert info.value.field == "data.num_tables"
     with pytest.raises(ConfigError) as info:
         build_model(small_spec("dcn"), -1, 2)
-    assert info.value.field == "num_dense"
+    assert info.value.field == "data.num_dense"

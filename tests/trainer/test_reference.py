@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from common.init import initial_rows
 from common.keys import TableLayout
+from common.model_spec import MODEL_NAMES, ModelSpec
+from common.optimizer_spec import OptimizerSpec
 from tests.trainer.reference import Batch, ReferenceTrainer, reference_train
-from trainer.models import MODEL_NAMES, ModelSpec, build_model
-from trainer.optim import OptimizerSpec
+from trainer.models import build_model
 
 D = 4
 SEED = 3

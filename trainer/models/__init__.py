@@ -13,21 +13,19 @@ from collections.abc import Callable
 from torch import nn
 
 from common.errors import ConfigError
+from common.model_spec import ModelSpec
 from trainer.models.dcn import DCN
 from trainer.models.deepfm import DeepFM
 from trainer.models.dlrm import DLRM
-from trainer.models.spec import MODEL_NAMES, ModelSpec, parse_model_spec
 from trainer.models.wide_deep import WideDeep
 
 __all__ = [
     "DCN",
     "DLRM",
-    "MODEL_NAMES",
     "DeepFM",
     "ModelSpec",
     "WideDeep",
     "build_model",
-    "parse_model_spec",
 ]
 
 _MODELS: dict[str, Callable[[ModelSpec, int, int], nn.Module]] = {
@@ -46,10 +44,10 @@ def build_model(spec: ModelSpec, num_dense: int, num_tables: int) -> nn.Module:
     right before this call, so every trainer and the reference build identical models.
     """
     if type(num_dense) is not int or num_dense < 0:
-        raise ConfigError("num_dense", f"must be an integer >= 0, got {num_dense!r}")
+        raise ConfigError("data.num_dense", f"must be an integer >= 0, got {num_dense!r}")
     if type(num_tables) is not int or num_tables <= 0:
-        raise ConfigError("num_tables", f"must be a positive integer, got {num_tables!r}")
+        raise ConfigError("data.num_tables", f"must be a positive integer, got {num_tables!r}")
     if spec.name == "dlrm" and num_dense == 0 and num_tables < 2:
         # Without dense input DLRM's only features are pairwise dots of the embeddings.
-        raise ConfigError("num_tables", "DLRM without dense features needs at least 2 tables")
+        raise ConfigError("data.num_tables", "DLRM without dense features needs at least 2 tables")
     return _MODELS[spec.name](spec, num_dense, num_tables)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.model_spec import ModelSpec
 from trainer.models.layers import logit_head
-from trainer.models.spec import ModelSpec
 
 
 class CrossLayer(nn.Module):

@@ -20,6 +20,7 @@ plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -36,6 +37,9 @@ import orjson
 from tqdm import tqdm
 
 from common.errors import BagpipeError
+from common.files import write_atomically
+from common.spec import MODES
+from trainer.timing import PHASES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -44,18 +48,6 @@ logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 
-#: Trainer phases in the order they happen within an iteration.
-PHASES: tuple[str, ...] = (
-    "wait_directive",
-    "boundary",
-    "wait_prefetch",
-    "forward",
-    "backward",
-    "sync_now",
-    "sync_later_wait",
-    "optimizer",
-    "write_back_queue",
-)
 #: Integer counters of an iteration record, summed across trainers.
 COUNTERS: tuple[str, ...] = (
     "samples",
@@ -69,8 +61,6 @@ COUNTERS: tuple[str, ...] = (
     "sync_bytes",
     "join_rows",
 )
-#: Benchmark modes in the order tables and charts list them (DESIGN §8).
-MODES: tuple[str, ...] = ("bagpipe", "no-cache", "static-cache", "local")
 
 _MB = 1e6
 
@@ -613,9 +603,7 @@ def write_report(
         default=str,
         option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
     )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(body + b"\n")
-    tmp.replace(path)
+    write_atomically(path, body + b"\n")
     return path
 
 
@@ -642,9 +630,9 @@ def _zero_based(ax: Any, values: Sequence[float] | np.ndarray) -> None:
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    tmp.replace(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    write_atomically(path, png.getvalue())
     return path
 
 

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,7 +33,6 @@ from typing import Any
 
 import orjson
 
-from common.auth import new_token
 from common.checkpoints import latest_complete, remove_all
 from common.errors import BagpipeError
 from common.job import Job, build_job
@@ -302,15 +302,15 @@ def _watch(cluster: LocalCluster, on_poll: Callable[[LocalCluster], None] | None
 def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
-    from common.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
     from common.runtime import configure_logging
+    from launcher.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
 
     configure_logging("launch")
     spec = load_spec(spec_path)
     job = build_job(spec)
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
     open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
-    token = spec.cluster.token or os.environ.get(TOKEN_ENV) or new_token()
+    token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     total = _iterations(job)
     tail = RunTail(run_dir, spec.trainers.count)
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "

@@ -10,8 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from common.report import (
-    PHASES,
+from launcher.report import (
     ProgressBar,
     RecordTail,
     ReportError,
@@ -28,6 +27,7 @@ from common.report import (
     trainer_log_path,
     write_report,
 )
+from trainer.timing import PHASES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -329,7 +329,7 @@ def test_progress_bar_logs_every_tenth_when_not_a_terminal(
 ) -> None:
     clock = iter(float(i) for i in range(1000))
     bar = ProgressBar(20, "bagpipe", trainers=2, file=io.StringIO(), clock=lambda: next(clock))
-    with caplog.at_level(logging.INFO, logger="common.report"):
+    with caplog.at_level(logging.INFO, logger="launcher.report"):
         bar.update({0: [it_rec(0, 1.0), it_rec(1, 2.0)]})
         assert bar.done == 0 and caplog.records == []  # trainer 1 has done nothing yet
         bar.update({1: [it_rec(0, 1.0), it_rec(1, 2.0)]})
