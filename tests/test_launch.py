@@ -231,6 +231,7 @@ def test_help_explains_roles_spec_and_resume() -> None:
         assert needle in text, f"--help does not mention {needle!r}:\n{text}"
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_stops_every_role(launcher: Callable[[], Launcher]) -> None:
     run = launcher()
     procs = run.wait_training()
@@ -256,6 +257,7 @@ def test_a_killed_trainer_stops_every_role(launcher: Callable[[], Launcher]) -> 
         assert_port_free(port)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_role(launcher: Callable[[], Launcher]) -> None:
     run = launcher()
     procs = run.wait_training()
@@ -270,6 +272,7 @@ def test_ctrl_c_stops_every_role(launcher: Callable[[], Launcher]) -> None:
         assert_port_free(port)
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_orphans_nothing(launcher: Callable[[], Launcher]) -> None:
     run = launcher()
     procs = run.wait_training()
@@ -346,6 +349,7 @@ def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
             process.communicate()
 
 
+@pytest.mark.slow
 def test_the_default_command_reports(tmp_path: Path) -> None:
     """About 17 s: the shipped 8,000-row Criteo sample, one epoch."""
     run_dir = tmp_path / "run"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -75,22 +75,6 @@ class _HeldRows:
     state: np.ndarray
 
 
-#: The phase each action's time is counted in; `Train` times its own parts.
-_PHASE = {
-    IssueFetches: "boundary",
-    WaitWrites: "write_back_queue",
-    ApplySyncLater: "sync_later_wait",
-    CheckpointsWritten: "boundary",
-    ReadJoinSources: "boundary",
-    Leave: "boundary",
-    WriteJoins: "boundary",
-    InsertFetched: "wait_prefetch",
-    SyncNow: "sync_now",
-    UpdateAlone: "optimizer",
-    LaunchSyncLater: "sync_now",
-}
-
-
 class Engine:
     def __init__(
         self,
@@ -123,6 +107,21 @@ class Engine:
         self._stats: IterationStats | None = None
         self.fetched_rows = 0
         self.written_rows = 0
+        # Each action's executor and the phase its time counts in (`Train` times its parts).
+        self._executors: dict[type, tuple[Callable[[Any], None], str | None]] = {
+            IssueFetches: (self._issue_fetches, "boundary"),
+            WaitWrites: (self._wait_writes, "write_back_queue"),
+            ApplySyncLater: (self._apply_sync_later, "sync_later_wait"),
+            CheckpointsWritten: (self._checkpoints_written, "boundary"),
+            ReadJoinSources: (self._read_join_sources, "boundary"),
+            Leave: (self._leave, "boundary"),
+            WriteJoins: (self._write_joins, "boundary"),
+            InsertFetched: (self._insert_fetched, "wait_prefetch"),
+            Train: (self._train, None),
+            SyncNow: (self._sync_now, "sync_now"),
+            UpdateAlone: (self._update_alone, "optimizer"),
+            LaunchSyncLater: (self._launch_sync_later, "sync_now"),
+        }
 
     # -- the iteration -------------------------------------------------------------------
 
@@ -154,13 +153,12 @@ class Engine:
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
-            handler = getattr(self, _HANDLER[type(action)])
-            phase = _PHASE.get(type(action))
+            execute, phase = self._executors[type(action)]
             if phase is None:
-                handler(action)
+                execute(action)
             else:
                 with self.timer.phase(phase):
-                    handler(action)
+                    execute(action)
 
     # -- the boundary into x ---------------------------------------------------------------
 
@@ -295,18 +293,3 @@ class Engine:
     def _index(self, positions: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(self.device)
 
-
-_HANDLER = {
-    IssueFetches: "_issue_fetches",
-    WaitWrites: "_wait_writes",
-    ApplySyncLater: "_apply_sync_later",
-    CheckpointsWritten: "_checkpoints_written",
-    ReadJoinSources: "_read_join_sources",
-    Leave: "_leave",
-    WriteJoins: "_write_joins",
-    InsertFetched: "_insert_fetched",
-    Train: "_train",
-    SyncNow: "_sync_now",
-    UpdateAlone: "_update_alone",
-    LaunchSyncLater: "_launch_sync_later",
-}

@@ -1,8 +1,9 @@
 """Property tests over generated workloads: production == reference byte for byte, and every
 directive stream passes the value-level simulator (DESIGN §4, §11).
 
-Default cases are derandomized and small; the `slow` ones (run in CI, deselected with
-`-m "not slow"`) run many more, randomized.
+Three budgets: the fast tier's cases are derandomized and few; the `slow` ones (in the
+README's test command, which CI runs) add randomized cases on the scale the fast tier once
+had; the `nightly` ones (`pytest -m nightly`) run tens of thousands, for confidence.
 """
 
 from __future__ import annotations
@@ -52,25 +53,40 @@ def check_equivalence(w: Workload) -> None:
     assert wire(plan_incrementally(config, batches)) == wire(reference_plan(config, batches))
 
 
-@settings(FAST, max_examples=2000)
+@settings(FAST, max_examples=400)
 @given(workloads(modes=("bagpipe",)))
 def test_bagpipe_passes_simulation(w: Workload) -> None:
     check_simulation(w)
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=200)
 @given(workloads(modes=("no-cache", "static-cache", "local")))
 def test_baselines_pass_simulation(w: Workload) -> None:
     check_simulation(w)
 
 
-@settings(FAST, max_examples=1000)
+@settings(FAST, max_examples=300)
 @given(workloads(max_trainers=6))
 def test_production_matches_reference(w: Workload) -> None:
     check_equivalence(w)
 
 
 @pytest.mark.slow
+@settings(FAST, max_examples=2000, derandomize=False)
+@given(workloads())
+def test_simulation_more(w: Workload) -> None:
+    check_simulation(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=1000, derandomize=False)
+@given(workloads())
+def test_equivalence_more(w: Workload) -> None:
+    check_equivalence(w)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
 @settings(FAST, max_examples=20000, derandomize=False)
 @given(workloads())
 def test_simulation_many(w: Workload) -> None:
@@ -78,6 +94,7 @@ def test_simulation_many(w: Workload) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @settings(FAST, max_examples=5000, derandomize=False)
 @given(workloads())
 def test_equivalence_many(w: Workload) -> None:

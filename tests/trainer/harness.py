@@ -12,6 +12,7 @@ whole stream. What this leaves out — HTTP/2, the directive stream, processes, 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,27 +102,23 @@ class StoreRows:
         return table, state
 
 
-_groups: dict[int, list[Any]] = {}
-
-
+@functools.cache
 def process_groups(world_size: int) -> list[Any]:
-    """`world_size` gloo process groups of one world, one per rank, made once per test
-    session (building one takes a TCP mesh; DDP and the engines can share them)."""
-    if world_size not in _groups:
-        store = dist.HashStore()
-        groups: list[Any] = [None] * world_size
+    """`world_size` gloo process groups of one world, one per rank, made once per process
+    (building one takes a TCP mesh; DDP and the engines of later runs share them)."""
+    store = dist.HashStore()
+    groups: list[Any] = [None] * world_size
 
-        def join(rank: int) -> None:
-            prefixed = dist.PrefixStore(f"harness-{world_size}", store)
-            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
-            group = dist.ProcessGroup(prefixed, rank, world_size)
-            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            groups[rank] = group
+    def join(rank: int) -> None:
+        prefixed = dist.PrefixStore(f"harness-{world_size}", store)
+        backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
+        group = dist.ProcessGroup(prefixed, rank, world_size)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        groups[rank] = group
 
-        _run_ranks(world_size, join)
-        _groups[world_size] = groups
-    return _groups[world_size]
+    _run_ranks(world_size, join)
+    return groups
 
 
 @dataclass(frozen=True, kw_only=True)
