@@ -72,7 +72,7 @@ def test_production_matches_reference(w: Workload) -> None:
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=2000, derandomize=False)
+@settings(FAST, max_examples=1000, derandomize=False)
 @given(workloads())
 def test_simulation_more(w: Workload) -> None:
     check_simulation(w)
