@@ -4,6 +4,7 @@ is refused with a WireError that names the problem."""
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from common.errors import BadRequest, WireError
 from common.wire import decode, encode
 from ps.protocol import (
+    ROUTES,
     CheckpointReport,
     CheckpointSaved,
     FetchRequest,
@@ -27,6 +29,7 @@ from ps.protocol import (
     WriteBack,
     WriteKind,
 )
+from tests.ps.conftest import make_service
 
 DIM = 3
 
@@ -209,3 +212,14 @@ def test_messages_are_checked_when_built_too() -> None:
     with pytest.raises(WireError, match="trainer 3 is not below trainers = 2"):
         CheckpointReport(checkpoint=4, trainer=3, trainers=2)
 
+
+# --------------------------------------------------------------------------- routes
+def test_the_route_table_is_what_a_shard_serves(tmp_path: Path) -> None:
+    router = make_service(0, 1, tmp_path).router()
+    assert len({(r.method, r.path) for r in ROUTES}) == len(ROUTES)
+    for route in ROUTES:
+        assert router.resolve(route.method, route.path).public == route.public
+    public = {r.path for r in ROUTES if r.public}
+    assert public == {"/v1/health", "/metrics"}
+    guarded = {r.path for r in ROUTES if r.incarnation}
+    assert guarded == {"/v1/fetch", "/v1/write_back", "/v1/checkpoint/report", "/v1/checkpoint/snapshot"}
