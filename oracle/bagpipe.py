@@ -5,6 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from oracle import engine
+from oracle.engine import (
+    N_FETCH,
+    N_GROUPS,
+    N_JOIN_DST,
+    N_JOIN_SRC,
+    N_LEAVE_NOW,
+    N_LEAVE_PREV,
+    N_WRITE_NOW,
+    N_WRITE_PREV,
+    RING_SIZE,
+)
 from oracle.config import PlannerConfig
 from oracle.rules import Batch, Planned, check_feasible
 
@@ -23,7 +34,7 @@ class BagpipeRules:
     def ingest(self, z: int, batch: Batch) -> None:
         live_from = min(self._base.values(), default=self._next_id)
         live_to = self._next_id + batch.pairs.size
-        if live_to - live_from > int(self._state.counters[1]):
+        if live_to - live_from > int(self._state.counters[RING_SIZE]):
             ring = max(2 * (live_to - live_from), _MIN_RING)
             self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
         self._base[z] = self._next_id
@@ -44,15 +55,15 @@ class BagpipeRules:
         n = ev.counts
         return Planned(
             pair_slot=ev.pair_slot,
-            fetch=ev.fetch[: n[0]],
-            join_dst=ev.join_dst[: n[1]],
-            join_src=ev.join_src[: n[2]],
-            group_keys=ev.group_keys[: n[3]],
-            group_slots=ev.group_slots[: n[3]],
-            leave_prev=ev.leave_prev[: n[4]],
-            leave_now=ev.leave_now[: n[5]],
-            write_prev=ev.write_prev[: n[6]],
-            write_now=ev.write_now[: n[7]],
+            fetch=ev.fetch[: n[N_FETCH]],
+            join_dst=ev.join_dst[: n[N_JOIN_DST]],
+            join_src=ev.join_src[: n[N_JOIN_SRC]],
+            group_keys=ev.group_keys[: n[N_GROUPS]],
+            group_slots=ev.group_slots[: n[N_GROUPS]],
+            leave_prev=ev.leave_prev[: n[N_LEAVE_PREV]],
+            leave_now=ev.leave_now[: n[N_LEAVE_NOW]],
+            write_prev=ev.write_prev[: n[N_WRITE_PREV]],
+            write_now=ev.write_now[: n[N_WRITE_NOW]],
             stats=ev.stats,
         )
 

@@ -28,6 +28,66 @@ from numba.typed import Dict
 
 NEVER = np.int64(1 << 62)
 
+# Column and cell names of the state and event arrays. Module-level ints are compile-time
+# constants to numba, so naming an index costs nothing. They live in this file, and the
+# other oracle modules import them from here, because numba's cache notices only changes
+# to the source file of a compiled function: a constant edited in another module would
+# leave stale compiled kernels behind.
+
+# counters, int64 [2]: engine-wide scalars, in an array so that kernels can change them.
+FREE_RECORDS = 0  # records left on the rec_free stack
+RING_SIZE = 1  # entries of the occurrence ring (occ_it, occ_next)
+
+# cand_info, int64 [T, 3]: per trainer, its victim candidates (cand, cand_nu).
+CAND_BUILT_AT = 0  # the iteration they were sorted for; stale at any other
+CAND_COUNT = 1
+CAND_TAKEN = 2  # how many were taken: the next candidate's index
+
+# rec_drop and rec_vic, int64 [R, 3]: a record's first rule-3 leaver and lowest victim.
+# Both are stamped with the x being planned: rule-3 leavers leave after x, victims after x-1.
+LEFT_ITERATION = 0
+LEFT_TRAINER = 1
+LEFT_SLOT = 2
+
+# Event rows (Events.fetch, join_*, leave_*, write_*; `Planned` in oracle/rules.py).
+EV_TRAINER = 0
+EV_KEY = 1
+EV_SLOT = 2
+EV_MIN_VERSION = 3  # fetch rows only
+EV_TARGET = 4  # appended by oracle/planner.py when it files a fetch
+
+# Events.counts, int64 [NUM_COUNTS]: rows filled in each event buffer.
+N_FETCH = 0
+N_JOIN_DST = 1
+N_JOIN_SRC = 2
+N_GROUPS = 3  # group_keys and group_slots
+N_LEAVE_PREV = 4
+N_LEAVE_NOW = 5
+N_WRITE_PREV = 6
+N_WRITE_NOW = 7
+NUM_COUNTS = 8
+
+# Events.stats, int64 [T, NUM_STATS]: per trainer, for the iteration planned.
+STAT_USES = 0
+STAT_HITS = 1  # uses served by a copy resident before the iteration's fetches
+STAT_FETCHED = 2  # uses whose row is fetched for this iteration
+STAT_JOINED = 3
+STAT_OCCUPANCY = 4  # slots held during the iteration
+NUM_STATS = 5
+
+# Rows of `_flush_candidates`: the record, then an event row's trainer, key and slot.
+FLUSH_REC = 0
+FLUSH_TRAINER = 1
+FLUSH_KEY = 2
+FLUSH_SLOT = 3
+
+# Join sources of `plan_iteration`, int64 [groups, 2]; trainer -1: the key is admitted.
+SRC_TRAINER = 0
+SRC_SLOT = 1
+
+# Victim records of one iteration, int64 [1 + n]: how many, then the records.
+VIC_COUNT = 0
+
 
 class EngineState(NamedTuple):
     """Mutable planner state, all arrays and typed dicts (see the module docstring)."""
@@ -39,16 +99,16 @@ class EngineState(NamedTuple):
     heap_size: np.ndarray  # int64 [T]
     cand: np.ndarray  # int32 [T, C] victim candidates of the current iteration, best first
     cand_nu: np.ndarray  # int64 [T, C]
-    cand_info: np.ndarray  # int64 [T, 3]: built-at iteration, count, next to take
+    cand_info: np.ndarray  # int64 [T, 3]: CAND_* of cand, cand_nu
     rec_of: Dict  # key -> record
     rec_slot: np.ndarray  # int32 [R, T], -1 no copy
     rec_n: np.ndarray  # int64 [R] copies
     rec_key: np.ndarray  # int64 [R]
     rec_last_use: np.ndarray  # int64 [R]
-    rec_drop: np.ndarray  # int64 [R, 3]: iteration, trainer, slot of the first rule-3 leaver
-    rec_vic: np.ndarray  # int64 [R, 3]: iteration, trainer, slot of the lowest victim
+    rec_drop: np.ndarray  # int64 [R, 3]: LEFT_* of the first rule-3 leaver
+    rec_vic: np.ndarray  # int64 [R, 3]: LEFT_* of the lowest victim
     rec_free: np.ndarray  # int64 [R] stack of free records
-    counters: np.ndarray  # int64 [2]: free records on the stack, ring capacity
+    counters: np.ndarray  # int64 [2]: FREE_RECORDS, RING_SIZE
     last_wb: Dict  # key -> version of its last planned write-back
     head: Dict  # pair -> earliest unplanned occurrence id
     tail: Dict  # pair -> latest read occurrence id
@@ -90,12 +150,12 @@ def new_state(num_trainers: int, capacity: int, ring: int) -> EngineState:
 def grow_ring(state: EngineState, live_from: int, live_to: int, ring: int) -> EngineState:
     """The same state with an occurrence ring of `ring` entries; ids [live_from, live_to) kept."""
     ids = np.arange(live_from, live_to, dtype=np.int64)
-    old = int(state.counters[1])
+    old = int(state.counters[RING_SIZE])
     occ_it = np.zeros(ring, np.int64)
     occ_next = np.full(ring, -1, np.int64)
     occ_it[ids % ring] = state.occ_it[ids % old]
     occ_next[ids % ring] = state.occ_next[ids % old]
-    state.counters[1] = ring
+    state.counters[RING_SIZE] = ring
     return state._replace(occ_it=occ_it, occ_next=occ_next)
 
 
@@ -103,8 +163,8 @@ class Events(NamedTuple):
     """Event buffers of one planned iteration; column meaning per buffer in `plan_iteration`."""
 
     pair_slot: np.ndarray  # int32 [P]
-    fetch: np.ndarray  # int64 [n, 4]: trainer, key, slot, min_version (target = x)
-    join_dst: np.ndarray  # int64 [n, 3]: trainer, key, slot
+    fetch: np.ndarray  # int64 [n, 4]: EV_TRAINER, EV_KEY, EV_SLOT, EV_MIN_VERSION (target = x)
+    join_dst: np.ndarray  # int64 [n, 3]: EV_TRAINER, EV_KEY, EV_SLOT
     join_src: np.ndarray  # int64 [n, 3]
     leave_prev: np.ndarray  # int64 [n, 3]: copies leaving after x-1 (victims)
     leave_now: np.ndarray  # int64 [n, 3]: copies leaving after x (rule 3)
@@ -112,8 +172,8 @@ class Events(NamedTuple):
     write_now: np.ndarray  # int64 [n, 3]: writes of version x
     group_keys: np.ndarray  # int64 [n]
     group_slots: np.ndarray  # int32 [n, T]
-    stats: np.ndarray  # int64 [T, 5]: uses, hits, fetched for use, joined, occupancy
-    counts: np.ndarray  # int64 [8]: rows filled per buffer (order in plan_iteration)
+    stats: np.ndarray  # int64 [T, NUM_STATS]: STAT_*
+    counts: np.ndarray  # int64 [NUM_COUNTS]: N_*
 
 
 def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int) -> Events:
@@ -131,8 +191,8 @@ def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int
         write_now=np.empty((num_keys, 3), np.int64),
         group_keys=np.empty(num_keys, np.int64),
         group_slots=np.empty((num_keys, t), np.int32),
-        stats=np.zeros((t, 5), np.int64),
-        counts=np.zeros(8, np.int64),
+        stats=np.zeros((t, NUM_STATS), np.int64),
+        counts=np.zeros(NUM_COUNTS, np.int64),
     )
 
 
@@ -188,7 +248,7 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
     Links each pair's previous occurrence to this one and, where the pair had no unplanned
     occurrence, tells the pair's copy (if any) that its next use is now known: z.
     """
-    cap = st.counters[1]
+    cap = st.counters[RING_SIZE]
     for i in range(pairs.shape[0]):
         p = pairs[i]
         o = base + i
@@ -210,21 +270,21 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
 # --------------------------------------------------------------------------- records
 @nb.njit(cache=True)
 def _alloc_rec(st: EngineState, key: int) -> int:
-    st.counters[0] -= 1
-    rec = st.rec_free[st.counters[0]]
+    st.counters[FREE_RECORDS] -= 1
+    rec = st.rec_free[st.counters[FREE_RECORDS]]
     st.rec_of[key] = rec
     st.rec_key[rec] = key
     st.rec_n[rec] = 0
-    st.rec_drop[rec, 0] = -1
-    st.rec_vic[rec, 0] = -1
+    st.rec_drop[rec, LEFT_ITERATION] = -1
+    st.rec_vic[rec, LEFT_ITERATION] = -1
     return rec
 
 
 @nb.njit(cache=True)
 def _free_rec(st: EngineState, rec: int) -> None:
     del st.rec_of[st.rec_key[rec]]
-    st.rec_free[st.counters[0]] = rec
-    st.counters[0] += 1
+    st.rec_free[st.counters[FREE_RECORDS]] = rec
+    st.counters[FREE_RECORDS] += 1
 
 
 @nb.njit(cache=True)
@@ -246,11 +306,13 @@ def _remove_copy(st: EngineState, rec: int, j: int, slot: int) -> None:
 
 
 @nb.njit(cache=True)
-def _emit(buf: np.ndarray, counts: np.ndarray, which: int, a: int, b: int, c: int) -> None:
+def _emit(
+    buf: np.ndarray, counts: np.ndarray, which: int, trainer: int, key: int, slot: int
+) -> None:
     n = counts[which]
-    buf[n, 0] = a
-    buf[n, 1] = b
-    buf[n, 2] = c
+    buf[n, EV_TRAINER] = trainer
+    buf[n, EV_KEY] = key
+    buf[n, EV_SLOT] = slot
     counts[which] = n + 1
 
 
@@ -285,9 +347,9 @@ def _build_candidates(st: EngineState, j: int, x: int, horizon: int) -> None:
     for i in range(n):
         st.cand[j, i] = slots[order[n - 1 - i]]
         st.cand_nu[j, i] = nus[order[n - 1 - i]]
-    st.cand_info[j, 0] = x
-    st.cand_info[j, 1] = n
-    st.cand_info[j, 2] = 0
+    st.cand_info[j, CAND_BUILT_AT] = x
+    st.cand_info[j, CAND_COUNT] = n
+    st.cand_info[j, CAND_TAKEN] = 0
 
 
 @nb.njit(cache=True)
@@ -296,26 +358,26 @@ def _evict(st: EngineState, ev: Events, j: int, slot: int, x: int, vic_recs: np.
     key = st.slot_key[j, slot]
     rec = st.rec_of[key]
     _remove_copy(st, rec, j, slot)
-    _emit(ev.leave_prev, ev.counts, 4, j, key, slot)
-    if st.rec_vic[rec, 0] != x:
-        vic_recs[vic_recs[0] + 1] = rec
-        vic_recs[0] += 1
-        st.rec_vic[rec, 0] = x
-        st.rec_vic[rec, 1] = j
-        st.rec_vic[rec, 2] = slot
-    elif j < st.rec_vic[rec, 1]:
-        st.rec_vic[rec, 1] = j
-        st.rec_vic[rec, 2] = slot
+    _emit(ev.leave_prev, ev.counts, N_LEAVE_PREV, j, key, slot)
+    if st.rec_vic[rec, LEFT_ITERATION] != x:
+        vic_recs[vic_recs[VIC_COUNT] + 1] = rec
+        vic_recs[VIC_COUNT] += 1
+        st.rec_vic[rec, LEFT_ITERATION] = x
+        st.rec_vic[rec, LEFT_TRAINER] = j
+        st.rec_vic[rec, LEFT_SLOT] = slot
+    elif j < st.rec_vic[rec, LEFT_TRAINER]:
+        st.rec_vic[rec, LEFT_TRAINER] = j
+        st.rec_vic[rec, LEFT_SLOT] = slot
 
 
 @nb.njit(cache=True)
 def _next_candidate(st: EngineState, j: int, x: int, horizon: int) -> int:
     """Index of trainer j's best remaining victim candidate, or -1."""
-    if st.cand_info[j, 0] != x:
+    if st.cand_info[j, CAND_BUILT_AT] != x:
         _build_candidates(st, j, x, horizon)
-    if st.cand_info[j, 2] >= st.cand_info[j, 1]:
+    if st.cand_info[j, CAND_TAKEN] >= st.cand_info[j, CAND_COUNT]:
         return -1
-    return st.cand_info[j, 2]
+    return st.cand_info[j, CAND_TAKEN]
 
 
 # --------------------------------------------------------------------------- planning
@@ -333,8 +395,8 @@ def plan_iteration(
 ) -> None:
     """Plan iteration x, whose sorted unique pairs have occurrence ids base, base+1, ...
 
-    `flush`: iteration x-1 is a checkpoint; residencies used after `flush_after` are flushed. Counts in ev.counts: 0 fetch, 1 join_dst, 2 join_src,
-    3 groups, 4 leave_prev, 5 leave_now, 6 write_prev, 7 write_now.
+    `flush`: iteration x-1 is a checkpoint; residencies used after `flush_after` are flushed.
+    The rows filled in each event buffer are in ev.counts (N_*).
     """
     t_count = num_trainers
     horizon = x + lookahead
@@ -353,27 +415,30 @@ def plan_iteration(
         for _ in range(excess):
             c = _next_candidate(st, j, x, horizon)
             _evict(st, ev, j, st.cand[j, c], x, vic_recs)
-            st.cand_info[j, 2] += 1
+            st.cand_info[j, CAND_TAKEN] += 1
     _assign_new(st, ev, x, pairs, t_count, n_groups, gstart, grec, gsrc)
     # c. admission prefetches for later uses in the window
     for g in range(n_groups):
-        if gsrc[g, 0] < 0:
+        if gsrc[g, SRC_TRAINER] < 0:
             _prefetch_later(st, ev, x, pairs[gstart[g]] // t_count, grec[g], t_count, horizon, vic_recs)
     # d. residencies whose last copies were victims end after x-1; checkpoint flushes
     _end_victims(st, ev, x, vic_recs)
     for i in range(flush.shape[0]):
-        if st.rec_n[flush[i, 0]] > 0:
-            _emit(ev.write_prev, ev.counts, 6, flush[i, 1], flush[i, 2], flush[i, 3])
+        if st.rec_n[flush[i, FLUSH_REC]] > 0:
+            _emit(
+                ev.write_prev, ev.counts, N_WRITE_PREV,
+                flush[i, FLUSH_TRAINER], flush[i, FLUSH_KEY], flush[i, FLUSH_SLOT],
+            )
     # e. G_x
     for g in range(n_groups):
         rec = grec[g]
         if st.rec_n[rec] >= 2:
-            n = ev.counts[3]
+            n = ev.counts[N_GROUPS]
             ev.group_keys[n] = st.rec_key[rec]
             ev.group_slots[n, :] = st.rec_slot[rec, :]
-            ev.counts[3] = n + 1
+            ev.counts[N_GROUPS] = n + 1
     for j in range(t_count):
-        ev.stats[j, 4] = st.slot_key.shape[1] - st.heap_size[j]
+        ev.stats[j, STAT_OCCUPANCY] = st.slot_key.shape[1] - st.heap_size[j]
     # f. residency after the use
     _advance(st, ev, pairs, base, t_count)
     for g in range(n_groups):
@@ -404,22 +469,22 @@ def _classify(
             rec = lookup(st.rec_of, key)
             gstart[n_groups] = i
             grec[n_groups] = rec
-            gsrc[n_groups, 0] = -1
+            gsrc[n_groups, SRC_TRAINER] = -1
             if rec >= 0:
                 for t in range(t_count):
                     if st.rec_slot[rec, t] >= 0:
-                        gsrc[n_groups, 0] = t
-                        gsrc[n_groups, 1] = st.rec_slot[rec, t]
+                        gsrc[n_groups, SRC_TRAINER] = t
+                        gsrc[n_groups, SRC_SLOT] = st.rec_slot[rec, t]
                         break
             n_groups += 1
         g = n_groups - 1
-        ev.stats[j, 0] += 1
+        ev.stats[j, STAT_USES] += 1
         rec = grec[g]
         if rec >= 0 and st.rec_slot[rec, j] >= 0:
             slot = st.rec_slot[rec, j]
             ev.pair_slot[i] = slot
             st.slot_stamp[j, slot] = x
-            ev.stats[j, 1] += 1
+            ev.stats[j, STAT_HITS] += 1
         else:
             need[j] += 1
     gstart[n_groups] = pairs.shape[0]
@@ -438,10 +503,10 @@ def _flush_candidates(st: EngineState, t_count: int, flush: bool, flush_after: i
         if st.rec_last_use[rec] > flush_after:
             for t in range(t_count):
                 if st.rec_slot[rec, t] >= 0:
-                    out[n, 0] = rec
-                    out[n, 1] = t
-                    out[n, 2] = st.rec_key[rec]
-                    out[n, 3] = st.rec_slot[rec, t]
+                    out[n, FLUSH_REC] = rec
+                    out[n, FLUSH_TRAINER] = t
+                    out[n, FLUSH_KEY] = st.rec_key[rec]
+                    out[n, FLUSH_SLOT] = st.rec_slot[rec, t]
                     n += 1
                     break
     return out[:n]
@@ -470,27 +535,29 @@ def _assign_new(
             slot = _heap_pop(st.heap, st.heap_size, j)
             if grec[g] < 0:
                 grec[g] = _alloc_rec(st, key)
-            if gsrc[g, 0] >= 0 and not joined:
-                _emit(ev.join_src, ev.counts, 2, gsrc[g, 0], key, gsrc[g, 1])
+            if gsrc[g, SRC_TRAINER] >= 0 and not joined:
+                _emit(
+                    ev.join_src, ev.counts, N_JOIN_SRC, gsrc[g, SRC_TRAINER], key, gsrc[g, SRC_SLOT]
+                )
                 joined = True
             _add_copy(st, grec[g], j, slot, x, NEVER)
             ev.pair_slot[i] = slot
-            if gsrc[g, 0] >= 0:
-                _emit(ev.join_dst, ev.counts, 1, j, key, slot)
-                ev.stats[j, 3] += 1
+            if gsrc[g, SRC_TRAINER] >= 0:
+                _emit(ev.join_dst, ev.counts, N_JOIN_DST, j, key, slot)
+                ev.stats[j, STAT_JOINED] += 1
             else:
                 _fetch(st, ev, j, key, slot)
-                ev.stats[j, 2] += 1
+                ev.stats[j, STAT_FETCHED] += 1
 
 
 @nb.njit(cache=True)
 def _fetch(st: EngineState, ev: Events, j: int, key: int, slot: int) -> None:
-    n = ev.counts[0]
-    ev.fetch[n, 0] = j
-    ev.fetch[n, 1] = key
-    ev.fetch[n, 2] = slot
-    ev.fetch[n, 3] = lookup(st.last_wb, key)
-    ev.counts[0] = n + 1
+    n = ev.counts[N_FETCH]
+    ev.fetch[n, EV_TRAINER] = j
+    ev.fetch[n, EV_KEY] = key
+    ev.fetch[n, EV_SLOT] = slot
+    ev.fetch[n, EV_MIN_VERSION] = lookup(st.last_wb, key)
+    ev.counts[N_FETCH] = n + 1
 
 
 @nb.njit(cache=True)
@@ -510,7 +577,7 @@ def _prefetch_later(
         o = lookup(st.head, key * t_count + j)
         if o < 0:
             continue
-        u = st.occ_it[o % st.counters[1]]
+        u = st.occ_it[o % st.counters[RING_SIZE]]
         # heads are not advanced yet: a trainer using the key at x has u == x
         if u <= x or u > horizon:
             continue
@@ -519,7 +586,7 @@ def _prefetch_later(
             if c < 0 or st.cand_nu[j, c] <= u:
                 continue
             _evict(st, ev, j, st.cand[j, c], x, vic_recs)
-            st.cand_info[j, 2] += 1
+            st.cand_info[j, CAND_TAKEN] += 1
         slot = _heap_pop(st.heap, st.heap_size, j)
         _add_copy(st, rec, j, slot, x, u)
         _fetch(st, ev, j, key, slot)
@@ -529,17 +596,17 @@ def _prefetch_later(
 def _end_victims(st: EngineState, ev: Events, x: int, vic_recs: np.ndarray) -> None:
     """Rule 4: a residency whose last copies were victims ends after x-1; its writer is the
     lowest-index trainer among the copies leaving after x-1 (rule-3 leavers included)."""
-    for i in range(1, vic_recs[0] + 1):
+    for i in range(1, vic_recs[VIC_COUNT] + 1):
         rec = vic_recs[i]
         if st.rec_n[rec] > 0:
             continue
-        writer = st.rec_vic[rec, 1]
-        slot = st.rec_vic[rec, 2]
-        if st.rec_drop[rec, 0] == x - 1 and st.rec_drop[rec, 1] < writer:
-            writer = st.rec_drop[rec, 1]
-            slot = st.rec_drop[rec, 2]
+        writer = st.rec_vic[rec, LEFT_TRAINER]
+        slot = st.rec_vic[rec, LEFT_SLOT]
+        if st.rec_drop[rec, LEFT_ITERATION] == x - 1 and st.rec_drop[rec, LEFT_TRAINER] < writer:
+            writer = st.rec_drop[rec, LEFT_TRAINER]
+            slot = st.rec_drop[rec, LEFT_SLOT]
         key = st.rec_key[rec]
-        _emit(ev.write_prev, ev.counts, 6, writer, key, slot)
+        _emit(ev.write_prev, ev.counts, N_WRITE_PREV, writer, key, slot)
         st.last_wb[key] = x - 1
         _free_rec(st, rec)
 
@@ -547,7 +614,7 @@ def _end_victims(st: EngineState, ev: Events, x: int, vic_recs: np.ndarray) -> N
 @nb.njit(cache=True)
 def _advance(st: EngineState, ev: Events, pairs: np.ndarray, base: int, t_count: int) -> None:
     """Move every pair used at x to its next occurrence; its copy learns its next use."""
-    cap = st.counters[1]
+    cap = st.counters[RING_SIZE]
     for i in range(pairs.shape[0]):
         p = pairs[i]
         o = base + i
@@ -580,7 +647,7 @@ def _after_use(st: EngineState, ev: Events, x: int, rec: int, t_count: int, hori
         used_later = False
         for t in range(t_count):
             o = lookup(st.head, key * t_count + t)
-            if o >= 0 and st.occ_it[o % st.counters[1]] <= horizon:
+            if o >= 0 and st.occ_it[o % st.counters[RING_SIZE]] <= horizon:
                 used_later = True
                 break
         if not used_later:
@@ -592,16 +659,16 @@ def _after_use(st: EngineState, ev: Events, x: int, rec: int, t_count: int, hori
         if slot < 0 or t == keeper and stays == 0 or st.slot_next[t, slot] <= horizon:
             continue
         _remove_copy(st, rec, t, slot)
-        _emit(ev.leave_now, ev.counts, 5, t, key, slot)
+        _emit(ev.leave_now, ev.counts, N_LEAVE_NOW, t, key, slot)
         if first < 0:
             first = t
             first_slot = slot
     st.rec_last_use[rec] = x
     if st.rec_n[rec] == 0:
-        _emit(ev.write_now, ev.counts, 7, first, key, first_slot)
+        _emit(ev.write_now, ev.counts, N_WRITE_NOW, first, key, first_slot)
         st.last_wb[key] = x
         _free_rec(st, rec)
     elif first >= 0:
-        st.rec_drop[rec, 0] = x
-        st.rec_drop[rec, 1] = first
-        st.rec_drop[rec, 2] = first_slot
+        st.rec_drop[rec, LEFT_ITERATION] = x
+        st.rec_drop[rec, LEFT_TRAINER] = first
+        st.rec_drop[rec, LEFT_SLOT] = first_slot

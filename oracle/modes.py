@@ -17,7 +17,7 @@ from numba import types
 from numba.typed import Dict
 
 from oracle.config import PlannerConfig
-from oracle.engine import lookup
+from oracle.engine import NUM_STATS, STAT_FETCHED, STAT_HITS, STAT_OCCUPANCY, STAT_USES, lookup
 from oracle.rules import Batch, Planned, check_feasible, rows
 
 
@@ -64,11 +64,12 @@ class StaticRules:
         flush = self._flush(x - 1) if x > 0 and self._config.is_local_checkpoint(x - 1) else rows(0, 3)
         self._hot_last_use[pos[is_hot]] = x
         group_keys, group_slots = self._groups(batch, is_hot, slot)
-        stats = np.zeros((t, 5), np.int64)
-        stats[:, 0] = np.bincount(trainers, minlength=t)
-        stats[:, 1] = 0 if x == 0 else np.bincount(trainers[is_hot], minlength=t)
-        stats[:, 2] = cold_per + (np.bincount(trainers[is_hot], minlength=t) if x == 0 else 0)
-        stats[:, 4] = h + cold_per
+        stats = np.zeros((t, NUM_STATS), np.int64)
+        stats[:, STAT_USES] = np.bincount(trainers, minlength=t)
+        stats[:, STAT_HITS] = 0 if x == 0 else np.bincount(trainers[is_hot], minlength=t)
+        hot_fetched = np.bincount(trainers[is_hot], minlength=t) if x == 0 else 0
+        stats[:, STAT_FETCHED] = cold_per + hot_fetched
+        stats[:, STAT_OCCUPANCY] = h + cold_per
         return Planned(
             pair_slot=slot,
             fetch=fetch,
@@ -101,7 +102,7 @@ class StaticRules:
             write_now=every[:h],
             group_keys=np.zeros(0, np.int64),
             group_slots=np.zeros((0, t), np.int32),
-            stats=np.zeros((t, 5), np.int64),
+            stats=np.zeros((t, NUM_STATS), np.int64),
         )
 
     def _hot_fill(self) -> np.ndarray:
@@ -146,9 +147,9 @@ class LocalRules:
         t = self._config.num_trainers
         keys, trainers = batch.pairs // t, batch.pairs % t
         groups = batch.used_keys if t > 1 else np.zeros(0, np.int64)
-        stats = np.zeros((t, 5), np.int64)
-        stats[:, 0] = stats[:, 1] = np.bincount(trainers, minlength=t)
-        stats[:, 4] = self._config.total_rows
+        stats = np.zeros((t, NUM_STATS), np.int64)
+        stats[:, STAT_USES] = stats[:, STAT_HITS] = np.bincount(trainers, minlength=t)
+        stats[:, STAT_OCCUPANCY] = self._config.total_rows
         empty = rows(0, 3)
         return Planned(
             pair_slot=keys.astype(np.int32),

@@ -29,6 +29,17 @@ from oracle.config import (
     hottest_keys,
     required_capacity,
 )
+from oracle.engine import (
+    EV_KEY,
+    EV_MIN_VERSION,
+    EV_SLOT,
+    EV_TARGET,
+    EV_TRAINER,
+    STAT_FETCHED,
+    STAT_HITS,
+    STAT_OCCUPANCY,
+    STAT_USES,
+)
 from oracle.modes import LocalRules, StaticRules
 from oracle.rules import Batch, Planned, Rules
 from oracle.stats import IterationStats, PlannerStats
@@ -50,7 +61,7 @@ class _Pending:
 
     batch: Batch
     pair_slot: np.ndarray | None = None
-    fetch: list[np.ndarray] = field(default_factory=list)  # trainer, key, slot, min_v, target
+    fetch: list[np.ndarray] = field(default_factory=list)  # EV_TRAINER ... EV_TARGET
     join_dst: list[np.ndarray] = field(default_factory=list)
     join_src: list[np.ndarray] = field(default_factory=list)
     leave: list[np.ndarray] = field(default_factory=list)
@@ -160,12 +171,12 @@ class Planner:
         fetch = _cat(p.fetch, 5)
         join_dst, join_src = _cat(p.join_dst, 3), _cat(p.join_src, 3)
         leave, write = _cat(p.leave, 3), _cat(p.write, 3)
-        join_keys = np.unique(join_dst[:, 1])
+        join_keys = np.unique(join_dst[:, EV_KEY])
         now = np.isin(p.group_keys, next_keys)
         directives = []
         for j in range(t):
-            f = fetch[fetch[:, 0] == j]
-            f = f[np.lexsort((f[:, 1], f[:, 4]))]
+            f = fetch[fetch[:, EV_TRAINER] == j]
+            f = f[np.lexsort((f[:, EV_KEY], f[:, EV_TARGET]))]
             lv = _by_key(leave, j)
             wr = _by_key(write, j)
             directives.append(
@@ -173,10 +184,10 @@ class Planner:
                     iteration=g,
                     trainer=j,
                     input_slots=np.ascontiguousarray(slots[j * per : (j + 1) * per], dtype=np.int32),
-                    prefetch_keys=f[:, 1].copy(),
-                    prefetch_slots=f[:, 2].astype(np.int32),
-                    prefetch_min_versions=_global_versions(f[:, 3], first),
-                    prefetch_targets=(f[:, 4] + first).astype(np.int32),
+                    prefetch_keys=f[:, EV_KEY].copy(),
+                    prefetch_slots=f[:, EV_SLOT].astype(np.int32),
+                    prefetch_min_versions=_global_versions(f[:, EV_MIN_VERSION], first),
+                    prefetch_targets=(f[:, EV_TARGET] + first).astype(np.int32),
                     join_keys=join_keys,
                     join_send_slots=_slots_at(join_keys, join_src, j),
                     join_recv_slots=_slots_at(join_keys, join_dst, j),
@@ -184,9 +195,9 @@ class Planner:
                     sync_now_slots=np.ascontiguousarray(p.group_slots[now, j], dtype=np.int32),
                     sync_later_keys=p.group_keys[~now],
                     sync_later_slots=np.ascontiguousarray(p.group_slots[~now, j], dtype=np.int32),
-                    leave_slots=lv[:, 2].astype(np.int32),
-                    write_keys=wr[:, 1].copy(),
-                    write_slots=wr[:, 2].astype(np.int32),
+                    leave_slots=lv[:, EV_SLOT].astype(np.int32),
+                    write_keys=wr[:, EV_KEY].copy(),
+                    write_slots=wr[:, EV_SLOT].astype(np.int32),
                     write_versions=np.full(wr.shape[0], g, np.int64),
                     checkpoint=self.config.is_checkpoint(g),
                 )
@@ -214,15 +225,15 @@ def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:
 
 def _by_key(events: np.ndarray, trainer: int) -> np.ndarray:
     """Rows of one trainer, ordered by key."""
-    mine = events[events[:, 0] == trainer]
-    return mine[np.argsort(mine[:, 1], kind="stable")]
+    mine = events[events[:, EV_TRAINER] == trainer]
+    return mine[np.argsort(mine[:, EV_KEY], kind="stable")]
 
 
 def _slots_at(keys: np.ndarray, events: np.ndarray, trainer: int) -> np.ndarray:
     """Per position of `keys`, this trainer's slot in `events`, or -1."""
     out = np.full(keys.size, -1, np.int32)
-    mine = events[events[:, 0] == trainer]
-    out[np.searchsorted(keys, mine[:, 1])] = mine[:, 2]
+    mine = events[events[:, EV_TRAINER] == trainer]
+    out[np.searchsorted(keys, mine[:, EV_KEY])] = mine[:, EV_SLOT]
     return out
 
 
@@ -232,13 +243,13 @@ def _iteration_stats(
     assert p.stats is not None
     return IterationStats(
         iteration=e,
-        uses=int(p.stats[:, 0].sum()),
-        hits=int(p.stats[:, 1].sum()),
-        fetched=int(p.stats[:, 2].sum()),
+        uses=int(p.stats[:, STAT_USES].sum()),
+        hits=int(p.stats[:, STAT_HITS].sum()),
+        fetched=int(p.stats[:, STAT_FETCHED].sum()),
         prefetched=int(fetch.shape[0]),
         joined=int(join_dst.shape[0]),
         written=int(write.shape[0]),
         sync_now=int(np.count_nonzero(now)),
         sync_later=int(now.size - np.count_nonzero(now)),
-        occupancy=tuple(int(v) for v in p.stats[:, 4]),
+        occupancy=tuple(int(v) for v in p.stats[:, STAT_OCCUPANCY]),
     )

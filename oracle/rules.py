@@ -1,7 +1,8 @@
 """The planning rules of each mode behind one interface, and what planning one iteration yields.
 
 `Planned` is the event list of one planned iteration x; `oracle/planner.py` files each event in
-the directive it belongs to. Rows of the event arrays are (trainer, key, slot[, extra]).
+the directive it belongs to. Rows of the event arrays are (trainer, key, slot[, extra]); their
+columns and those of `stats` are named in oracle/engine.py (EV_*, STAT_*).
 """
 
 from __future__ import annotations

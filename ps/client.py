@@ -17,32 +17,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
-import orjson
 
-from common.errors import BagpipeError, Restarted, TimedOut, Unavailable
+from common.errors import BagpipeError, Restarted, TimedOut, Unavailable, WireError
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
 from common.transport import connect_client
 from common.transport.retry import RetryBudget
-from common.wire import decode, encode_parts, require
-from ps.journal import JournalEntry, WriteJournal
-from ps.service import INCARNATION_HEADER
+from ps.journal import WriteJournal
+from ps.protocol import (
+    FETCH,
+    HEALTH,
+    INCARNATION_HEADER,
+    REPORT_CHECKPOINT,
+    RESTORE,
+    SNAPSHOT,
+    WRITE_BACK,
+    CheckpointReport,
+    CheckpointSaved,
+    FetchRequest,
+    Health,
+    Message,
+    Restored,
+    RestoreRequest,
+    Route,
+    Rows,
+    SnapshotRequest,
+    WriteBack,
+    WriteKind,
+)
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rows:
-    """Rows fetched from the PS, in the order of the keys asked for."""
-
-    rows: np.ndarray  # float32 [n, dim]
-    state: np.ndarray  # float32 [n, state_width]
-    versions: np.ndarray  # int64 [n]
+M = TypeVar("M", bound=Message)
 
 
 class PsClient:
@@ -83,27 +92,37 @@ class PsClient:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients))
 
-    async def fetch(self, keys: np.ndarray, min_versions: np.ndarray | None = None, *, wait_s: float | None = None) -> Rows:
-        """Rows of `keys` once each has reached its min_version (default: any version)."""
+    async def fetch(
+        self,
+        keys: np.ndarray,
+        min_versions: np.ndarray | None = None,
+        *,
+        wait_s: float | None = None,
+    ) -> Rows:
+        """Rows of `keys` once each has reached its min_version (default: any version); a
+        shard waits up to `wait_s` (default: its own limit) for a version to arrive."""
         keys = np.asarray(keys, dtype=np.int64)
         if min_versions is None:
             min_versions = np.full(len(keys), -1, dtype=np.int64)
+        min_versions = np.asarray(min_versions, dtype=np.int64)
         out = Rows(
             rows=np.empty((len(keys), self.dim), np.float32),
             state=np.empty((len(keys), self.state_width), np.float32),
             versions=np.empty(len(keys), np.int64),
         )
-        meta: dict[str, Any] = {"timeout_s": wait_s} if wait_s else {}
         # A fetch may wait at the PS for a write-back: give the HTTP call that much longer.
         timeout = self.timeout_s + (wait_s or 0.0)
+        wait = wait_s or None  # 0 or None: the shard's own limit
 
         async def one(shard: int, pos: np.ndarray) -> None:
-            body = encode_parts(meta, {"keys": keys[pos], "min_versions": min_versions[pos]})
-            answer = await self._call(shard, "/v1/fetch", body, timeout)
-            _, arrays = decode(answer)
-            out.rows[pos] = require(arrays, "rows", "<f4", 2)
-            out.state[pos] = require(arrays, "state", "<f4", 2)
-            out.versions[pos] = require(arrays, "versions", "<i8", 1)
+            request = FetchRequest(keys=keys[pos], min_versions=min_versions[pos], wait_s=wait)
+            got = Rows.from_wire(await self._call(shard, FETCH, request, timeout))
+            if len(got.versions) != len(pos):
+                n = len(got.versions)
+                raise WireError(f"PS shard {shard} answered {n} rows for {len(pos)} keys")
+            out.rows[pos] = got.rows
+            out.state[pos] = got.state
+            out.versions[pos] = got.versions
 
         await self._each_shard(keys, one)
         return out
@@ -112,46 +131,53 @@ class PsClient:
         self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, *, flush: bool = False
     ) -> None:
         """Store rows with `version` on their shards; each shard applies its part atomically.
-        A `flush` is checkpoint `version`'s copy of rows that stay cached."""
+        A `flush` is checkpoint `version`'s copy of rows that stay cached; otherwise the rows
+        were evicted."""
         keys = np.asarray(keys, dtype=np.int64)
+        kind = WriteKind.FLUSH if flush else WriteKind.EVICT
 
         async def one(shard: int, pos: np.ndarray) -> None:
-            entry = JournalEntry(version=version, flush=flush, keys=keys[pos], rows=rows[pos], state=state[pos])
+            entry = WriteBack(
+                kind=kind, version=version, keys=keys[pos], rows=rows[pos], state=state[pos]
+            )
             if self.journals is not None:
                 self.journals[shard].record(entry)
-            await self._call(shard, "/v1/write_back", _write_body(entry, replay=False), self.timeout_s,
-                             retry_body=lambda: _write_body(entry, replay=True))
+            retry = replace(entry, replay=True)
+            await self._call(shard, WRITE_BACK, entry, self.timeout_s, retry=retry)
 
         await self._each_shard(keys, one)
 
-    async def checkpoint(self, checkpoint_id: int) -> list[dict[str, Any]]:
-        """Every shard snapshots its rows now, as checkpoint `checkpoint_id`."""
-        return await self._all_shards("/v1/checkpoint", {"id": checkpoint_id})
-
-    async def report_checkpoint(self, checkpoint_id: int, trainer: int, trainers: int) -> list[dict[str, Any]]:
+    async def report_checkpoint(
+        self, checkpoint_id: int, trainer: int, trainers: int
+    ) -> list[CheckpointSaved]:
         """Tell every shard that `trainer`'s writes up to `checkpoint_id` are acknowledged;
         returns once each shard has written the checkpoint (all trainers reported)."""
-        payload = {"id": checkpoint_id, "trainer": trainer, "trainers": trainers}
-        answers = await self._all_shards("/v1/checkpoint", payload)
+        report = CheckpointReport(checkpoint=checkpoint_id, trainer=trainer, trainers=trainers)
+        answers = await self._all_shards(REPORT_CHECKPOINT, report, CheckpointSaved)
         for journal in self.journals or ():
             journal.forget_through(checkpoint_id)
         return answers
 
-    async def restore(self, checkpoint_id: int) -> list[dict[str, Any]]:
-        return await self._all_shards("/v1/restore", {"id": checkpoint_id})
+    async def snapshot(self, checkpoint_id: int) -> list[CheckpointSaved]:
+        """Every shard persists its rows now, as checkpoint `checkpoint_id`, without waiting
+        for reports (the final tables)."""
+        request = SnapshotRequest(checkpoint=checkpoint_id)
+        return await self._all_shards(SNAPSHOT, request, CheckpointSaved)
 
-    async def health(self) -> list[dict[str, Any]]:
+    async def restore(self, checkpoint_id: int) -> list[Restored]:
+        return await self._all_shards(RESTORE, RestoreRequest(checkpoint=checkpoint_id), Restored)
+
+    async def health(self) -> list[Health]:
         return [
-            orjson.loads(await self._call(s, "/v1/health", b"", self.timeout_s, method="GET"))
+            Health.from_wire(await self._call(s, HEALTH, None, self.timeout_s))
             for s in range(self.num_shards)
         ]
 
-    async def _all_shards(self, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        body = orjson.dumps(payload)
-        answers = await asyncio.gather(
-            *(self._call(s, path, body, self.timeout_s) for s in range(self.num_shards))
+    async def _all_shards(self, route: Route, message: Message, answer: type[M]) -> list[M]:
+        bodies = await asyncio.gather(
+            *(self._call(s, route, message, self.timeout_s) for s in range(self.num_shards))
         )
-        return [orjson.loads(a) for a in answers]
+        return [answer.from_wire(body) for body in bodies]
 
     async def _each_shard(self, keys: np.ndarray, one: Callable[[int, np.ndarray], Awaitable[None]]) -> None:
         parts = split_by_shard(keys, self.num_shards)
@@ -160,25 +186,29 @@ class PsClient:
     async def _call(
         self,
         shard: int,
-        path: str,
-        body: Any,
+        route: Route,
+        message: Message | None,
         timeout: float,
         *,
-        method: str = "POST",
-        retry_body: Callable[[], Any] | None = None,
+        retry: Message | None = None,
     ) -> bytes:
-        """One request to one shard, retried while the shard is unreachable (with the body
-        `retry_body()` makes after the first attempt) and replayed to after it restarted."""
+        """The answer body of one request to one shard, retried while the shard is
+        unreachable (as `retry` after the first attempt, if given) and replayed to after it
+        restarted."""
         budget = RetryBudget(self.retries, self.reconnect_s, self.backoff_s)
         attempts = 0
         while True:
-            sent = body if attempts == 0 or retry_body is None else retry_body()
+            sent = message if attempts == 0 or retry is None else retry
             attempts += 1
             try:
                 incarnation = await self._incarnation(shard)
                 try:
                     return await self._clients[shard].call(
-                        method, path, body=sent, headers={INCARNATION_HEADER: incarnation}, timeout=timeout
+                        route.method,
+                        route.path,
+                        body=b"" if sent is None else sent.to_parts(),
+                        headers={INCARNATION_HEADER: incarnation},
+                        timeout=timeout,
                     )
                 except Restarted as exc:
                     await self._rejoin(shard, incarnation, str(exc.fields.get("incarnation")))
@@ -191,7 +221,8 @@ class PsClient:
                         f"(after {budget.failures + 1} attempts in {budget.waited_s:.1f} s)",
                         shard=shard,
                     ) from exc
-                log.warning("PS shard %d %s failed (%s); retrying in %.2f s", shard, path, exc.message, budget.delay)
+                log.warning("PS shard %d %s failed (%s); retrying in %.2f s",
+                            shard, route.path, exc.message, budget.delay)
                 await budget.wait()
 
     async def watch_restarts(self, interval_s: float) -> None:
@@ -221,8 +252,8 @@ class PsClient:
         return known
 
     async def _current_incarnation(self, shard: int) -> str:
-        health = orjson.loads(await self._clients[shard].call("GET", "/v1/health", timeout=self.timeout_s))
-        return str(health["incarnation"])
+        body = await self._clients[shard].call(HEALTH.method, HEALTH.path, timeout=self.timeout_s)
+        return Health.from_wire(body).incarnation
 
     async def _rejoin(self, shard: int, seen: str, current: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""
@@ -244,7 +275,10 @@ class PsClient:
             try:
                 for entry in entries:
                     await self._clients[shard].call(
-                        "POST", "/v1/write_back", body=_write_body(entry, replay=True), headers=headers,
+                        WRITE_BACK.method,
+                        WRITE_BACK.path,
+                        body=replace(entry, replay=True).to_parts(),
+                        headers=headers,
                         timeout=self.timeout_s,
                     )
             except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
@@ -252,7 +286,3 @@ class PsClient:
             self.replayed_rows += rows
             self._incarnations[shard] = current
 
-
-def _write_body(entry: JournalEntry, *, replay: bool) -> list[bytes | memoryview]:
-    meta = {"version": entry.version, "flush": entry.flush, "replay": replay}
-    return encode_parts(meta, {"keys": entry.keys, "rows": entry.rows, "state": entry.state})

@@ -6,32 +6,20 @@ order). Entries are dropped once the shard reports a snapshot that holds them, s
 holds at most the writes of one checkpoint interval plus those in flight. Past its byte
 limit (checkpoints failing, or none scheduled) it drops everything and is incomplete until
 a snapshot covers what it dropped: a restart of that shard then needs the whole cluster.
+
+Entries are the write-backs as first sent (`ps.protocol.WriteBack`, this shard's keys only);
+the client resends them as replays.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
-
-@dataclass(frozen=True, kw_only=True)
-class JournalEntry:
-    version: int
-    flush: bool
-    keys: np.ndarray  # int64 [n], this shard's keys only
-    rows: np.ndarray  # float32 [n, dim]
-    state: np.ndarray  # float32 [n, state_width]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.rows.nbytes + self.state.nbytes
+from ps.protocol import WriteBack
 
 
 class WriteJournal:
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._entries: list[JournalEntry] = []
+        self._entries: list[WriteBack] = []
         self._lost_through = -1  # the newest version dropped over the limit
         self.nbytes = 0
         self.peak_nbytes = 0
@@ -43,7 +31,7 @@ class WriteJournal:
     def complete(self) -> bool:
         return self._lost_through < 0
 
-    def record(self, entry: JournalEntry) -> None:
+    def record(self, entry: WriteBack) -> None:
         self._entries.append(entry)
         self.nbytes += entry.nbytes
         if self.nbytes > self.limit_bytes:
@@ -58,6 +46,6 @@ class WriteJournal:
         if checkpoint >= self._lost_through:
             self._lost_through = -1
 
-    def entries(self) -> list[JournalEntry]:
+    def entries(self) -> list[WriteBack]:
         """The entries in the order they were sent (a copy: recording may go on meanwhile)."""
         return list(self._entries)

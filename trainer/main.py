@@ -229,7 +229,7 @@ class Checkpointer:
             log.error("checkpoint %d is incomplete: %s", c, exc.message)
             return
         if self.rank == 0 and c in self._dense_bytes:
-            nbytes = sum(a["bytes"] for a in answers) + self._dense_bytes[c]
+            nbytes = sum(a.nbytes for a in answers) + self._dense_bytes[c]
             seconds = time.perf_counter() - started
             try:
                 await asyncio.to_thread(write_manifest, self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
@@ -319,7 +319,7 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
             np.save(final / "state.npy", engine.cache.state.cpu().numpy())
         else:
             try:
-                io.run(ps.checkpoint(iterations))
+                io.run(ps.snapshot(iterations))
             except BagpipeError as exc:  # training is done; say clearly that its tables were not saved
                 log.error("the final tables could not be saved: %s", exc.message)
         (final / "final.json").write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))

@@ -18,9 +18,10 @@ from common.spec import Endpoint
 from common.transport import H2Client
 from ps.checkpoint import load_snapshot
 from ps.client import PsClient
-from ps.journal import JournalEntry, WriteJournal
+from ps.journal import WriteJournal
 from ps.main import restore_own_latest
-from ps.service import INCARNATION_HEADER, PsService
+from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
+from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server
 
@@ -170,7 +171,8 @@ async def test_a_request_for_another_incarnation_is_refused_and_health_names_the
         health = orjson.loads(await raw.call("GET", "/v1/health"))
         assert health["incarnation"] == shard.service.incarnation
         with pytest.raises(Restarted) as caught:
-            await raw.call("POST", "/v1/checkpoint", body=b'{"id": 4}', headers={INCARNATION_HEADER: "0" * 16})
+            await raw.call("POST", "/v1/checkpoint/snapshot", body=b'{"checkpoint": 4}',
+                           headers={INCARNATION_HEADER: "0" * 16})
         assert caught.value.status == 409 and caught.value.fields["incarnation"] == shard.service.incarnation
         assert shard.service.store.last_checkpoint == -1  # nothing was done
         await raw.close()
@@ -181,16 +183,16 @@ async def test_a_report_retried_after_its_snapshot_was_written_is_answered_from_
         client = trainer(shard.endpoint)
         first, = await client.report_checkpoint(4, 0, 1)
         again, = await client.report_checkpoint(4, 0, 1)  # as if the answer had been lost
-        assert again["id"] == 4 and again["bytes"] == first["bytes"] > 0
-        shutil.rmtree(first["path"])
+        assert again.checkpoint == 4 and again.nbytes == first.nbytes > 0
+        shutil.rmtree(first.path)
         with pytest.raises(Conflict, match="already taken"):  # taken, but not on disk any more
             await client.report_checkpoint(4, 0, 1)
         await client.close()
 
 
-def entry(version: int, rows: int = 4) -> JournalEntry:
-    return JournalEntry(version=version, flush=False, keys=np.zeros(rows, np.int64),
-                        rows=np.zeros((rows, DIM), np.float32), state=np.zeros((rows, 1), np.float32))
+def entry(version: int, rows: int = 4) -> WriteBack:
+    return WriteBack(kind=WriteKind.EVICT, version=version, keys=np.zeros(rows, np.int64),
+                     rows=np.zeros((rows, DIM), np.float32), state=np.zeros((rows, 1), np.float32))
 
 
 def test_the_journal_keeps_what_no_snapshot_holds() -> None:

@@ -70,14 +70,14 @@ async def test_stale_write_back_is_refused_and_changes_nothing(cluster: Cluster)
 async def test_checkpoint_then_restore_brings_back_the_rows(cluster: Cluster) -> None:
     keys = np.arange(0, 150, 7, dtype=np.int64)
     await cluster.client.write_back(keys, *rows_for(keys, 3.0), version=1)
-    answers = await cluster.client.checkpoint(1)
-    assert [a["id"] for a in answers] == [1, 1] and all(a["bytes"] > 0 for a in answers)
+    answers = await cluster.client.snapshot(1)
+    assert [a.checkpoint for a in answers] == [1, 1] and all(a.nbytes > 0 for a in answers)
     await cluster.client.write_back(keys, *rows_for(keys, 4.0), version=2)
     await cluster.client.restore(1)
     got = await cluster.client.fetch(keys)
     assert np.array_equal(got.rows, rows_for(keys, 3.0)[0]) and (got.versions == 1).all()
     health = await cluster.client.health()
-    assert [h["checkpoints"] for h in health] == [[1], [1]]
+    assert [h.checkpoints for h in health] == [(1,), (1,)]
 
 
 async def test_metrics_count_rows_and_bytes(cluster: Cluster) -> None:
@@ -99,7 +99,7 @@ def fetch_body(keys: list[int], **arrays: np.ndarray) -> bytes:
 def write_body(version: object, keys: list[int], rows: np.ndarray | None = None, state: np.ndarray | None = None) -> bytes:
     n = len(keys)
     return encode(
-        {"version": version},
+        {"write": "evict", "version": version, "replay": False},
         {
             "keys": np.array(keys, dtype=np.int64),
             "rows": np.zeros((n, DIM), np.float32) if rows is None else rows,
@@ -115,15 +115,17 @@ BAD_REQUESTS = [
     ("POST", "/v1/fetch", fetch_body([0, 150]), 400, "outside"),
     ("POST", "/v1/fetch", fetch_body([1]), 400, "belongs to shard 1"),
     ("POST", "/v1/fetch", fetch_body([0, 2], min_versions=np.zeros(3, np.int64)), 400, "one entry per key"),
-    ("POST", "/v1/fetch", encode({"timeout_s": -1}, {"keys": np.zeros(1, np.int64)}), 400, "timeout_s"),
+    ("POST", "/v1/fetch", encode({"wait_s": -1}, {"keys": np.zeros(1, np.int64)}), 400, "wait_s"),
     ("POST", "/v1/write_back", write_body("3", [0]), 400, "version must be an integer"),
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM + 1), np.float32)), 400, "rows must have shape"),
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
     ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
     ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
-    ("POST", "/v1/checkpoint", b"{bad json", 400, "JSON"),
-    ("POST", "/v1/checkpoint", orjson.dumps({"id": -3}), 400, "non-negative"),
-    ("POST", "/v1/restore", orjson.dumps({"id": 42}), 404, "no complete checkpoint"),
+    ("POST", "/v1/checkpoint/report", b"{bad json", 400, "JSON"),
+    ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 4, "trainer": 2, "trainers": 2}), 400, "not below"),
+    ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": -3}), 400, "non-negative"),
+    ("POST", "/v1/restore", orjson.dumps({"checkpoint": 42}), 404, "no complete checkpoint"),
+    ("POST", "/v1/checkpoint", orjson.dumps({"checkpoint": 1}), 404, ""),
     ("GET", "/v1/fetch", b"", 405, ""),
     ("POST", "/v1/nope", b"", 404, ""),
     ("POST", "/v1/fetch", bytes(MAX_BODY + 1), 413, ""),
