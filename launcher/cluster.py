@@ -329,7 +329,7 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
                         warmup=min(5, max(0, total // 10)), trainers=spec.trainers.count)
     print(format_summary(summary))
     report = write_report(run_dir, summary, {"spec": str(spec.source), "seconds": result.seconds})
-    plots = plot_run(run_dir, records)
+    plots = plot_run(run_dir, records, warmup=summary.warmup)
     print(f"report: {report}\nplots: {', '.join(str(p) for p in plots)}")
     return 0
 

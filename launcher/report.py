@@ -39,7 +39,7 @@ from tqdm import tqdm
 from common.errors import BagpipeError
 from common.files import write_atomically
 from common.spec import MODES
-from trainer.timing import PHASES
+from trainer.timing import COMPUTE_PHASES, PHASES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -362,6 +362,8 @@ class RunSummary:
     checkpoints: int = 0  # complete checkpoints taken during the run
     checkpoint_bytes: float = math.nan  # mean bytes written per checkpoint (PS + dense)
     checkpoint_s: float = math.nan  # mean seconds from a checkpoint's last write to its manifest
+    # Mean seconds per iteration and trainer outside forward, backward and the dense step.
+    machinery_s: float = math.nan
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
@@ -459,10 +461,17 @@ def summarise(
         final_loss=_weighted_loss(s.loss[:, last], s.counters["samples"][:, last]),
         loss_window=last.stop - last.start,
         phase_s={p: float(v[:, measured].mean()) for p, v in s.phases.items()},
+        machinery_s=float(machinery(s)[:, measured].mean()),
         eval=s.evals[-1] if s.evals else None,
         finished=s.finished,
         **_checkpoint_figures(records_by_trainer),
     )
+
+
+def machinery(s: IterationSeries) -> np.ndarray:
+    """(T, N) seconds of each trainer's iteration spent outside `COMPUTE_PHASES`: bagpipe's
+    own cost (the phases add up to the iteration, see `trainer.timing`)."""
+    return sum((v for p, v in s.phases.items() if p not in COMPUTE_PHASES), np.zeros(s.loss.shape))
 
 
 def _checkpoint_figures(records_by_trainer: Mapping[int, Sequence[Record]]) -> dict[str, Any]:
@@ -521,6 +530,8 @@ def format_summary(summary: RunSummary) -> str:
          f"MB/iter ({s.write_back_rows_per_iter:,.1f} rows)"),
         ("synchronised", _num(s.sync_bytes_per_iter / _MB, ",.3f"),
          f"MB/iter ({s.sync_rows_per_iter:,.1f} rows, {s.join_rows_per_iter:,.1f} joins)"),
+        ("machinery", _num(1e3 * s.machinery_s, ",.2f"),
+         "ms/iter (all but forward, backward and the dense optimizer step)"),
         ("final loss", _num(s.final_loss, ".4f"), f"(mean of last {s.loss_window} iterations)"),
     ]
     if s.checkpoints:
@@ -550,7 +561,7 @@ def _format_phases(phase_s: Mapping[str, float]) -> list[str]:
         share = sec / total if total > 0 else 0.0
         bar = "#" * round(40 * share)
         lines.append(f"  {name:<16}{1e3 * sec:>14,.3f}  {100 * share:>6.1f}%  {bar}".rstrip())
-    lines.append(f"  {'total':<16}{1e3 * total:>14,.3f}")
+    lines.append(f"  {'total':<16}{1e3 * total:>14,.3f}  (the phases add up to the iteration)")
     return lines
 
 
@@ -652,17 +663,19 @@ def _smoothing_window(n: int) -> int:
 
 
 def plot_run(
-    run_dir: str | os.PathLike[str], records_by_trainer: Mapping[int, Sequence[Record]]
+    run_dir: str | os.PathLike[str], records_by_trainer: Mapping[int, Sequence[Record]], *, warmup: int = 0
 ) -> list[Path]:
     """Draw ``throughput.png`` (samples/s and hit rate per iteration, smoothed),
-    ``breakdown.png`` (mean phase times per trainer, stacked) and ``loss.png`` (training loss
-    per iteration with eval AUC points) into `run_dir`; returns their paths.
+    ``breakdown.png`` (mean phase times per trainer, stacked, over the iterations after the
+    first `warmup`, as the summary's) and ``loss.png`` (training loss per iteration with eval
+    AUC points) into `run_dir`; returns their paths.
 
     Raises `ReportError` as `iteration_series` does.
     """
     s = iteration_series(records_by_trainer)
     out = Path(run_dir)
-    return [_plot_throughput(s, out / "throughput.png"), _plot_breakdown(s, out / "breakdown.png"),
+    measured = slice(min(warmup, max(len(s.iterations) - 1, 0)), None)
+    return [_plot_throughput(s, out / "throughput.png"), _plot_breakdown(s, measured, out / "breakdown.png"),
             _plot_loss(s, out / "loss.png")]
 
 
@@ -688,18 +701,32 @@ def _plot_throughput(s: IterationSeries, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _plot_breakdown(s: IterationSeries, path: Path) -> Path:
+def breakdown_ms(s: IterationSeries, measured: slice) -> dict[str, np.ndarray]:
+    """Per phase, the mean ms per iteration of each trainer and, last, of all of them, over
+    the iterations `measured` selects."""
+    out = {}
+    for name, seconds in s.phases.items():
+        sec = seconds[:, measured]
+        per_trainer = sec.mean(axis=1) if sec.shape[1] else np.zeros(len(s.trainers))
+        out[name] = 1e3 * np.append(per_trainer, per_trainer.mean())
+    return out
+
+
+def _plot_breakdown(s: IterationSeries, measured: slice, path: Path) -> Path:
+    from matplotlib import colormaps  # 20 distinct colours: more phases than tab10 has
+
     fig, (ax,) = _new_figure(1, height=max(3.0, 1.0 + 0.45 * (len(s.trainers) + 1)))
     labels = [f"trainer {j}" for j in s.trainers] + ["mean"]
     left = np.zeros(len(labels))
-    colors = [f"C{i % 10}" for i in range(len(s.phases))]
-    for color, (name, sec) in zip(colors, s.phases.items()):
-        per_trainer = sec.mean(axis=1) if sec.shape[1] else np.zeros(len(s.trainers))
-        ms = 1e3 * np.append(per_trainer, per_trainer.mean())
-        ax.barh(labels, ms, left=left, label=name, color=color)
+    palette = colormaps["tab20"].colors
+    for i, (name, ms) in enumerate(breakdown_ms(s, measured).items()):
+        ax.barh(labels, ms, left=left, label=name, color=palette[i % len(palette)])
         left += ms
     ax.invert_yaxis()
-    ax.set_title("Where an iteration's time goes (mean per iteration)")
+    spent = machinery(s)[:, measured]
+    mean_ms = 1e3 * float(spent.mean()) if spent.size else math.nan
+    first = s.iterations[measured][0] if spent.size else 0
+    ax.set_title(f"Where an iteration's time goes (mean from iteration {first}; machinery {mean_ms:,.2f} ms)")
     ax.set_xlabel("time per iteration (ms)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="phase")
     ax.grid(axis="x", alpha=0.3)

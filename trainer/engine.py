@@ -119,7 +119,7 @@ class Engine:
             InsertFetched: (self._insert_fetched, "wait_prefetch"),
             Train: (self._train, None),
             SyncNow: (self._sync_now, "sync_now"),
-            UpdateAlone: (self._update_alone, "optimizer"),
+            UpdateAlone: (self._update_alone, "embedding_update"),
             LaunchSyncLater: (self._launch_sync_later, "sync_now"),
         }
 
@@ -251,7 +251,7 @@ class Engine:
         with self.timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        with self.timer.phase("optimizer"):
+        with self.timer.phase("dense_optimizer"):
             self.dense_optimizer.step()
         self._grad = leaf.grad  # (U, d): each used slot's gradient, summed over its uses
         stats = self._stats

@@ -165,9 +165,9 @@ def _train(
     row_bytes = 4 * (job.dim + job.state_width)
     progressive = MetricAccumulator()
     waited = time.perf_counter()
+    engine.timer.restart()
     for step in stream:
-        engine.timer.current["wait_directive"] += time.perf_counter() - waited
-        engine.timer.total["wait_directive"] += time.perf_counter() - waited
+        engine.timer.add("wait_directive", time.perf_counter() - waited)
         stats = engine.step(step.directive, step.labels, step.dense)
         if step.directive.checkpoint:
             checkpoints.save_dense(stats.iteration, engine)

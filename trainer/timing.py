@@ -1,4 +1,10 @@
-"""Per-iteration phase timers, so a user sees whether the prefetch is hidden."""
+"""Per-iteration phase timers, so a user sees whether the prefetch is hidden.
+
+The phases of one iteration do not overlap and add up to it: the time from the end of the
+previous iteration to the end of this one, with `other` holding what no phase timed
+(records, statistics, checkpoint saves). Everything but the model's own work
+(`COMPUTE_PHASES`) is the trainer's *machinery*: what bagpipe adds to plain training.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +19,15 @@ PHASES: tuple[str, ...] = (
     "wait_prefetch",
     "forward",
     "backward",
+    "dense_optimizer",
     "sync_now",
+    "embedding_update",
     "sync_later_wait",
-    "optimizer",
     "write_back_queue",
+    "other",
 )
+#: Forward, backward and the dense optimizer step: what any trainer of the model would do.
+COMPUTE_PHASES: tuple[str, ...] = ("forward", "backward", "dense_optimizer")
 
 
 class PhaseTimer:
@@ -26,6 +36,7 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.current: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._started = time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -37,8 +48,22 @@ class PhaseTimer:
             self.current[name] += elapsed
             self.total[name] += elapsed
 
+    def restart(self) -> None:
+        """The next iteration starts now (call when the iteration loop starts)."""
+        self._started = time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` spent outside a `phase` block (e.g. waiting for a directive)."""
+        self.current[name] += seconds
+        self.total[name] += seconds
+
     def end_iteration(self) -> dict[str, float]:
-        """The finished iteration's phases; starts the next one at zero."""
+        """The finished iteration's phases, `other` completing them to its wall time (since
+        the previous `end_iteration`, or since the timer was made); the next starts at zero."""
+        now = time.perf_counter()
         done = self.current
+        done["other"] = max(0.0, now - self._started - sum(done.values()))
+        self.total["other"] += done["other"]
         self.current = dict.fromkeys(PHASES, 0.0)
+        self._started = now
         return done

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from launcher.report import (
+    breakdown_ms,
     ProgressBar,
     RecordTail,
     ReportError,
@@ -103,6 +104,19 @@ def test_summary_figures_match_hand_computation() -> None:
     assert s.eval is not None and s.eval.iteration == 3 and s.eval.count == 400
     assert s.eval.auc == pytest.approx((0.7 * 100 + 0.8 * 300) / 400)
     assert s.eval.log_loss == pytest.approx((0.5 * 100 + 0.4 * 300) / 400)
+
+
+def test_machinery_is_every_phase_but_the_models_own_work() -> None:
+    run = two_trainer_run()
+    for j, records in run.items():
+        for r in records:
+            if r["kind"] == "iter":
+                r["phases"] |= {"backward": 0.5, "dense_optimizer": 0.25, "boundary": 0.125 * (j + 1),
+                                "other": 0.0625}
+    s = summarise(run, mode="bagpipe", global_batch=160, warmup=1)
+    assert s.machinery_s == pytest.approx((0.125 + 0.25) / 2 + 0.0625)
+    assert RunSummary.from_json(s.to_json()).machinery_s == s.machinery_s
+    assert "  machinery               250.00  ms/iter" in format_summary(s)
 
 
 def test_warmup_moves_the_clock_start_and_the_averages() -> None:
@@ -362,3 +376,10 @@ def test_checkpoint_cost_is_summarised_and_printed() -> None:
     assert "checkpoints" in format_summary(s) and "4.00 MB and 1.00 s each" in format_summary(s)
     assert RunSummary.from_json(s.to_json()).checkpoints == 2
     assert summarise(two_trainer_run(), mode="bagpipe", global_batch=8).checkpoints == 0
+
+
+def test_the_breakdown_leaves_the_warm_up_out() -> None:
+    s = iteration_series(two_trainer_run())
+    forward = breakdown_ms(s, slice(1, None))["forward"]
+    assert forward == pytest.approx([1e3 * 0.6 / 3, 1e3 * 1.2 / 3, 1e3 * 0.3])
+    assert breakdown_ms(s, slice(0, None))["forward"][0] == pytest.approx(1e3 * 1.6 / 4)
