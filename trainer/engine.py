@@ -130,7 +130,9 @@ class Engine:
         stats = IterationStats(iteration=d.iteration, samples=len(labels), loss=0.0, join_rows=len(d.join_keys))
         self._batch, self._stats = (labels, dense), stats
         written = self.written_rows
-        self._execute(self.boundary.plan(d))
+        with self.timer.phase("boundary"):
+            actions = self.boundary.plan(d)
+        self._execute(actions)
         stats.write_back_rows = self.written_rows - written
         self._batch = self._stats = self._grad = None
         return stats
@@ -138,7 +140,9 @@ class Engine:
     def drain(self) -> None:
         """After the last directive: the boundaries into N and N+1 without new work, then wait
         until the PS has acknowledged every write-back."""
-        self._execute(self.boundary.drain())
+        with self.timer.phase("boundary"):
+            actions = self.boundary.drain()
+        self._execute(actions)
         self.wait_for_writes()
 
     def wait_for_writes(self, up_to: int | None = None) -> None:
