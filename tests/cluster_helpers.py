@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from common.init import initial_rows
 from common.job import Job, build_job
 from common.spec import load_spec, spec_toml
 from launcher.cluster import ClusterResult, run_cluster
+from launcher.inprocess import FinalModel
 from oracle.main import build_workload
 from ps.checkpoint import load_snapshot
 from tests.trainer.reference import ReferenceResult, reference_train
@@ -46,13 +46,6 @@ def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]],
     path = directory / f"{name}.toml"
     path.write_text(spec_toml(name, seed, sections))
     return path
-
-
-@dataclass(frozen=True)
-class FinalModel:
-    dense: dict[str, torch.Tensor]
-    table: np.ndarray  # [total_rows, d]
-    state: np.ndarray  # [total_rows, s]
 
 
 def run_spec(path: Path, run_dir: Path, *, resume: bool = False) -> tuple[Job, ClusterResult]:

@@ -1,8 +1,9 @@
 """The trainer's embedding cache: a ``[C, d]`` row tensor and its ``[C, s]`` optimizer state.
 
 Pure tensor code: slots come from the oracle's directives (no hashing here) and rows come
-from whoever holds them (the PS client, a join collective). On CUDA, rows arriving from the
-host are staged in pinned memory and copied on the side stream (DESIGN §5).
+from whoever holds them (the PS client, a join collective). Fetched rows arrive already on
+the device (`trainer.device.Device.stage`: on CUDA copied on the side stream as soon as they
+arrived), so inserting them only waits for their copy (DESIGN §5).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer.device import Device
+from trainer.device import Device, Staged
 from trainer.optim import EmbeddingOptimizer
 
 
@@ -47,18 +48,10 @@ class EmbeddingCache:
         self.rows[idx] = rows
         self.state[idx] = state
 
-    def write_host(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
-        """Insert rows that arrived on the host (staged and copied on the side stream on CUDA)."""
-        dev = self.device
-        host_rows = dev.stage(torch.from_numpy(np.ascontiguousarray(rows)))
-        host_state = dev.stage(torch.from_numpy(np.ascontiguousarray(state)))
-        with dev.on_copy_stream():
-            rows_t = host_rows.to(dev.torch_device, non_blocking=True)
-            state_t = host_state.to(dev.torch_device, non_blocking=True)
-            copied = dev.event()
-            copied.record()
-        dev.compute_waits_for(copied)
-        self.write(slots, rows_t, state_t)
+    def insert(self, slots: np.ndarray, staged: Staged) -> None:
+        """Write rows staged by `Device.stage` into `slots`, once their copy is done."""
+        self.device.wait_for(staged)
+        self.write(slots, staged.rows, staged.state)
 
     def apply(self, slots: np.ndarray, grad: torch.Tensor) -> None:
         """One optimizer step on the rows at unique `slots` with their combined gradient."""

@@ -37,7 +37,7 @@ class RowSum:
 @dataclass(frozen=True)
 class Collectives:
     """The trainers' process group. Data-plane collectives call the group object directly,
-    so a group built in one process for tests (tests/trainer/harness.py) runs this code."""
+    so a group built in one process (launcher/inprocess.py) runs this code."""
 
     world_size: int
     rank: int

@@ -1,72 +1,139 @@
-"""The compute device and its copy streams, chosen once at start-up.
+"""The compute device, and rows copied to it as soon as they arrive from the network.
 
-On CUDA, staged rows are copied host-to-device on a side stream from pinned memory and the
-compute stream waits on an event (DESIGN §5). On the CPU the same calls are no-ops, so the
-trainer has one code path: `torch.cuda.Stream()` raises on a CPU build, hence the stand-ins.
+On CUDA, a fetched row block is copied host-to-device the moment its fetch completes, on
+the I/O thread: into a reused pinned staging buffer, then on a side stream, with an event
+recorded after the copy (DESIGN §5). The insertion before forward only makes the compute
+stream wait for that event, so the copy overlaps whatever the GPU is computing meanwhile.
+On the CPU the same calls are no-ops (`torch.cuda.Stream()` raises on a CPU build, hence the
+stand-ins), so the trainer has one code path.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Literal
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from common.errors import ConfigError
 
 
-class _NoEvent:
-    def record(self, stream: Any = None) -> None:
-        pass
+class Event(Protocol):
+    def query(self) -> bool: ...
 
-    def synchronize(self) -> None:
-        pass
+
+class _NoEvent:
+    def query(self) -> bool:
+        return True
 
 
 class _NoStream:
-    def wait_event(self, event: Any) -> None:
-        pass
+    """The CPU has no side stream; `Device.stage` never enters one there."""
 
-    def synchronize(self) -> None:
-        pass
+
+@dataclass(frozen=True)
+class Staged:
+    """Rows and optimizer state on the device; on CUDA still being copied until `copied`."""
+
+    rows: torch.Tensor
+    state: torch.Tensor
+    copied: Any  # torch.cuda.Event, or a stand-in that is always done
+
+
+class StagingPool:
+    """Host buffers reused for host-to-device copies (pinned on CUDA: pinning is slow, and
+    only pinned memory copies asynchronously). A buffer is handed out again only once the
+    event of the copy that last read it has completed."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor]) -> None:
+        self._allocate = allocate
+        self._lock = threading.Lock()  # fetches may complete on more than one thread
+        self._buffers: list[tuple[torch.Tensor, Event]] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes`, free for writing; `give_back` it with the
+        event of the copy that reads it."""
+        with self._lock:
+            for i, (buf, event) in enumerate(self._buffers):
+                if buf.numel() >= nbytes and event.query():
+                    return self._buffers.pop(i)[0]
+        return self._allocate(1 << max(nbytes - 1, 1).bit_length())  # a power of two: reusable
+
+    def give_back(self, buffer: torch.Tensor, event: Event) -> None:
+        with self._lock:
+            self._buffers.append((buffer, event))
+
+    def __len__(self) -> int:
+        return len(self._buffers)
 
 
 @dataclass(frozen=True)
 class Device:
-    """Device plus the copy-stream operations the cache needs."""
+    """Device plus the copy stream, and the staging of rows that arrive from the network."""
 
     torch_device: torch.device
     copy_stream: Any
+    pool: StagingPool = field(default_factory=lambda: StagingPool(_host_buffer), compare=False)
 
     @property
     def is_cuda(self) -> bool:
         return self.torch_device.type == "cuda"
 
-    def stage(self, host: torch.Tensor) -> torch.Tensor:
-        """Pinned host copy of `host` on CUDA (so the H2D copy can be asynchronous)."""
-        return host.pin_memory() if self.is_cuda else host
+    def stage(self, rows: np.ndarray, state: np.ndarray) -> Staged:
+        """Start copying `rows` and `state` to the device (on CUDA: pinned buffer, side
+        stream, event); callable from any thread."""
+        if not self.is_cuda:
+            return Staged(torch.from_numpy(np.ascontiguousarray(rows)), torch.from_numpy(np.ascontiguousarray(state)), _NoEvent())
+        host = self.pool.take(rows.nbytes + state.nbytes)
+        host_rows = _view(host, 0, rows)
+        host_state = _view(host, rows.nbytes, state)
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(self.copy_stream):
+            on_device = (host_rows.to(self.torch_device, non_blocking=True),
+                         host_state.to(self.torch_device, non_blocking=True))
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self.pool.give_back(host, copied)
+        return Staged(*on_device, copied)
 
-    @contextlib.contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
+    def stage_when_done(self, fetch: concurrent.futures.Future) -> concurrent.futures.Future:
+        """A future of the `Staged` rows of `fetch` (whose result has `.rows` and `.state`),
+        staged by whichever thread completes the fetch: the copy starts on arrival."""
+        staged: concurrent.futures.Future = concurrent.futures.Future()
+
+        def on_done(done: concurrent.futures.Future) -> None:
+            try:
+                got = done.result()
+                staged.set_result(self.stage(got.rows, got.state))
+            except BaseException as exc:  # handed to whoever waits for the rows
+                staged.set_exception(exc)
+
+        fetch.add_done_callback(on_done)
+        return staged
+
+    def wait_for(self, staged: Staged) -> None:
+        """Make the compute stream wait for `staged`'s copy and own its memory from now on."""
         if self.is_cuda:
-            with torch.cuda.stream(self.copy_stream):
-                yield
-        else:
-            yield
+            compute = torch.cuda.current_stream(self.torch_device)
+            compute.wait_event(staged.copied)
+            # Allocated on the copy stream: without this the allocator could hand the
+            # memory to the next copy while the compute stream still reads it.
+            staged.rows.record_stream(compute)
+            staged.state.record_stream(compute)
 
-    def event(self) -> Any:
-        return torch.cuda.Event() if self.is_cuda else _NoEvent()
 
-    def compute_waits_for(self, event: Any) -> None:
-        """Make the compute stream wait for work recorded on the copy stream."""
-        if self.is_cuda:
-            torch.cuda.current_stream(self.torch_device).wait_event(event)
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.torch_device)
+
+def _view(buffer: torch.Tensor, offset: int, array: np.ndarray) -> torch.Tensor:
+    """`array` copied into `buffer` at byte `offset`, as a float32 tensor of its shape."""
+    part = buffer[offset : offset + array.nbytes].view(torch.float32).view(array.shape)
+    part.numpy()[...] = array
+    return part
 
 
 def select_device(kind: Literal["auto", "cpu", "cuda"], local_rank: int) -> Device:

@@ -169,8 +169,9 @@ class Engine:
     def _issue_fetches(self, a: IssueFetches) -> None:
         for group in a.groups:
             assert self.rows is not None, "a directive with prefetches needs a PS"
-            future = self.rows.fetch(group.keys, group.min_versions)
-            self._fetches.setdefault(group.target, []).append((future, group.slots))
+            fetch = self.rows.fetch(group.keys, group.min_versions)
+            staged = self.cache.device.stage_when_done(fetch)  # copied as soon as it arrives
+            self._fetches.setdefault(group.target, []).append((staged, group.slots))
 
     def _wait_writes(self, a: WaitWrites) -> None:
         self.wait_for_writes(up_to=a.up_to)
@@ -236,9 +237,8 @@ class Engine:
         self.cache.write(a.slots, part[:, : self.cache.dim], part[:, self.cache.dim :])
 
     def _insert_fetched(self, a: InsertFetched) -> None:
-        for future, slots in self._fetches.pop(a.target, []):
-            got = future.result()
-            self.cache.write_host(slots, got.rows, got.state)
+        for staged, slots in self._fetches.pop(a.target, []):
+            self.cache.insert(slots, staged.result())
         self.fetched_rows += len(a.slots)
         assert self._stats is not None
         self._stats.fetch_rows = len(a.slots)

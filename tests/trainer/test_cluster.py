@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.inprocess import run_in_process
 from tests.cluster_helpers import as_final, assert_identical, final_model, reference_for, run_spec, write_spec
-from tests.trainer.harness import run_in_process
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Exactness, in one process (tests/trainer/harness.py): every mode, model, optimizer and
+"""Exactness, in one process (launcher/inprocess.py): every mode, model, optimizer and
 trainer count ends with the same parameters, bit for bit, as every other mode; with up to two
 trainers also bit for bit as the data-parallel reference (tests/trainer/reference.py).
 
@@ -19,9 +19,9 @@ import pytest
 
 from common.job import Job, build_job
 from common.spec import load_spec
+from launcher.inprocess import InProcessRun, run_in_process
 from oracle.main import build_workload
 from tests.cluster_helpers import as_final, assert_identical, assert_same_model, reference_for, write_spec
-from tests.trainer.harness import InProcessRun, run_in_process
 
 MODES = ["bagpipe", "no-cache", "static-cache", "local"]
 MODELS = ["dlrm", "deepfm", "wide_deep", "dcn"]

@@ -20,9 +20,9 @@ import torch
 
 from common.job import Job, build_job
 from common.spec import load_spec
-from tests.cluster_helpers import FinalModel, as_final, assert_identical, differing_elements, reference_for, write_spec
+from launcher.inprocess import FinalModel, run_in_process
 from oracle.main import build_workload
-from tests.trainer.harness import run_in_process
+from tests.cluster_helpers import as_final, assert_identical, differing_elements, reference_for, write_spec
 from tests.trainer.reference import ReferenceTrainer
 from tests.trainer.test_equivalence import MODES, assert_cache_was_exercised
 

@@ -1,12 +1,17 @@
-"""T trainers in one process: the production engine, DDP and gloo, without servers.
+"""A whole run in one process: T trainers as threads, without servers.
 
 Each trainer is a thread running `trainer.main.build_engine`'s engine over a real gloo
 process group built in this process (ranks meet through an in-memory store), so DDP's
 dense all-reduce and the embedding sync are the collectives a cluster runs. The PS is
 `StoreRows`: the production `ShardStore`s behind a lock, a fetch resolved once its rows
 reach the version it asks for. The oracle is the production `Planner`, run ahead over the
-whole stream. What this leaves out — HTTP/2, the directive stream, processes, the launcher
-— the cluster tests cover.
+whole stream. What this leaves out — HTTP/2, the directive stream, processes — the local
+cluster (`launcher.cluster`) has. The equivalence tests run the full mode x model x
+optimizer x T matrix through it in seconds, and `bench/gpu_check.py` runs it on CUDA.
+
+Building process groups in-process uses torch's `ProcessGroup._register_backend`, an
+internal API (what `torch.distributed.new_group` does underneath): it may need following
+on a torch upgrade.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,7 +38,6 @@ from oracle.planner import Planner
 from ps.client import Rows
 from ps.main import shard_config
 from ps.store import ShardStore
-from tests.cluster_helpers import FinalModel
 from trainer.collectives import Collectives
 from trainer.device import select_device
 from trainer.engine import Engine, IterationStats
@@ -110,7 +114,7 @@ def process_groups(world_size: int) -> list[Any]:
     groups: list[Any] = [None] * world_size
 
     def join(rank: int) -> None:
-        prefixed = dist.PrefixStore(f"harness-{world_size}", store)
+        prefixed = dist.PrefixStore(f"in-process-{world_size}", store)
         backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
         group = dist.ProcessGroup(prefixed, rank, world_size)
         group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -121,6 +125,15 @@ def process_groups(world_size: int) -> list[Any]:
     return groups
 
 
+@dataclass(frozen=True)
+class FinalModel:
+    """The parameters a run ends with."""
+
+    dense: dict[str, torch.Tensor]  # rank 0's dense state_dict
+    table: np.ndarray  # [total_rows, d]
+    state: np.ndarray  # [total_rows, s]
+
+
 @dataclass(frozen=True, kw_only=True)
 class InProcessRun:
     model: FinalModel
@@ -128,21 +141,23 @@ class InProcessRun:
     dense_grads: dict[str, torch.Tensor]  # rank 0's averaged dense gradients of the last step
 
 
-def run_in_process(job: Job) -> InProcessRun:
-    """Train `job` (any mode) with its trainers as threads of this process."""
+def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu") -> InProcessRun:
+    """Train `job` (any mode) with its trainers as threads of this process, on one torch
+    thread, on the CPU or (every trainer on the same GPU) CUDA."""
     torch.set_num_threads(1)
     world = job.spec.trainers.count
     steps = _plan(job)
     local = job.spec.oracle.mode == "local"
     rows = None if local else StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
     groups = process_groups(world)
-    models = [seeded_model(job, select_device("cpu", rank)) for rank in range(world)]
+    devices = [select_device(device, 0) for _ in range(world)]
+    models = [seeded_model(job, devices[rank]) for rank in range(world)]
     engines: list[Engine | None] = [None] * world
     stats: list[list[IterationStats]] = [[] for _ in range(world)]
 
     def train(rank: int) -> None:
         comm = Collectives(world_size=world, rank=rank, group=groups[rank])
-        engine = build_engine(job, select_device("cpu", rank), comm, rows, models[rank])
+        engine = build_engine(job, devices[rank], comm, rows, models[rank])
         engines[rank] = engine
         for iteration in steps:
             step = iteration[rank]
@@ -153,10 +168,10 @@ def run_in_process(job: Job) -> InProcessRun:
     first = engines[0]
     assert first is not None
     module = first.model.module
-    dense = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    grads = {k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None}
+    dense = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    grads = {k: p.grad.cpu().clone() for k, p in module.named_parameters() if p.grad is not None}
     if rows is None:
-        table, state = first.cache.rows.numpy(), first.cache.state.numpy()
+        table, state = first.cache.rows.cpu().numpy(), first.cache.state.cpu().numpy()
     else:
         table, state = rows.table(job)
     return InProcessRun(model=FinalModel(dense, table, state), stats=stats, dense_grads=grads)
