@@ -40,6 +40,7 @@ from common.transport.limits import ConnectionLimits, EventWindow
 
 logger = logging.getLogger(__name__)
 
+LINGER_S = 1.0  # how long a closing connection waits for its peer to close first
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _NOT_H2_BODY = (
     b"This port speaks HTTP/2 with prior knowledge (h2c), not HTTP/1.x.\n"
@@ -170,7 +171,7 @@ class _ServerProtocol(H2Protocol):
             "closed the connection from %s: idle for %gs (idle_timeout_s)",
             self.peer, self._server.limits.idle_timeout_s,
         )
-        self.goaway()
+        self.goaway(linger=True)
 
     # -- events from the reader -------------------------------------------------------
     def handle_event(self, event: h2.events.Event) -> None:
@@ -250,11 +251,8 @@ class _ServerProtocol(H2Protocol):
             "closed the connection from %s: over %d streams reset in %gs (max_resets): GOAWAY "
             "ENHANCE_YOUR_CALM", self.peer, limits.max_resets, limits.reset_window_s,
         )
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.conn.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-            self.flush()
-        self._fail(Unavailable("connection closed: too many streams reset"))
-        self.close()
+        self._fail(Unavailable("connection closed: too many streams reset"))  # cancels the work
+        self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, linger=True)
 
     # -- request tasks --------------------------------------------------------------------
     def _spawn(self, stream_id: int, coro: object) -> None:
@@ -338,13 +336,25 @@ class _ServerProtocol(H2Protocol):
     def pending(self) -> list[asyncio.Task[None]]:
         return list(self._tasks.values())
 
-    def goaway(self) -> None:
+    def goaway(
+        self, error_code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR, *,
+        linger: bool = False,
+    ) -> None:
+        """Send GOAWAY and close. With `linger`, the connection is half-closed and the peer's
+        further bytes dropped unread until it closes too (at most `LINGER_S`): closing with
+        its frames still unread makes the kernel reset the connection, which can destroy
+        the GOAWAY before the peer reads it."""
         self._closing = True
         if self._preface_seen:
             with contextlib.suppress(Exception):
-                self.conn.close_connection()
+                self.conn.close_connection(error_code=error_code)
                 self.flush()
-        self.close()
+        transport = self.transport
+        if linger and transport is not None and transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_S, self.close)
+        else:
+            self.close()
 
 
 def _response_headers(
