@@ -52,3 +52,17 @@ class RateLimitedLog:
 
     def info(self, msg: str, *args: object) -> None:
         self.log(logging.INFO, msg, *args)
+
+
+class RateLimitedLogs:
+    """A `RateLimitedLog` per kind of event, made on first use, so that a flood of one kind
+    (say, rapid resets) cannot use up the lines that report another (the connection cap)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._by_kind: dict[str, RateLimitedLog] = {}
+
+    def __getitem__(self, kind: str) -> RateLimitedLog:
+        if kind not in self._by_kind:
+            self._by_kind[kind] = RateLimitedLog(self._logger)
+        return self._by_kind[kind]

@@ -21,7 +21,7 @@ import h2.events
 import h2.exceptions
 
 from common.errors import BadRequest, BagpipeError, Unavailable
-from common.ratelog import RateLimitedLog
+from common.ratelog import RateLimitedLogs
 from common.transport.h2base import H2Protocol, StreamGone
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -88,7 +88,7 @@ class _ServerProtocol(H2Protocol):
         self.peer = str(transport.get_extra_info("peername"))
         server = self._server
         if len(server.connections) >= server.limits.max_connections:
-            server.limit_log.warning(
+            server.logs["max_connections"].warning(
                 "refused a connection from %s: %d connections open (max_connections)",
                 self.peer, len(server.connections),
             )
@@ -122,13 +122,13 @@ class _ServerProtocol(H2Protocol):
             return True
         self._closing = True
         if head[:1].isupper():  # a request line: GET / HTTP/1.1
-            self._server.connection_log.info(
+            self._server.logs["not_h2"].info(
                 "HTTP/1.x request from %s on the h2c port: answered 505", self.peer
             )
             if self.transport is not None:
                 self.transport.write(NOT_H2_ANSWER)
         else:
-            self._server.connection_log.warning(
+            self._server.logs["not_h2"].warning(
                 "dropped a connection from %s: not HTTP/2 (first bytes %r)", self.peer, head[:16]
             )
         self.close()
@@ -136,11 +136,11 @@ class _ServerProtocol(H2Protocol):
 
     def protocol_error(self, exc: h2.exceptions.ProtocolError) -> None:
         if isinstance(exc, h2.exceptions.TooManyStreamsError):
-            self._server.limit_log.warning(
+            self._server.logs["max_concurrent_streams"].warning(
                 "closed the connection from %s: %s (max_concurrent_streams)", self.peer, exc
             )
         else:
-            self._server.connection_log.warning(
+            self._server.logs["protocol_error"].warning(
                 "HTTP/2 protocol error from %s: %s", self.peer, exc
             )
 
@@ -167,7 +167,7 @@ class _ServerProtocol(H2Protocol):
 
     def _idle(self) -> None:
         self._idle_timer = None
-        self._server.limit_log.info(
+        self._server.logs["idle_timeout_s"].info(
             "closed the connection from %s: idle for %gs (idle_timeout_s)",
             self.peer, self._server.limits.idle_timeout_s,
         )
@@ -190,6 +190,9 @@ class _ServerProtocol(H2Protocol):
 
     def _request_received(self, event: h2.events.RequestReceived) -> None:
         stream_id = event.stream_id
+        stream = self.conn.streams.get(stream_id)
+        if stream is None or stream.closed:
+            return  # reset in the same read (its StreamReset follows): nothing to answer
         if self._refusing:
             self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             self._count_reset()
@@ -247,7 +250,7 @@ class _ServerProtocol(H2Protocol):
         if not self._resets.hit(asyncio.get_running_loop().time()):
             return
         limits = self._server.limits
-        self._server.limit_log.warning(
+        self._server.logs["max_resets"].warning(
             "closed the connection from %s: over %d streams reset in %gs (max_resets): GOAWAY "
             "ENHANCE_YOUR_CALM", self.peer, limits.max_resets, limits.reset_window_s,
         )
@@ -404,9 +407,7 @@ class H2Server:
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes)
         self.limits = limits
-        # One budget per kind, so a flood of one cannot hide the other.
-        self.limit_log = RateLimitedLog(logger)
-        self.connection_log = RateLimitedLog(logger)
+        self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self._host, self._port, self._grace = host, port, grace

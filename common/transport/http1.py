@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from common.errors import BagpipeError, TimedOut, Unavailable
-from common.ratelog import RateLimitedLog
+from common.ratelog import RateLimitedLog, RateLimitedLogs
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
     Body,
@@ -61,9 +61,7 @@ class Http1Server:
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
-        # One budget per kind, so a flood of one cannot hide the other.
-        self._limit_log = RateLimitedLog(logger)
-        self._connection_log = RateLimitedLog(logger)
+        self._logs = RateLimitedLogs(logger)  # for what peers can provoke at will
 
     @property
     def port(self) -> int:
@@ -79,7 +77,7 @@ class Http1Server:
             access_log=None,
             shutdown_timeout=self._grace,
             keepalive_timeout=self._limits.idle_timeout_s,
-            logger=_OneLineLog(self._connection_log),
+            logger=_OneLineLog(self._logs["bad_request"]),
         )
         await runner.setup()
         loop = asyncio.get_running_loop()
@@ -105,7 +103,7 @@ class Http1Server:
         server = self._runner.server
         if len(server.connections) < self._limits.max_connections:
             return server()
-        self._limit_log.warning(
+        self._logs["max_connections"].warning(
             "refused a connection: %d connections open (max_connections)", len(server.connections)
         )
         return _Refused()
@@ -121,7 +119,7 @@ class Http1Server:
             return _early(raw, error_response(self._gate.too_large()))
         except ConnectionError as exc:
             # The peer left mid-body; nobody reads an answer, aiohttp drops it quietly.
-            self._connection_log.info("connection from %s lost mid-body: %s", raw.remote, exc)
+            self._logs["lost_mid_body"].info("connection from %s lost mid-body: %s", raw.remote, exc)
             return _early(raw, error_response(Unavailable("request body incomplete")))
         request = Request(
             method=raw.method, path=raw.path, query=dict(raw.query), headers=headers, body=body

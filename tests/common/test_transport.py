@@ -324,5 +324,5 @@ async def test_bad_connections_log_rate_limited_lines_without_tracebacks(
     await _works(client)
     lines = [r for r in caplog.records if r.levelno >= logging.INFO and r.name != "asyncio"]
     assert not [r for r in caplog.records if r.exc_info], "a bad connection logged a traceback"
-    # Two budgets (limits, bad connections) of 10 lines per 10 s, not one line per connection.
-    assert 1 <= len([r for r in lines if "listening" not in r.getMessage()]) <= 20
+    # 10 lines per 10 s for each kind of event (at most 3 kinds here), not one a connection.
+    assert 1 <= len([r for r in lines if "listening" not in r.getMessage()]) <= 30
