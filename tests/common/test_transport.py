@@ -326,3 +326,32 @@ async def test_bad_connections_log_rate_limited_lines_without_tracebacks(
     assert not [r for r in caplog.records if r.exc_info], "a bad connection logged a traceback"
     # 10 lines per 10 s for each kind of event (at most 3 kinds here), not one a connection.
     assert 1 <= len([r for r in lines if "listening" not in r.getMessage()]) <= 30
+
+
+async def test_upload_cut_short_logs_no_traceback(
+    kind: str, pair: tuple[object, Client], service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, client = pair
+    port = server.port  # type: ignore[attr-defined]
+    caplog.set_level(logging.DEBUG)
+    for _ in range(5):  # authenticated uploads one byte short, then the peer leaves
+        if kind == "h2":
+            raw = await RawH2.open(port)
+            stream_id = raw.request("POST", "/echo", token=TOKEN, end_stream=False,
+                                    content_length=1000)
+            raw.conn.send_data(stream_id, bytes(999))
+            await raw.flush()
+            await raw.events_until(lambda e: isinstance(e, h2.events.RemoteSettingsChanged))
+            await raw.close()
+        else:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " +
+                         TOKEN.encode() + b"\r\ncontent-length: 1000\r\n\r\n" + bytes(999))
+            await writer.drain()
+            writer.close()
+    if kind == "http1":  # wait until the server has seen every peer leave
+        async with asyncio.timeout(BOUNDED):
+            while sum("lost mid-body" in r.getMessage() for r in caplog.records) < 5:
+                await asyncio.sleep(0.01)
+    await _works(client)
+    assert not [r for r in caplog.records if r.exc_info], "a cut-short upload logged a traceback"
