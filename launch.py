@@ -119,11 +119,12 @@ def with_addresses(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
 
 def run_role(args: argparse.Namespace) -> int:
     from common.job import build_job
-    from common.runtime import configure_logging
+    from common.runtime import configure_logging, raise_file_limit
     from common.spec import load_spec
     from common.transport import run
 
     configure_logging(f"{args.role}[{args.index}]")
+    raise_file_limit()
     spec = with_addresses(load_spec(args.spec), args)
     job = build_job(spec)
     token = spec.token()

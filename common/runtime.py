@@ -1,4 +1,5 @@
-"""Process plumbing shared by the long-running roles: logging, the ready file, stopping.
+"""Process plumbing shared by the long-running roles: logging, the file-descriptor limit,
+the ready file, the servers' limits, stopping.
 
 A role started by the launcher writes a small JSON "ready file" once its servers listen, so
 the launcher learns the ports chosen for port 0 without parsing logs; SIGTERM and SIGINT
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +20,8 @@ from typing import Any
 import orjson
 
 from common.files import write_atomically
-from common.transport import H2Server, Http1Server, Router
+from common.spec import ClusterSection
+from common.transport import ConnectionLimits, H2Server, Http1Server, Router
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,24 @@ def configure_logging(role: str, level: str | None = None) -> None:
     )
 
 
+def raise_file_limit() -> int:
+    """Raise this process's open-file limit (RLIMIT_NOFILE) to its hard limit and return it.
+
+    Every connection is a file descriptor: at the usual soft limit of 1,024 a server whose
+    `max_connections` is 1,024 would run out before its cap, and then refuse every client
+    without a word. Raising the soft limit needs no privilege.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+            return soft
+    log.info("open-file limit %d", hard)
+    return hard
+
+
 def write_ready_file(path: Path | None, info: dict[str, Any]) -> None:
     """Publish `info` atomically: the launcher never reads half a file."""
     if path is None:
@@ -39,9 +60,31 @@ def write_ready_file(path: Path | None, info: dict[str, Any]) -> None:
     write_atomically(path, orjson.dumps(info))
 
 
-def make_server(transport: str, router: Router, *, host: str, port: int, token: str, max_body_bytes: int) -> H2Server | Http1Server:
+def connection_limits(cluster: ClusterSection) -> ConnectionLimits:
+    """The servers' limits as the spec's `[cluster]` section sets them."""
+    return ConnectionLimits(
+        idle_timeout_s=cluster.idle_timeout_s,
+        max_connections=cluster.max_connections,
+        max_concurrent_streams=cluster.max_concurrent_streams,
+        max_resets=cluster.max_resets,
+        reset_window_s=cluster.reset_window_s,
+    )
+
+
+def make_server(
+    transport: str,
+    router: Router,
+    *,
+    host: str,
+    port: int,
+    token: str,
+    max_body_bytes: int,
+    limits: ConnectionLimits = ConnectionLimits(),
+) -> H2Server | Http1Server:
     cls = H2Server if transport == "h2" else Http1Server
-    return cls(router, host=host, port=port, token=token, max_body_bytes=max_body_bytes)
+    return cls(
+        router, host=host, port=port, token=token, max_body_bytes=max_body_bytes, limits=limits
+    )
 
 
 async def wait_for_stop_signal() -> None:

@@ -55,6 +55,20 @@ class ClusterSection:
     fetch_timeout_s: float = 120.0
     retries: int = 5
     reconnect_s: float = 30.0
+    # Connection hygiene of every server (`common/transport/limits.py` says why each).
+    idle_timeout_s: float = 300.0
+    max_connections: int = 1024
+    max_concurrent_streams: int = 256
+    max_resets: int = 200
+    reset_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_concurrent_streams", "max_resets"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "reset_window_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"cluster.{name}", f"must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +201,11 @@ def _cluster(s: _Section) -> ClusterSection:
         fetch_timeout_s=s.float("fetch_timeout_s", 120.0),
         retries=s.int("retries", 5, low=0),
         reconnect_s=s.float("reconnect_s", 30.0),
+        idle_timeout_s=s.get("idle_timeout_s", float, 300.0),
+        max_connections=s.get("max_connections", int, 1024),
+        max_concurrent_streams=s.get("max_concurrent_streams", int, 256),
+        max_resets=s.get("max_resets", int, 200),
+        reset_window_s=s.get("reset_window_s", float, 10.0),
     )
 
 

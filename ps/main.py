@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from common.job import Job
-from common.runtime import make_server, wait_for_stop_signal, write_ready_file
+from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
 from common.checkpoints import latest_complete, ps_dir
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
 from ps.service import PsService
@@ -72,10 +72,11 @@ async def run_ps(
         if resume:
             _restore(service, start)
     address = spec.ps.addresses[index]
+    limits = connection_limits(spec.cluster)
     servers = [
         make_server(
             spec.cluster.transport, service.router(), host=address.host, port=address.port,
-            token=token, max_body_bytes=spec.cluster.max_body_bytes,
+            token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=limits,
         )
     ]
     if spec.cluster.transport == "h2":
@@ -84,7 +85,7 @@ async def run_ps(
             admin_port = address.port + 1 if address.port else 0
         servers.append(
             make_server("http1", service.router(), host=address.host, port=admin_port,
-                        token=token, max_body_bytes=spec.cluster.max_body_bytes)
+                        token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=limits)
         )
     for server in servers:
         await server.start()

@@ -27,6 +27,7 @@ from common.transport.http import (
     StreamResponse,
 )
 from common.transport.http1 import Http1Client, Http1Server
+from common.transport.limits import ConnectionLimits
 from common.transport.stream import MessageReader, encode_message, read_messages
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Body",
     "Client",
     "ClientResponse",
+    "ConnectionLimits",
     "H2Client",
     "H2Server",
     "Handler",

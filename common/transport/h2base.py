@@ -61,8 +61,11 @@ class QuietH2Connection(h2.connection.H2Connection):
         return super()._receive_frame(frame)
 
 
-def new_connection(*, client_side: bool) -> QuietH2Connection:
-    """An h2 connection with the tuned settings already in force locally.
+def new_connection(
+    *, client_side: bool, max_concurrent_streams: int = MAX_CONCURRENT_STREAMS
+) -> QuietH2Connection:
+    """An h2 connection with the tuned settings already in force locally; h2 refuses a peer
+    that opens more than `max_concurrent_streams` at once (a connection error).
 
     The settings are installed as initial values rather than through `update_settings`, and
     the inbound frame limit is raised at once: otherwise the peer's 1 MiB frames can arrive
@@ -75,7 +78,7 @@ def new_connection(*, client_side: bool) -> QuietH2Connection:
     initial = {
         codes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
         codes.MAX_FRAME_SIZE: MAX_FRAME_SIZE,
-        codes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+        codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
     }
     if client_side:
         initial[codes.ENABLE_PUSH] = 0
@@ -130,8 +133,12 @@ class StreamGone(Exception):
 class H2Protocol(asyncio.Protocol):
     """Base protocol: subclasses implement `handle_event` and `connection_failed`."""
 
-    def __init__(self, *, client_side: bool) -> None:
-        self.conn = new_connection(client_side=client_side)
+    def __init__(
+        self, *, client_side: bool, max_concurrent_streams: int = MAX_CONCURRENT_STREAMS
+    ) -> None:
+        self.conn = new_connection(
+            client_side=client_side, max_concurrent_streams=max_concurrent_streams
+        )
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None  # first network error, re-raised to waiters
         self._write_paused = False
@@ -142,6 +149,10 @@ class H2Protocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        self.start_connection()
+
+    def start_connection(self) -> None:
+        """Send our connection preface."""
         initiate(self.conn)
         self.flush()
 
@@ -149,7 +160,7 @@ class H2Protocol(asyncio.Protocol):
         try:
             events = self.conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            logger.warning("HTTP/2 protocol error from peer: %s", exc)
+            self.protocol_error(exc)
             self.flush()  # h2 queued a GOAWAY naming the error
             self._fail(Unavailable(f"HTTP/2 protocol error: {exc}"))
             self.close()
@@ -165,6 +176,10 @@ class H2Protocol(asyncio.Protocol):
 
     def handle_event(self, event: h2.events.Event) -> None:
         raise NotImplementedError
+
+    def protocol_error(self, exc: h2.exceptions.ProtocolError) -> None:
+        """Report a peer that broke the protocol (the connection is closed next)."""
+        logger.warning("HTTP/2 protocol error from peer: %s", exc)
 
     def connection_failed(self, error: BaseException) -> None:
         """Called once, with the first error: fail whatever the subclass keeps waiting."""

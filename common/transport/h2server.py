@@ -1,65 +1,182 @@
-"""HTTP/2 cleartext (prior knowledge) server over asyncio: one task per request."""
+"""HTTP/2 cleartext (prior knowledge) server over asyncio: one task per request.
+
+A request is admitted on its HEADERS (route, token, declared size) before any of its body
+is read; a refused one is answered at once and the rest of its body dropped unread. Each
+connection is held to `ConnectionLimits`: an idle timeout, a cap on connections per server
+and on streams per connection, and a budget of streams the peer resets (rapid reset).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import h2.errors
 import h2.events
 import h2.exceptions
 
-from common.errors import BadRequest, PayloadTooLarge, Unavailable
+from common.errors import BadRequest, BagpipeError, Unavailable
+from common.ratelog import RateLimitedLogs
 from common.transport.h2base import H2Protocol, StreamGone
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
+    Gate,
     Request,
     Response,
+    Route,
     Router,
     StreamResponse,
-    TokenCheck,
     body_length,
     body_parts,
-    dispatch,
     error_response,
+    run_handler,
 )
+from common.transport.limits import ConnectionLimits, EventWindow
 
 logger = logging.getLogger(__name__)
+
+LINGER_S = 1.0  # how long a closing connection waits for its peer to close first
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_NOT_H2_BODY = (
+    b"This port speaks HTTP/2 with prior knowledge (h2c), not HTTP/1.x.\n"
+    b"Use an HTTP/2 client, e.g. curl --http2-prior-knowledge http://HOST:PORT/v1/health,\n"
+    b"or this service's HTTP/1.1 port.\n"
+)
+NOT_H2_ANSWER = (
+    b"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-type: text/plain\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_NOT_H2_BODY), _NOT_H2_BODY)
+)
 
 
 @dataclass(eq=False)
 class _Incoming:
-    """A request being received on one stream."""
+    """A request being received on one stream. `route` is None once it was answered early
+    (refused on its headers or its size): the rest of its body is dropped unread."""
 
-    headers: dict[str, str]
+    route: Route | None
+    head: Request | None = None
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
-    rejected: bool = False
 
 
 class _ServerProtocol(H2Protocol):
     def __init__(self, server: H2Server) -> None:
-        super().__init__(client_side=False)
+        super().__init__(
+            client_side=False, max_concurrent_streams=server.limits.max_concurrent_streams
+        )
         self._server = server
         self._incoming: dict[int, _Incoming] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}  # stream id → its request's task
         self._refusing = False
+        self._closing = False  # GOAWAY sent or turned away: later events are ignored
+        self._head = b""  # first bytes, until they prove to be the HTTP/2 preface
+        self._preface_seen = False
+        self._resets = EventWindow(server.limits.max_resets, server.limits.reset_window_s)
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.peer = "?"
 
-    # -- events from the reader -------------------------------------------------------
+    # -- connection lifecycle ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self._server.connections.add(self)
+        # Our preface waits for the client's (`_check_preface`): an HTTP/1.x client must get
+        # a plain answer, not a SETTINGS frame it would show as "HTTP/0.9".
+        self.transport = cast(asyncio.Transport, transport)
+        self.peer = str(transport.get_extra_info("peername"))
+        server = self._server
+        if len(server.connections) >= server.limits.max_connections:
+            server.logs["max_connections"].warning(
+                "refused a connection from %s: %d connections open (max_connections)",
+                self.peer, len(server.connections),
+            )
+            self._closing = True
+            self.close()
+            return
+        server.connections.add(self)
+        self._update_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if not self._preface_seen:
+            self._head += data
+            if not self._check_preface():
+                return
+            data, self._head = self._head, b""
+        super().data_received(data)
+        self._update_idle()
+
+    def _check_preface(self) -> bool:
+        """True once the client's bytes start with the HTTP/2 preface; a client speaking
+        anything else is answered (HTTP/1.x) or dropped, with a log line."""
+        head = self._head
+        n = min(len(head), len(PREFACE))
+        if head[:n] == PREFACE[:n]:
+            if n < len(PREFACE):
+                return False
+            self._preface_seen = True
+            self.start_connection()
+            return True
+        self._closing = True
+        if head[:1].isupper():  # a request line: GET / HTTP/1.1
+            self._server.logs["not_h2"].info(
+                "HTTP/1.x request from %s on the h2c port: answered 505", self.peer
+            )
+            if self.transport is not None:
+                self.transport.write(NOT_H2_ANSWER)
+        else:
+            self._server.logs["not_h2"].warning(
+                "dropped a connection from %s: not HTTP/2 (first bytes %r)", self.peer, head[:16]
+            )
+        self.close()
+        return False
+
+    def protocol_error(self, exc: h2.exceptions.ProtocolError) -> None:
+        if isinstance(exc, h2.exceptions.TooManyStreamsError):
+            self._server.logs["max_concurrent_streams"].warning(
+                "closed the connection from %s: %s (max_concurrent_streams)", self.peer, exc
+            )
+        else:
+            self._server.logs["protocol_error"].warning(
+                "HTTP/2 protocol error from %s: %s", self.peer, exc
+            )
 
     def connection_failed(self, error: BaseException) -> None:
+        self._closing = True
         self._server.connections.discard(self)
         self._incoming.clear()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         for task in self._tasks.values():
             task.cancel()  # nobody is left to read the answers
 
+    def _update_idle(self) -> None:
+        """Run the idle timer only while no request is in progress."""
+        busy = bool(self._incoming or self._tasks)
+        if busy or self._closing:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+        elif self._idle_timer is None:
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(self._server.limits.idle_timeout_s, self._idle)
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        self._server.logs["idle_timeout_s"].info(
+            "closed the connection from %s: idle for %gs (idle_timeout_s)",
+            self.peer, self._server.limits.idle_timeout_s,
+        )
+        self.goaway(linger=True)
+
+    # -- events from the reader -------------------------------------------------------
     def handle_event(self, event: h2.events.Event) -> None:
+        if self._closing:
+            return
         if isinstance(event, h2.events.RequestReceived):
             self._request_received(event)
         elif isinstance(event, h2.events.DataReceived):
@@ -67,55 +184,78 @@ class _ServerProtocol(H2Protocol):
         elif isinstance(event, h2.events.StreamEnded):
             self._stream_ended(event.stream_id)
         elif isinstance(event, h2.events.StreamReset):
-            self._incoming.pop(event.stream_id, None)
-            if task := self._tasks.get(event.stream_id):
-                task.cancel()
+            self._stream_reset(event)
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.close()
 
     def _request_received(self, event: h2.events.RequestReceived) -> None:
         stream_id = event.stream_id
+        stream = self.conn.streams.get(stream_id)
+        if stream is None or stream.closed:
+            return  # reset in the same read (its StreamReset follows): nothing to answer
         if self._refusing:
             self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._count_reset()
             return
-        headers = dict(event.headers or [])
-        self._incoming[stream_id] = incoming = _Incoming(headers=headers)
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self._server.max_body_bytes:
-            self._reject(stream_id, incoming)
+        try:
+            head = _request_head(dict(event.headers or []))
+            route = self._server.gate.admit(head.method, head.path, head.headers)
+        except BagpipeError as err:
+            self._refuse(stream_id, err)
+            return
+        self._incoming[stream_id] = _Incoming(route=route, head=head)
 
     def _data_received(self, event: h2.events.DataReceived) -> None:
-        # Unary bodies are buffered whole, so credit goes back at once.
-        self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        incoming = self._incoming.get(event.stream_id)
-        if incoming is None or incoming.rejected:
+        stream_id, size = event.stream_id, event.flow_controlled_length
+        incoming = self._incoming.get(stream_id)
+        if incoming is None or incoming.route is None:
+            # Dropped unread. The connection gets its credit back (the other streams must
+            # not starve); this stream does not, so its sender stalls once its window is
+            # spent instead of streaming a body nobody reads.
+            if size:
+                self.conn.increment_flow_control_window(size)
             return
+        # Unary bodies are buffered whole, so credit goes back at once.
+        self.conn.acknowledge_received_data(size, stream_id)
         data = event.data or b""
         incoming.size += len(data)
-        if incoming.size > self._server.max_body_bytes:
-            self._reject(event.stream_id, incoming)
+        if incoming.size > self._server.gate.max_body_bytes:
+            self._refuse(stream_id, self._server.gate.too_large())
             return
         incoming.chunks.append(data)
 
     def _stream_ended(self, stream_id: int) -> None:
         incoming = self._incoming.pop(stream_id, None)
-        if incoming is None or incoming.rejected:
+        if incoming is None or incoming.route is None or incoming.head is None:
             return
-        try:
-            request = _build_request(incoming)
-        except BadRequest as err:
-            self._spawn(stream_id, self._answer(stream_id, error_response(err)))
-            return
-        self._spawn(stream_id, self._serve(stream_id, request))
+        request = dataclasses.replace(incoming.head, body=b"".join(incoming.chunks))
+        self._spawn(stream_id, self._serve(stream_id, incoming.route, request))
 
-    def _reject(self, stream_id: int, incoming: _Incoming) -> None:
-        """Answer 413 now and ask the client to stop sending (RST_STREAM NO_ERROR, RFC 9113
-        §8.1); the connection and its other streams carry on."""
-        incoming.rejected = True
-        incoming.chunks.clear()
-        limit = self._server.max_body_bytes
-        err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+    def _stream_reset(self, event: h2.events.StreamReset) -> None:
+        self._incoming.pop(event.stream_id, None)
+        if task := self._tasks.get(event.stream_id):
+            task.cancel()  # its handler's work is wasted now: stop it
+        if event.remote_reset:
+            self._count_reset()
+
+    def _refuse(self, stream_id: int, err: BagpipeError) -> None:
+        """Answer `err` now and ask the client to stop sending (RST_STREAM NO_ERROR, RFC
+        9113 §8.1); the connection and its other streams carry on."""
+        self._incoming[stream_id] = _Incoming(route=None)
         self._spawn(stream_id, self._answer(stream_id, error_response(err), stop_upload=True))
+
+    def _count_reset(self) -> None:
+        """One more stream reset by the peer or refused; past the budget the peer is
+        flooding us with streams it never means to finish (CVE-2023-44487)."""
+        if not self._resets.hit(asyncio.get_running_loop().time()):
+            return
+        limits = self._server.limits
+        self._server.logs["max_resets"].warning(
+            "closed the connection from %s: over %d streams reset in %gs (max_resets): GOAWAY "
+            "ENHANCE_YOUR_CALM", self.peer, limits.max_resets, limits.reset_window_s,
+        )
+        self._fail(Unavailable("connection closed: too many streams reset"))  # cancels the work
+        self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, linger=True)
 
     # -- request tasks --------------------------------------------------------------------
     def _spawn(self, stream_id: int, coro: object) -> None:
@@ -126,13 +266,14 @@ class _ServerProtocol(H2Protocol):
 
     def _task_done(self, stream_id: int, task: asyncio.Task[None]) -> None:
         self._tasks.pop(stream_id, None)
+        self._incoming.pop(stream_id, None)  # answered: the rest of an upload is not read
         self._server.tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.error("request task failed", exc_info=exc)
+        self._update_idle()
 
-    async def _serve(self, stream_id: int, request: Request) -> None:
-        result = await dispatch(self._server.router, self._server.auth, request)
-        await self._answer(stream_id, result)
+    async def _serve(self, stream_id: int, route: Route, request: Request) -> None:
+        await self._answer(stream_id, await run_handler(route, request))
 
     async def _answer(
         self, stream_id: int, result: Response | StreamResponse, *, stop_upload: bool = False
@@ -198,11 +339,25 @@ class _ServerProtocol(H2Protocol):
     def pending(self) -> list[asyncio.Task[None]]:
         return list(self._tasks.values())
 
-    def goaway(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.close_connection()
-            self.flush()
-        self.close()
+    def goaway(
+        self, error_code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR, *,
+        linger: bool = False,
+    ) -> None:
+        """Send GOAWAY and close. With `linger`, the connection is half-closed and the peer's
+        further bytes dropped unread until it closes too (at most `LINGER_S`): closing with
+        its frames still unread makes the kernel reset the connection, which can destroy
+        the GOAWAY before the peer reads it."""
+        self._closing = True
+        if self._preface_seen:
+            with contextlib.suppress(Exception):
+                self.conn.close_connection(error_code=error_code)
+                self.flush()
+        transport = self.transport
+        if linger and transport is not None and transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_S, self.close)
+        else:
+            self.close()
 
 
 def _response_headers(
@@ -213,25 +368,28 @@ def _response_headers(
     return headers
 
 
-def _build_request(incoming: _Incoming) -> Request:
-    headers = incoming.headers
+def _request_head(headers: dict[str, str]) -> Request:
+    """The request a HEADERS frame announces, its body still to come."""
     method, raw_path = headers.get(":method"), headers.get(":path")
     if not method or not raw_path:
         raise BadRequest("request without :method or :path")
-    url = urlsplit(raw_path)
+    try:
+        url = urlsplit(raw_path)
+    except ValueError as exc:
+        raise BadRequest(f"malformed :path: {exc}") from None
     return Request(
         method=method,
         path=unquote(url.path),
         query=dict(parse_qsl(url.query)),
         headers={k: v for k, v in headers.items() if not k.startswith(":")},
-        body=b"".join(incoming.chunks),
+        body=b"",
     )
 
 
 class H2Server:
     """Serves a `Router` over h2c. `port=0` binds a free port, reported by `.port`.
 
-    `token=None` disables the bearer check. `stop()` refuses new streams, lets in-flight
+    `token=None` disables the bearer check; `limits` bounds connections and streams. `stop()` refuses new streams, lets in-flight
     requests finish for up to `grace` seconds, then sends GOAWAY and closes (h2 allows no
     frame after GOAWAY, so in-flight work has to finish first).
     """
@@ -244,11 +402,12 @@ class H2Server:
         port: int = 0,
         token: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
     ) -> None:
-        self.router = router
-        self.auth = TokenCheck(token)
-        self.max_body_bytes = max_body_bytes
+        self.gate = Gate(router, token, max_body_bytes)
+        self.limits = limits
+        self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self._host, self._port, self._grace = host, port, grace

@@ -1,6 +1,8 @@
-"""Transport-neutral HTTP types, the route table and the one dispatch both servers share.
+"""Transport-neutral HTTP types, the route table and the admission and dispatch both servers
+share.
 
-A handler receives a fully buffered `Request` and returns a `Response` or a `StreamResponse`.
+A request is admitted on its headers (`Gate`) before its body is read; its handler then
+receives a fully buffered `Request` and returns a `Response` or a `StreamResponse`.
 It raises a `BagpipeError` to answer with that error's status and JSON body; any other
 exception becomes a logged 500, so a handler bug never takes a connection down.
 """
@@ -20,6 +22,7 @@ from common.errors import (
     BagpipeError,
     MethodNotAllowed,
     NotFound,
+    PayloadTooLarge,
     Unauthorized,
     error_from_json,
 )
@@ -133,12 +136,35 @@ def error_response(err: BagpipeError) -> Response:
     return Response.json(err.to_json(), status=err.status)
 
 
-async def dispatch(router: Router, auth: TokenCheck, request: Request) -> Response | StreamResponse:
-    """Route, authenticate and run one request; every failure becomes an error answer."""
-    try:
-        route = router.resolve(request.method, request.path)
+class Gate:
+    """What a server decides from a request's headers alone, before it reads any body: an
+    unauthenticated or oversized upload is refused without being buffered."""
+
+    def __init__(self, router: Router, token: str | None, max_body_bytes: int) -> None:
+        self.router = router
+        self.auth = TokenCheck(token)
+        self.max_body_bytes = max_body_bytes
+
+    def admit(self, method: str, path: str, headers: dict[str, str]) -> Route:
+        """The route for these headers; raises NotFound, MethodNotAllowed, Unauthorized (a
+        route that is not public, without the token) or PayloadTooLarge (a declared
+        Content-Length over the limit)."""
+        route = self.router.resolve(method, path)
         if not route.public:
-            auth.check(request.headers)
+            self.auth.check(headers)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise self.too_large()
+        return route
+
+    def too_large(self) -> PayloadTooLarge:
+        limit = self.max_body_bytes
+        return PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+
+
+async def run_handler(route: Route, request: Request) -> Response | StreamResponse:
+    """Run an admitted request's handler; every failure becomes an error answer."""
+    try:
         result = await route.handler(request)
     except BagpipeError as err:
         return error_response(err)

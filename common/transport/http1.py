@@ -12,23 +12,25 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 from aiohttp import web
 
-from common.errors import PayloadTooLarge, TimedOut, Unavailable
+from common.errors import BagpipeError, TimedOut, Unavailable
+from common.ratelog import RateLimitedLog, RateLimitedLogs
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
     Body,
     Client,
     ClientResponse,
+    Gate,
     Request,
     Response,
     Router,
     StreamResponse,
-    TokenCheck,
     auth_headers,
     body_parts,
-    dispatch,
     error_response,
     raise_for_answer,
+    run_handler,
 )
+from common.transport.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,11 @@ logger = logging.getLogger(__name__)
 class Http1Server:
     """Serves a `Router` with aiohttp; same auth, limits and error JSON as `H2Server`.
 
-    `port=0` binds a free port, reported by `.port`. `stop()` lets in-flight requests finish
-    for up to `grace` seconds.
+    A request is admitted on its headers (route, token, declared Content-Length) before
+    its body is read; a refused one is answered and its connection closed. `limits` gives
+    the idle timeout (aiohttp's keep-alive timeout, which also covers a connection that
+    never sends a request) and the cap on connections. `port=0` binds a free port,
+    reported by `.port`. `stop()` lets in-flight requests finish for up to `grace` seconds.
     """
 
     def __init__(
@@ -48,54 +53,116 @@ class Http1Server:
         port: int = 0,
         token: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
     ) -> None:
-        self._router = router
-        self._auth = TokenCheck(token)
-        self._max_body_bytes = max_body_bytes
+        self._gate = Gate(router, token, max_body_bytes)
+        self._limits = limits
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
-        self._bound_port: int | None = None
+        self._listener: asyncio.Server | None = None
+        self._logs = RateLimitedLogs(logger)  # for what peers can provoke at will
 
     @property
     def port(self) -> int:
-        if self._bound_port is None:
+        if self._listener is None:
             raise RuntimeError("server not started")
-        return self._bound_port
+        return int(self._listener.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=self._max_body_bytes)
+        app = web.Application(client_max_size=self._gate.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=self._grace)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=self._grace,
+            keepalive_timeout=self._limits.idle_timeout_s,
+            logger=_OneLineLog(self._logs["bad_request"]),
+        )
         await runner.setup()
-        await web.TCPSite(runner, self._host, self._port).start()
+        loop = asyncio.get_running_loop()
+        # Our own listener rather than a TCPSite: every accepted socket passes `_accept`.
+        self._listener = await loop.create_server(self._accept, self._host, self._port)
         self._runner = runner
-        self._bound_port = int(runner.addresses[0][1])
-        logger.info("http/1.1 server listening on %s:%d", self._host, self._bound_port)
+        logger.info("http/1.1 server listening on %s:%d", self._host, self.port)
 
     async def stop(self) -> None:
+        listener, self._listener = self._listener, None
         runner, self._runner = self._runner, None
+        if listener is not None:
+            listener.close()
         if runner is not None:
             await runner.cleanup()
+        if listener is not None:
+            await listener.wait_closed()
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        """aiohttp's protocol for a new connection, or one that closes it at once when the
+        server already holds `max_connections`."""
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        if len(server.connections) < self._limits.max_connections:
+            return server()
+        self._logs["max_connections"].warning(
+            "refused a connection: %d connections open (max_connections)", len(server.connections)
+        )
+        return _Refused()
 
     async def _handle(self, raw: web.Request) -> web.StreamResponse:
+        headers = {k.lower(): v for k, v in raw.headers.items()}
         try:
+            route = self._gate.admit(raw.method, raw.path, headers)
             body = await raw.read()
+        except BagpipeError as err:
+            return _early(raw, error_response(err))
         except web.HTTPRequestEntityTooLarge:
-            limit = self._max_body_bytes
-            err = PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
-            return _plain(error_response(err))
+            return _early(raw, error_response(self._gate.too_large()))
+        except ConnectionError as exc:
+            # The peer left mid-body; nobody reads an answer, aiohttp drops it quietly.
+            self._logs["lost_mid_body"].info("connection from %s lost mid-body: %s", raw.remote, exc)
+            return _early(raw, error_response(Unavailable("request body incomplete")))
         request = Request(
-            method=raw.method,
-            path=raw.path,
-            query=dict(raw.query),
-            headers={k.lower(): v for k, v in raw.headers.items()},
-            body=body,
+            method=raw.method, path=raw.path, query=dict(raw.query), headers=headers, body=body
         )
-        result = await dispatch(self._router, self._auth, request)
+        result = await run_handler(route, request)
         if isinstance(result, Response):
             return _plain(result)
         return await _stream(raw, result)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: closed as soon as it is accepted."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _OneLineLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger, for errors a peer can provoke at will (malformed requests,
+    lost connections): one rate-limited line each, without the traceback aiohttp attaches;
+    debug lines pass through."""
+
+    def __init__(self, lines: RateLimitedLog) -> None:
+        super().__init__(logging.getLogger(f"{__name__}.aiohttp"), {})
+        self._lines = lines
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
+        if level < logging.WARNING:
+            super().log(level, msg, *args, **kwargs)
+            return
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, BaseException):
+            msg, args = f"{msg}: %r", (*args, exc)
+        self._lines.log(level, str(msg), *args)
+
+
+def _early(raw: web.Request, response: Response) -> web.Response:
+    """An answer given before the body was read: if some of it has yet to arrive, the
+    connection closes after the answer, so that body is never buffered."""
+    out = _plain(response)
+    if not raw.content.is_eof():
+        out.force_close()
+    return out
 
 
 def _plain(response: Response) -> web.Response:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
+import h2.events
 import orjson
 import pytest
 
@@ -19,8 +21,17 @@ from common.errors import (
     Unauthorized,
     Unavailable,
 )
-from common.transport import Client, read_messages
-from tests.common.transport_fixtures import MAX_BODY, Service, make_client, make_server
+from common.transport import Client, ConnectionLimits, read_messages
+from tests.common.transport_fixtures import (
+    BOUNDED,
+    MAX_BODY,
+    TOKEN,
+    RawH2,
+    Service,
+    make_client,
+    make_server,
+    read_until_closed,
+)
 
 pytestmark = pytest.mark.parametrize("kind", ["h2", "http1"])
 
@@ -164,3 +175,183 @@ async def test_streaming_error_raises(kind: str, pair: tuple[object, Client]) ->
         async with contextlib.aclosing(client.stream("GET", "/nowhere")) as chunks:
             _ = [c async for c in chunks]
     await _works(client)
+
+
+# -- hardening: what a hostile or broken peer can make a server do --------------------------
+UPLOAD = 15 * 1024 * 1024  # a body the peer announces but never sends
+
+
+async def _status_before_body(kind: str, port: int, *, token: str | None, length: int) -> int:
+    """Announce a `length`-byte POST /echo, send none of its body, and return the status
+    the server answers with (TimeoutError if it waits for the body)."""
+    if kind == "h2":
+        raw = await RawH2.open(port)
+        try:
+            stream_id = raw.request("POST", "/echo", token=token, end_stream=False,
+                                    content_length=length)
+            await raw.flush()
+            events = await raw.events_until(
+                lambda e: isinstance(e, h2.events.ResponseReceived), timeout=5.0
+            )
+            answer = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
+            assert answer.stream_id == stream_id
+            return int(dict(answer.headers)[":status"])
+        finally:
+            await raw.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        auth = f"authorization: Bearer {token}\r\n" if token else ""
+        writer.write(f"POST /echo HTTP/1.1\r\nhost: x\r\n{auth}content-length: {length}\r\n\r\n"
+                     .encode())
+        async with asyncio.timeout(5.0):
+            status_line = await reader.readline()
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def test_unauthenticated_upload_is_refused_before_its_body(
+    kind: str, pair: tuple[object, Client]
+) -> None:
+    server, client = pair
+    port = server.port  # type: ignore[attr-defined]
+    assert await _status_before_body(kind, port, token=None, length=UPLOAD) == 401
+    assert await _status_before_body(kind, port, token="wrong", length=UPLOAD) == 401
+    await _works(client)
+
+
+async def test_declared_oversized_body_is_refused_before_it_is_sent(
+    kind: str, pair: tuple[object, Client]
+) -> None:
+    server, client = pair
+    port = server.port  # type: ignore[attr-defined]
+    assert await _status_before_body(kind, port, token=TOKEN, length=MAX_BODY + 1) == 413
+    await _works(client)
+
+
+async def _held_connection(kind: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection the server has accepted and served once, now idle."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if kind == "h2":
+        raw = RawH2(reader, writer)
+        raw.conn.initiate_connection()
+        raw.request("GET", "/v1/health")
+        await raw.flush()
+        await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+    else:
+        writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+        async with asyncio.timeout(BOUNDED):
+            await reader.readuntil(b'{"ok":true}')
+    return reader, writer
+
+
+async def test_idle_connection_is_closed(kind: str, service: Service) -> None:
+    server = make_server(kind, service.router(), limits=ConnectionLimits(idle_timeout_s=0.2))
+    await server.start()
+    try:
+        reader, writer = await _held_connection(kind, server.port)
+        # Closed by the server (with GOAWAY on HTTP/2), not by our timeout.
+        await read_until_closed(reader)
+        writer.close()
+        bare_reader, bare_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await read_until_closed(bare_reader)  # one that never sent a byte goes too
+        bare_writer.close()
+    finally:
+        await server.stop()
+
+
+async def test_busy_connection_outlives_the_idle_timeout(kind: str, service: Service) -> None:
+    server = make_server(kind, service.router(), limits=ConnectionLimits(idle_timeout_s=0.2))
+    await server.start()
+    client = make_client(kind, server.port)
+    try:
+        slow = asyncio.create_task(client.call("POST", "/slow"))
+        await asyncio.wait_for(service.slow_started.wait(), BOUNDED)
+        await asyncio.sleep(0.6)  # the duration under test: three idle timeouts, busy
+        service.release_slow.set()
+        assert await slow == b"late"
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_connections_over_the_cap_are_closed_at_once_with_a_log_line(
+    kind: str, service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_server(kind, service.router(), limits=ConnectionLimits(max_connections=3))
+    await server.start()
+    held = [await _held_connection(kind, server.port) for _ in range(3)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        assert await read_until_closed(reader) == b""
+        writer.close()
+        assert any("max_connections" in r.getMessage() for r in caplog.records)
+        held.pop()[1].close()  # a slot frees once the server sees that one go
+        async with asyncio.timeout(BOUNDED):
+            while True:
+                client = make_client(kind, server.port)
+                try:
+                    await _works(client)
+                    break
+                except Unavailable:
+                    await asyncio.sleep(0.05)
+                finally:
+                    await client.close()
+    finally:
+        for _, writer in held:
+            writer.close()
+        await server.stop()
+
+
+BAD_BYTES = [
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32),  # a TLS ClientHello
+    b"GET / HTTP/1.1\r\nhost: x\r\n" + b"x" * 70_000 + b"\r\n\r\n",  # an oversized header
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x04\x09\x00\x00\x00\x00\x07garbage",
+]
+
+
+async def test_bad_connections_log_rate_limited_lines_without_tracebacks(
+    kind: str, pair: tuple[object, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, client = pair
+    caplog.set_level(logging.INFO)
+    for _ in range(20):
+        for bad in BAD_BYTES:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)  # type: ignore[attr-defined]
+            writer.write(bad)
+            await read_until_closed(reader)
+            writer.close()
+    await _works(client)
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO and r.name != "asyncio"]
+    assert not [r for r in caplog.records if r.exc_info], "a bad connection logged a traceback"
+    # 10 lines per 10 s for each kind of event (at most 3 kinds here), not one a connection.
+    assert 1 <= len([r for r in lines if "listening" not in r.getMessage()]) <= 30
+
+
+async def test_upload_cut_short_logs_no_traceback(
+    kind: str, pair: tuple[object, Client], service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, client = pair
+    port = server.port  # type: ignore[attr-defined]
+    caplog.set_level(logging.DEBUG)
+    for _ in range(5):  # authenticated uploads one byte short, then the peer leaves
+        if kind == "h2":
+            raw = await RawH2.open(port)
+            stream_id = raw.request("POST", "/echo", token=TOKEN, end_stream=False,
+                                    content_length=1000)
+            raw.conn.send_data(stream_id, bytes(999))
+            await raw.flush()
+            await raw.events_until(lambda e: isinstance(e, h2.events.RemoteSettingsChanged))
+            await raw.close()
+        else:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " +
+                         TOKEN.encode() + b"\r\ncontent-length: 1000\r\n\r\n" + bytes(999))
+            await writer.drain()
+            writer.close()
+    if kind == "http1":  # wait until the server has seen every peer leave
+        async with asyncio.timeout(BOUNDED):
+            while sum("lost mid-body" in r.getMessage() for r in caplog.records) < 5:
+                await asyncio.sleep(0.01)
+    await _works(client)
+    assert not [r for r in caplog.records if r.exc_info], "a cut-short upload logged a traceback"

@@ -7,17 +7,33 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import h2.errors
 import h2.events
 import pytest
 from hyperframe.frame import DataFrame
 
 from common.errors import TimedOut, Unavailable
-from common.transport import H2Client, H2Server, Request, Router, StreamResponse, run
+from common.transport import (
+    ConnectionLimits,
+    H2Client,
+    H2Server,
+    Request,
+    Router,
+    StreamResponse,
+    run,
+)
 from common.transport.h2base import MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
-from tests.common.transport_fixtures import TOKEN, Service, make_client, make_server
+from tests.common.transport_fixtures import (
+    BOUNDED,
+    TOKEN,
+    RawH2,
+    Service,
+    make_client,
+    make_server,
+    read_until_closed,
+)
 
 CHUNK = 64 * 1024
-BOUNDED = 10.0  # seconds: upper bound on waits for a condition that should come quickly
 
 
 @pytest.fixture
@@ -233,3 +249,81 @@ def test_received_data_frames_are_not_hex_formatted(monkeypatch: pytest.MonkeyPa
     events = server.receive_data(client.data_to_send())
     received = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
     assert sum(map(len, received)) == MAX_FRAME_SIZE
+
+
+# -- hardening -----------------------------------------------------------------------------
+def _goaway(events: list[h2.events.Event]) -> h2.events.ConnectionTerminated | None:
+    return next((e for e in events if isinstance(e, h2.events.ConnectionTerminated)), None)
+
+
+async def test_rapid_reset_gets_goaway_enhance_your_calm(
+    server: H2Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = await RawH2.open(server.port)
+    try:
+        with contextlib.suppress(ConnectionError):  # the server may hang up mid-flood
+            for _ in range(50):  # 5,000 streams: the server must give up well before
+                for _ in range(100):
+                    stream_id = raw.request("POST", "/echo", end_stream=False, content_length=10)
+                    raw.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                await raw.flush()
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated))
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        await read_until_closed(raw.reader)
+        assert any("max_resets" in r.getMessage() for r in caplog.records)
+    finally:
+        await raw.close()
+    client = make_client("h2", server.port)
+    try:
+        await _works(client)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+
+
+async def test_reset_cancels_the_streams_work(server: H2Server, service: Service) -> None:
+    raw = await RawH2.open(server.port)
+    try:
+        stream_id = raw.request("POST", "/slow", token=TOKEN)
+        await raw.flush()
+        await asyncio.wait_for(service.slow_started.wait(), BOUNDED)
+        raw.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        await raw.flush()
+        await asyncio.wait_for(service.slow_cancelled.wait(), BOUNDED)
+    finally:
+        await raw.close()
+
+
+async def test_max_concurrent_streams_is_advertised_and_enforced(service: Service) -> None:
+    srv = make_server("h2", service.router(), limits=ConnectionLimits(max_concurrent_streams=4))
+    await srv.start()
+    raw = await RawH2.open(srv.port)
+    try:
+        for _ in range(5):  # sent before the server's SETTINGS are read: h2 cannot stop us
+            raw.request("POST", "/slow", token=TOKEN)
+        await raw.flush()
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated))
+        assert raw.conn.remote_settings.max_concurrent_streams == 4
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
+    finally:
+        await raw.close()
+        service.release_slow.set()
+        await srv.stop()
+
+
+async def test_http1_on_the_h2c_port_is_told_how_to_connect(server: H2Server) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+    answer = await read_until_closed(reader)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 505 ")
+    assert b"--http2-prior-knowledge" in answer
+    proc = await asyncio.create_subprocess_exec(
+        "/usr/bin/curl", "-sS", "--max-time", "20", "-w", "%{http_code}",
+        f"http://127.0.0.1:{server.port}/v1/health", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err
+    assert b"h2c" in out and out.endswith(b"505")

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.events
 
 from common.errors import BadRequest
 from common.transport import (
     Client,
+    ConnectionLimits,
     H2Server,
     Http1Server,
     Request,
@@ -73,11 +79,91 @@ class Service:
 
 
 def make_server(
-    kind: str, router: Router, *, port: int = 0, grace: float = 5.0
+    kind: str,
+    router: Router,
+    *,
+    port: int = 0,
+    grace: float = 5.0,
+    limits: ConnectionLimits = ConnectionLimits(),
 ) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
-    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, grace=grace)
+    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace)
 
 
 def make_client(kind: str, port: int, *, timeout: float = 10.0) -> Client:
     return connect_client(kind, "127.0.0.1", port, TOKEN, timeout)  # type: ignore[arg-type]
+
+
+# -- raw peers: what a well-behaved client never sends ------------------------------------
+BOUNDED = 10.0  # seconds: upper bound on waits for a condition that should come quickly
+
+
+class RawH2:
+    """A bare h2 client connection over a socket: frames are sent exactly as a test asks."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        self.conn = h2.connection.H2Connection(config)
+        self.reader, self.writer = reader, writer
+        self.eof = False
+
+    @classmethod
+    async def open(cls, port: int) -> RawH2:
+        raw = cls(*await asyncio.open_connection("127.0.0.1", port))
+        raw.conn.initiate_connection()
+        await raw.flush()
+        return raw
+
+    def request(
+        self, method: str, path: str, *, token: str | None = None, end_stream: bool = True,
+        content_length: int | None = None,
+    ) -> int:
+        stream_id = self.conn.get_next_available_stream_id()
+        headers = [(":method", method), (":path", path), (":scheme", "http"),
+                   (":authority", "127.0.0.1")]
+        if token is not None:
+            headers.append(("authorization", f"Bearer {token}"))
+        if content_length is not None:
+            headers.append(("content-length", str(content_length)))
+        self.conn.send_headers(stream_id, headers, end_stream=end_stream)
+        return stream_id
+
+    async def flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+        await self.writer.drain()
+
+    async def events_until(
+        self, done: Callable[[h2.events.Event], bool], timeout: float = BOUNDED
+    ) -> list[h2.events.Event]:
+        """Events read until one satisfies `done` or the server closes the connection."""
+        seen: list[h2.events.Event] = []
+        async with asyncio.timeout(timeout):
+            while not self.eof:
+                data = await self.reader.read(65536)
+                if not data:
+                    self.eof = True
+                    break
+                for event in self.conn.receive_data(data):
+                    seen.append(event)
+                    if isinstance(event, h2.events.DataReceived):
+                        self.conn.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
+                    if done(event):
+                        return seen
+                await self.flush()
+        return seen
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float = BOUNDED) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    chunks = []
+    async with asyncio.timeout(timeout):
+        while chunk := await reader.read(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""PS fetch latency while a hostile peer abuses the same server, over HTTP/2 and HTTP/1.1.
+
+A real PS shard runs in its own process (both protocols on two ports, production connection
+limits unless told otherwise); an attacker runs in a third. For each protocol and each abuse
+this process fetches rows with one authenticated client in a loop and reports fetch p50/p99
+and the server's RSS before, at its peak and after. The abuses:
+
+* ``idle``: none (the baseline);
+* ``rapid_reset``: HEADERS + RST_STREAM floods on unauthenticated connections (HTTP/2 only);
+* ``held_connections``: idle connections up to the server's cap, and some past it;
+* ``unauth_bodies``: unauthenticated 15 MiB uploads (40 streams a connection on HTTP/2);
+* ``health_flood``: public health requests from many concurrent loops.
+
+    python bench/abuse.py --quick --json runs/bench/abuse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.keys import TableLayout  # noqa: E402
+from common.spec import Endpoint  # noqa: E402
+from common.transport import ConnectionLimits, H2Server, Http1Server, connect_client, run  # noqa: E402
+from ps.client import PsClient  # noqa: E402
+from ps.service import PsService  # noqa: E402
+from ps.store import ShardConfig, ShardStore  # noqa: E402
+
+TOKEN = "bench"
+TABLE_ROWS = 1 << 16
+DIM = 16
+FETCH_ROWS = 256
+UPLOAD = 15 * 1024 * 1024
+ABUSES = ("idle", "rapid_reset", "held_connections", "unauth_bodies", "health_flood")
+
+
+@dataclass(kw_only=True)
+class Row:
+    protocol: str
+    abuse: str
+    fetches: int
+    p50_ms: float
+    p99_ms: float
+    rss_before_mb: float
+    rss_peak_mb: float
+    rss_after_mb: float
+    attack: dict[str, int] = field(default_factory=dict)
+
+
+# -- the server -----------------------------------------------------------------------------
+def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event) -> None:
+    async def main() -> None:
+        config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((TABLE_ROWS,)), dim=DIM,
+                             state_width=0)
+        store = ShardStore(config)
+        store.gather(np.arange(TABLE_ROWS))  # every row initialised: steady-state RSS
+        service = PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
+        kw = {"token": TOKEN, "max_body_bytes": 64 << 20, "limits": ConnectionLimits(**limits)}
+        servers = [H2Server(service.router(), **kw), Http1Server(service.router(), **kw)]
+        for server in servers:
+            await server.start()
+        ports.put({"h2": servers[0].port, "http1": servers[1].port})
+        await asyncio.to_thread(stop.wait)
+        for server in servers:
+            await server.stop()
+
+    run(main())
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# -- the attacker ---------------------------------------------------------------------------
+def _h2_headers(path: str, method: str = "POST", length: int | None = None) -> list[tuple[str, str]]:
+    headers = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "ps")]
+    return headers if length is None else [*headers, ("content-length", str(length))]
+
+
+class _Peer:
+    """One raw h2c connection: `pump` sends what h2 queued; a reader task feeds h2 and
+    notices GOAWAY or the server hanging up."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.writer = writer
+        self.gone = asyncio.Event()
+        self.goaway = False
+        self.changed = asyncio.Event()
+        self.conn.initiate_connection()
+        self._reading = asyncio.create_task(self._read(reader))
+
+    @classmethod
+    async def open(cls, port: int) -> _Peer:
+        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+        await peer.pump()
+        return peer
+
+    async def pump(self) -> None:
+        if data := self.conn.data_to_send():
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(OSError, h2.exceptions.ProtocolError):
+            while data := await reader.read(1 << 16):
+                for event in self.conn.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived):
+                        self.conn.acknowledge_received_data(event.flow_controlled_length,
+                                                            event.stream_id)
+                    self.goaway |= isinstance(event, h2.events.ConnectionTerminated)
+                self.changed.set()
+                await self.pump()
+        self.gone.set()
+        self.changed.set()
+
+    def close(self) -> None:
+        self._reading.cancel()
+        self.writer.close()
+
+
+async def _rapid_reset(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+    ready.set()
+    while True:
+        peer = await _Peer.open(port)
+        try:
+            # Sending stops with an error once the server has hung up or sent GOAWAY.
+            with contextlib.suppress(OSError, h2.exceptions.ProtocolError):
+                while not peer.gone.is_set():
+                    for _ in range(100):
+                        stream_id = peer.conn.get_next_available_stream_id()
+                        peer.conn.send_headers(stream_id, _h2_headers("/v1/fetch", length=64))
+                        peer.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                    await peer.pump()
+                    counts["streams_reset"] += 100
+                    await asyncio.sleep(0)
+            await peer.gone.wait()
+            counts["goaway"] += peer.goaway
+        finally:
+            peer.close()
+
+
+async def _held_connections(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event,
+                            *, count: int) -> None:
+    preface = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    preface.initiate_connection()
+    first_bytes = preface.data_to_send() if kind == "h2" else b""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        held.append(writer)
+        writer.write(first_bytes)
+        counts["opened"] += 1
+        with contextlib.suppress(OSError):
+            while await reader.read(1 << 16):
+                pass
+        counts["closed_by_server"] += 1
+
+    tasks = [asyncio.create_task(hold()) for _ in range(count)]
+    try:
+        while counts["opened"] < count:
+            await asyncio.sleep(0.01)
+        ready.set()
+        await asyncio.Future()  # hold until cancelled
+    finally:
+        for task in tasks:
+            task.cancel()
+        for writer in held:
+            writer.close()
+
+
+async def _unauth_bodies(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+    ready.set()
+    upload = _unauth_h2_upload if kind == "h2" else _unauth_http1_upload
+    await asyncio.gather(*(upload(port, counts) for _ in range(2)))
+
+
+async def _unauth_h2_upload(port: int, counts: dict[str, int]) -> None:
+    chunk = bytes(1 << 20)
+    while True:
+        peer = await _Peer.open(port)
+        try:
+            streams = []
+            for _ in range(40):
+                stream_id = peer.conn.get_next_available_stream_id()
+                peer.conn.send_headers(stream_id, _h2_headers("/v1/fetch", length=UPLOAD))
+                streams.append(stream_id)
+            with contextlib.suppress(OSError):
+                await peer.pump()
+                # Send what the windows allow until every stream is refused or done.
+                while streams and not peer.gone.is_set():
+                    for stream_id in list(streams):
+                        with contextlib.suppress(h2.exceptions.ProtocolError):
+                            size = min(peer.conn.local_flow_control_window(stream_id),
+                                       peer.conn.max_outbound_frame_size)
+                            if size > 0:
+                                peer.conn.send_data(stream_id, chunk[:size])
+                                counts["bytes_sent"] += size
+                                continue
+                        if peer.conn.streams.get(stream_id) is None or peer.conn.streams[stream_id].closed:
+                            streams.remove(stream_id)
+                            counts["uploads_refused"] += 1
+                    await peer.pump()
+                    peer.changed.clear()
+                    if streams:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(peer.changed.wait(), 0.5)
+        finally:
+            peer.close()
+
+
+async def _unauth_http1_upload(port: int, counts: dict[str, int]) -> None:
+    chunk = bytes(1 << 20)
+    head = f"POST /v1/fetch HTTP/1.1\r\nhost: ps\r\ncontent-length: {UPLOAD}\r\n\r\n".encode()
+    while True:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            with contextlib.suppress(OSError):
+                writer.write(head)
+                for _ in range(UPLOAD // len(chunk)):
+                    writer.write(chunk)
+                    await writer.drain()
+                    counts["bytes_sent"] += len(chunk)
+                    if reader.at_eof():
+                        break
+                status = await reader.readline()
+                counts["uploads_refused"] += status.startswith(b"HTTP/1.1 401")
+        finally:
+            writer.close()
+
+
+async def _health_flood(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+    clients = [connect_client(kind, "127.0.0.1", port, None) for _ in range(4)]  # type: ignore[arg-type]
+
+    async def flood(client: Any) -> None:
+        while True:
+            await client.request("GET", "/v1/health")
+            counts["health_requests"] += 1
+
+    ready.set()
+    try:
+        await asyncio.gather(*(flood(c) for c in clients for _ in range(8)))
+    finally:
+        for client in clients:
+            await client.close()
+
+
+Attack = Callable[[int, str, dict[str, int], asyncio.Event], Awaitable[None]]
+
+
+def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Event,
+            results: mp.Queue) -> None:
+    attacks: dict[str, Attack] = {
+        "rapid_reset": _rapid_reset,
+        "held_connections": lambda *a: _held_connections(*a, count=held),
+        "unauth_bodies": _unauth_bodies,
+        "health_flood": _health_flood,
+    }
+
+    async def main() -> dict[str, int]:
+        counts = _Counts()
+        started = asyncio.Event()
+        task = asyncio.create_task(attacks[abuse](port, kind, counts, started))
+        await asyncio.wait([task, asyncio.create_task(started.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        ready.set()
+        await asyncio.to_thread(stop.wait)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return dict(counts)
+
+    results.put(run(main()))
+
+
+class _Counts(dict[str, int]):
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+# -- the measurement ------------------------------------------------------------------------
+async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
+                      start_attack: Callable[[], None]) -> tuple[list[float], float]:
+    """Fetch latencies (seconds) of one authenticated client for `seconds`, and the peak
+    server RSS seen meanwhile. The client connects before the attack starts, as a trainer
+    connects at start-up: a flood of new connections may shut out newcomers (the cap is
+    per server), never a peer already served."""
+    client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=DIM,
+                      state_width=0, transport=kind, timeout_s=30, retries=2)  # type: ignore[arg-type]
+    keys = np.random.default_rng(0).integers(0, TABLE_ROWS, FETCH_ROWS, dtype=np.int64)
+    latencies: list[float] = []
+    try:
+        await client.fetch(keys)
+        await asyncio.to_thread(start_attack)
+        peak = _rss_mb(pid)
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            await client.fetch(keys)
+            latencies.append(time.perf_counter() - started)
+            if len(latencies) % 20 == 0:
+                peak = max(peak, _rss_mb(pid))
+    finally:
+        await client.close()
+    return latencies, max(peak, _rss_mb(pid))
+
+
+def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
+            abuses: tuple[str, ...] = ABUSES, report: Callable[[Row], None] | None = None,
+            ) -> list[Row]:
+    """Every (protocol, abuse) pair against one server process; `report` sees each row.
+    `held_connections` opens `held_extra` more than the server's cap."""
+    ctx = mp.get_context("spawn")
+    ports_queue, stop_server = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server), daemon=True)
+    server.start()
+    rows = []
+    try:
+        ports = ports_queue.get(timeout=120)
+        assert server.pid is not None
+        for kind in ("h2", "http1"):
+            for abuse in abuses:
+                if abuse == "rapid_reset" and kind == "http1":
+                    continue
+                rows.append(_scenario(ctx, kind, abuse, ports[kind], server.pid, seconds,
+                                      limits.max_connections + held_extra))
+                if report is not None:
+                    report(rows[-1])
+    finally:
+        stop_server.set()
+        server.join(30)
+        if server.is_alive():
+            server.kill()
+    return rows
+
+
+def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: float,
+              held: int) -> Row:
+    before = _rss_mb(pid)
+    stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Event()
+    attacker = ctx.Process(target=_attack, args=(abuse, kind, port, held, ready, stop, results),
+                           daemon=True)
+
+    def start_attack() -> None:
+        if abuse == "idle":
+            return
+        attacker.start()
+        if not ready.wait(120):
+            raise RuntimeError(f"the {abuse} attacker did not start")
+
+    try:
+        latencies, peak = run(_fetch_loop(kind, port, seconds, pid, start_attack))
+    finally:
+        stop.set()
+    counts = {}
+    if abuse != "idle":
+        attacker.join(60)
+        if attacker.exitcode != 0:
+            raise RuntimeError(f"the {abuse} attacker failed (exit code {attacker.exitcode})")
+        counts = results.get(timeout=10)
+    ms = np.array(latencies) * 1e3
+    return Row(protocol=kind, abuse=abuse, fetches=len(latencies),
+               p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
+               rss_before_mb=before, rss_peak_mb=peak, rss_after_mb=_rss_mb(pid), attack=counts)
+
+
+def _print_row(r: Row) -> None:
+    attack = ", ".join(f"{k} {v:,}" for k, v in sorted(r.attack.items()))
+    print(f"{r.protocol:>5} {r.abuse:<16} | {r.fetches:>7,} {r.p50_ms:>7.2f} {r.p99_ms:>7.2f} | "
+          f"{r.rss_before_mb:>7.0f} {r.rss_peak_mb:>7.0f} {r.rss_after_mb:>7.0f} | {attack}",
+          flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (under a minute)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--seconds", type=float, help="fetch loop per scenario (default 10, quick 2)")
+    parser.add_argument("--max-connections", type=int, default=ConnectionLimits().max_connections,
+                        help="the server's connection cap (held_connections opens 16 more)")
+    args = parser.parse_args()
+    seconds = args.seconds or (2.0 if args.quick else 10.0)
+    limits = ConnectionLimits(max_connections=args.max_connections)
+    print(f"PS fetch of {FETCH_ROWS} rows x d {DIM}, one client, {seconds:g} s per scenario; "
+          f"server RSS in MB; limits {limits}")
+    print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
+          f"{'before':>7} {'peak':>7} {'after':>7} | attacker")
+    rows = measure(seconds=seconds, limits=limits, report=_print_row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
