@@ -13,7 +13,7 @@ from common.checkpoints import latest_complete
 from common.data.dataset import open_dataset
 from common.errors import ConfigError
 from common.job import Job
-from common.runtime import make_server, wait_for_stop_signal, write_ready_file
+from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
 from oracle.config import PlannerConfig, capacity_bound, check_batch_size, hottest_keys, required_capacity
 from oracle.service import OracleService, Workload
 
@@ -96,7 +96,7 @@ async def run_oracle(
     address = spec.oracle.address
     server = make_server(
         spec.cluster.transport, service.router(), host=address.host, port=address.port,
-        token=token, max_body_bytes=spec.cluster.max_body_bytes,
+        token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=connection_limits(spec.cluster),
     )
     await server.start()
     service.start()
