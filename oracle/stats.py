@@ -26,28 +26,36 @@ class IterationStats:
     occupancy: tuple[int, ...]  # copies present during x, per trainer
 
 
+_COUNTERS = ("uses", "hits", "fetched", "prefetched", "joined", "written", "sync_now", "sync_later")
+
+
 @dataclass(kw_only=True)
 class PlannerStats:
-    """Running counts; `iterations` grows by one record per final directive."""
+    """Running counts over the final iterations: constant memory however long the run (the
+    oracle lives as long as it), the last iteration's record kept for a look."""
 
     num_trainers: int
-    iterations: list[IterationStats] = field(default_factory=list)
+    iterations: int = 0  # final iterations counted
+    first: int | None = None  # the first of them
+    last: IterationStats | None = None
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    peak_occupancy: tuple[int, ...] = ()
 
     def add(self, record: IterationStats) -> None:
-        self.iterations.append(record)
+        if self.first is None:
+            self.first = record.iteration
+            self.peak_occupancy = (0,) * self.num_trainers
+        self.iterations += 1
+        self.last = record
+        for name in _COUNTERS:
+            self.totals[name] += getattr(record, name)
+        self.peak_occupancy = tuple(max(a, b) for a, b in zip(self.peak_occupancy, record.occupancy, strict=True))
 
     def total(self, name: str) -> int:
         """Sum of one IterationStats counter over every final iteration."""
-        return sum(getattr(r, name) for r in self.iterations)
+        return self.totals[name]
 
     @property
     def hit_rate(self) -> float:
         uses = self.total("uses")
         return self.total("hits") / uses if uses else 0.0
-
-    @property
-    def peak_occupancy(self) -> tuple[int, ...]:
-        peak = [0] * self.num_trainers
-        for r in self.iterations:
-            peak = [max(a, b) for a, b in zip(peak, r.occupancy, strict=True)]
-        return tuple(peak)

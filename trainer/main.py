@@ -172,11 +172,12 @@ def _train(
         if step.directive.checkpoint:
             checkpoints.save_dense(stats.iteration, engine)
         records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim))
-        progressive.add(stats.labels, stats.probs)
         done = stats.iteration + 1
-        if spec.train.eval_every and done % spec.train.eval_every == 0:
-            _record_eval(records, comm, progressive, done, split="progressive")
-            progressive = MetricAccumulator()
+        if spec.train.eval_every:  # without it the predictions are never scored: keep none
+            progressive.add(stats.labels, stats.probs)
+            if done % spec.train.eval_every == 0:
+                _record_eval(records, comm, progressive, done, split="progressive")
+                progressive = MetricAccumulator()
         waited = time.perf_counter()
     # The run's length, from the stream's end: a run resumed after its last checkpoint may
     # have no step left to run.

@@ -141,3 +141,4 @@ def test_stats_agree_with_the_directives() -> None:
     assert s.total("sync_now") == sum(ds[0].sync_now_keys.size for ds in directives)
     assert s.total("uses") == s.total("hits") + s.total("fetched") + s.total("joined")
     assert 0 < s.hit_rate < 1 and max(s.peak_occupancy) <= cfg.capacity
+    assert s.iterations == len(directives) == 15 and s.first == 0

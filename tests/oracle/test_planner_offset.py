@@ -121,4 +121,5 @@ def test_stats_and_push_finality_use_global_numbers() -> None:
         assert len(emitted) == max(0, z + 1 - 2 - 1)  # finality is unchanged: L + max(D, 1)
     emitted += planner.finish()
     assert [ds[0].iteration for ds in emitted] == list(range(100, 109))
-    assert [r.iteration for r in planner.stats.iterations] == list(range(100, 109))
+    stats = planner.stats
+    assert (stats.first, stats.iterations, stats.last and stats.last.iteration) == (100, 9, 108)
