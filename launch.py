@@ -16,6 +16,9 @@
     python launch.py SPEC.toml --role oracle --first-iteration F
                                               restart a dead PS shard or oracle alone while
                                               the trainers wait (F: where they started)
+    python launch.py SPEC.toml --role ps --index 1 --fresh
+                                              a PS of a new run over an old run's snapshots
+                                              (without a flag it refuses to delete them)
 
 The bearer token comes from the spec's cluster.token or $BAGPIPE_TOKEN; a local cluster
 generates one when neither is set. See README.md for every spec field.
@@ -64,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     alone.add_argument("--first-iteration", type=int,
                        help="oracle: the iteration the running trainers started from (0, or c + 1 "
                             "after resuming from checkpoint c); it replans from there")
+    alone.add_argument("--fresh", action="store_true",
+                       help="PS: start a new run, deleting this shard's snapshots (without --resume or "
+                            "--rejoin, a PS refuses to start empty over snapshots of a run that may go on)")
     alone.add_argument("--admin-port", type=int, help="PS: port of its HTTP/1.1 listener (default: port + 1)")
     return parser.parse_args(argv)
 
@@ -132,7 +138,7 @@ def run_role(args: argparse.Namespace) -> int:
         from ps.main import run_ps
 
         run(run_ps(job, args.index, token=token, resume=args.resume, ready_file=args.ready_file,
-                   rejoin=args.rejoin, admin_port=args.admin_port))
+                   rejoin=args.rejoin, fresh=args.fresh, admin_port=args.admin_port))
     elif args.role == "oracle":
         from oracle.main import run_oracle
 

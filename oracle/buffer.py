@@ -3,8 +3,19 @@
 The planner runs in its own thread (it is CPU work) and `put`s each final iteration; stream
 handlers on the event loop `get` them. The buffer keeps the planner at most `max_ahead`
 iterations ahead of the slowest trainer (so HTTP/2 flow control on a slow trainer's stream
-stops the planner too), and keeps already sent steps from `retain_from` on, so a trainer
-that reconnects can resume from any iteration it has not finished.
+stops the planner too), and keeps already sent steps from `retain_from` on, never one a
+trainer may still need, so a trainer that reconnects can resume from any iteration it has
+not finished.
+
+What a trainer may still need is its *position*: the minimum, over its open streams that
+count, of the next step each has not sent, and while none is open, where the last one
+stopped. A stream counts only if it starts at or before its trainer's position, as a
+trainer that resumes does (it asks for the first step it did not receive); one that starts
+past it (a stray reader, say) neither moves the position nor holds the planner, and gets
+its steps once the planner is there. So a second reader of a trainer cannot make the
+buffer drop steps an open stream of that trainer still needs. The exception is an oracle
+restarted alone: the trainers come back wherever they were, so each one's first stream
+counts from its start.
 
 Iterations are global: a run resumed from a checkpoint starts at `first` (DESIGN §9), and
 steps before it were never held here (asking for them answers 409).
@@ -13,6 +24,7 @@ steps before it were never held here (asking for them answers 409).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 from common.errors import BagpipeError, Conflict
@@ -20,7 +32,13 @@ from common.errors import BagpipeError, Conflict
 
 class StepBuffer:
     def __init__(
-        self, num_trainers: int, max_ahead: int, loop: asyncio.AbstractEventLoop, *, first: int = 0
+        self,
+        num_trainers: int,
+        max_ahead: int,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        first: int = 0,
+        restarted_alone: bool = False,
     ) -> None:
         self.num_trainers = num_trainers
         self.max_ahead = max_ahead
@@ -29,7 +47,10 @@ class StepBuffer:
         self._steps: dict[int, list[bytes]] = {}
         self._first_kept = first
         self._produced = first  # the next iteration to put
-        self._sent = [first] * num_trainers  # next iteration each trainer has not yet been sent
+        self._open: list[dict[int, int]] = [{} for _ in range(num_trainers)]  # counted stream -> position
+        self._idle_at = [first] * num_trainers  # a trainer's position while none of its streams is open
+        self._trust_first = [restarted_alone] * num_trainers  # its next stream counts from any start
+        self._stream_ids = itertools.count()
         self._error: BaseException | None = None
         self._lock = threading.Condition()  # guards everything above; the planner waits on it
         self._changed = asyncio.Event()
@@ -39,7 +60,7 @@ class StepBuffer:
     def put(self, iteration: int, messages: list[bytes]) -> None:
         """Add iteration's per-trainer messages; blocks while too far ahead of the trainers."""
         with self._lock:
-            self._lock.wait_for(lambda: self._produced - min(self._sent) < self.max_ahead or self._error)
+            self._lock.wait_for(lambda: self._produced - self._slowest() < self.max_ahead or self._error)
             if iteration != self._produced:
                 raise RuntimeError(f"steps must be put in order: got {iteration}, expected {self._produced}")
             self._steps[iteration] = messages
@@ -72,23 +93,41 @@ class StepBuffer:
                 self._changed.clear()
             await self._changed.wait()
 
-    def start_stream(self, trainer: int, start: int) -> None:
-        """`trainer` asks for steps from `start` on: it has the earlier ones (an oracle
-        restarted alone replans from an earlier iteration), so they do not hold the planner."""
+    def open_stream(self, trainer: int, start: int) -> int | None:
+        """A stream of `trainer` from `start` on: its id if it counts toward the trainer's
+        position (see the module docstring), else None."""
         with self._lock:
-            self._sent[trainer] = max(self._sent[trainer], start)
+            self._check_streamable(start)
+            if not (self._trust_first[trainer] or start <= self._position(trainer)):
+                return None
+            self._trust_first[trainer] = False
+            stream = next(self._stream_ids)
+            self._open[trainer][stream] = start
+            self._lock.notify_all()
+        return stream
+
+    def mark_sent(self, trainer: int, stream: int | None, iteration: int) -> None:
+        """Stream `stream` of `trainer` (from `open_stream`) handed `iteration` to the transport."""
+        if stream is None:
+            return
+        with self._lock:
+            self._open[trainer][stream] = iteration + 1
             self._lock.notify_all()
 
-    def mark_sent(self, trainer: int, iteration: int) -> None:
-        """The stream of `trainer` handed `iteration` to the transport."""
+    def close_stream(self, trainer: int, stream: int | None) -> None:
+        """Stream `stream` of `trainer` ended or broke."""
+        if stream is None:
+            return
         with self._lock:
-            self._sent[trainer] = max(self._sent[trainer], iteration + 1)
+            position = self._open[trainer].pop(stream)
+            if not self._open[trainer]:
+                self._idle_at[trainer] = position
             self._lock.notify_all()
 
     def retain_from(self, iteration: int) -> None:
-        """Forget steps before `iteration` (a trainer can no longer resume before it)."""
+        """Forget steps before `iteration`, but none a trainer may still need."""
         with self._lock:
-            for old in range(self._first_kept, min(iteration, min(self._sent))):
+            for old in range(self._first_kept, min(iteration, self._slowest())):
                 self._steps.pop(old, None)
                 self._first_kept = old + 1
 
@@ -97,6 +136,15 @@ class StepBuffer:
         Conflict (409) if the iteration is no longer held."""
         with self._lock:
             self._check_streamable(iteration)
+
+    def _position(self, trainer: int) -> int:
+        # caller holds self._lock
+        streams = self._open[trainer]
+        return min(streams.values()) if streams else self._idle_at[trainer]
+
+    def _slowest(self) -> int:
+        # caller holds self._lock
+        return min(self._position(j) for j in range(self.num_trainers))
 
     def _check_streamable(self, iteration: int) -> None:
         # caller holds self._lock

@@ -87,12 +87,13 @@ async def run_oracle(
     each one reconnects.
     """
     spec = job.spec
+    restarted_alone = first_iteration is not None
     if first_iteration is None:
         checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         first_iteration = 0 if checkpoint is None else checkpoint + 1
     workload = build_workload(job, start=first_iteration)
     config = planner_config(job, workload)
-    service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead)
+    service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
     address = spec.oracle.address
     server = make_server(
         spec.cluster.transport, service.router(), host=address.host, port=address.port,

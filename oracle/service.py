@@ -5,8 +5,17 @@ Routes:
 
 * ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
   framed messages (`common.steps`): a batch and a directive per iteration, then an end
-  message. Steps before the oldest kept iteration (or before the workload's `start`) answer
-  409; once the planner has failed, its error.
+  message. J must be a trainer of the run and X within the workload's `start` ..
+  `num_iterations` (the end alone), else 400 naming the parameter; steps before the oldest
+  kept iteration answer 409; once the planner has failed, its error.
+
+  A second reader of a trainer's stream (a stray client, or a reconnecting trainer's new
+  stream before the server has seen the old one break) cannot make the oracle drop steps
+  the trainer still needs: steps are kept, and the planner held, by each trainer's
+  position, the minimum over its open streams that count, and a stream counts only if it
+  starts at or before that position (`oracle.buffer`). What the oracle cannot tell apart it
+  cannot protect: a reader that starts at or before a trainer's position while the
+  trainer itself has no stream open reads in its stead.
 * ``GET /v1/health``, ``GET /metrics`` (public).
 """
 
@@ -72,10 +81,20 @@ class OracleService:
     """Plans `workload` with `config` in a thread and serves the per-trainer streams.
 
     `config.first_iteration` must equal `workload.start`: the planner numbers its directives
-    from it and the stream serves iterations from it.
+    from it and the stream serves iterations from it. `restarted_alone`: the trainers run
+    on from wherever they were, so each one's first stream counts from where it starts
+    (`oracle.buffer`).
     """
 
-    def __init__(self, config: PlannerConfig, workload: Workload, *, max_ahead: int, registry: Registry | None = None) -> None:
+    def __init__(
+        self,
+        config: PlannerConfig,
+        workload: Workload,
+        *,
+        max_ahead: int,
+        restarted_alone: bool = False,
+        registry: Registry | None = None,
+    ) -> None:
         if config.first_iteration != workload.start:
             raise ConfigError(
                 "--first-iteration",
@@ -84,6 +103,7 @@ class OracleService:
         self.config = config
         self.workload = workload
         self.max_ahead = max_ahead
+        self.restarted_alone = restarted_alone
         self.metrics = registry or Registry()
         self.buffer: StepBuffer | None = None
         self._thread: threading.Thread | None = None
@@ -101,7 +121,9 @@ class OracleService:
         """Start planning in a background thread (call from the event loop)."""
         loop = asyncio.get_running_loop()
         first = self.workload.start
-        self.buffer = StepBuffer(self.config.num_trainers, self.max_ahead, loop, first=first)
+        self.buffer = StepBuffer(
+            self.config.num_trainers, self.max_ahead, loop, first=first, restarted_alone=self.restarted_alone
+        )
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
         self._thread.start()
@@ -148,22 +170,27 @@ class OracleService:
     async def stream(self, request: Request) -> StreamResponse:
         assert self.buffer is not None
         trainer = _int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        start = _int_param(request, "start", 0, None)
+        start = _int_param(request, "start", self.workload.start, self.workload.num_iterations)
         self.buffer.check_resumable(start)
-        self.buffer.start_stream(trainer, start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
 
     async def _chunks(self, trainer: int, start: int) -> AsyncIterator[bytes]:
         assert self.buffer is not None
-        x = start
-        while (message := await self.buffer.get(trainer, x)) is not None:
-            yield message
-            self.buffer.mark_sent(trainer, x)
-            self.buffer.retain_from(x + 1 - self.max_ahead)
-            self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
-            x += 1
-        yield encode_message(EndOfStream(iterations=x).encode())
+        # Opened here, not in `stream`: the server closes this generator however the stream
+        # ends, but only once it has started.
+        stream = self.buffer.open_stream(trainer, start)
+        try:
+            x = start
+            while (message := await self.buffer.get(trainer, x)) is not None:
+                yield message
+                self.buffer.mark_sent(trainer, stream, x)
+                self.buffer.retain_from(x + 1 - self.max_ahead)
+                self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
+                x += 1
+            yield encode_message(EndOfStream(iterations=x).encode())
+        finally:
+            self.buffer.close_stream(trainer, stream)
 
     async def health(self, request: Request) -> Response:
         return Response.json(
@@ -185,14 +212,15 @@ def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None
         future.set_result(exc)
 
 
-def _int_param(request: Request, name: str, low: int, high: int | None) -> int:
-    """A required non-negative integer query parameter; BadRequest (400) naming it otherwise."""
+def _int_param(request: Request, name: str, low: int, high: int) -> int:
+    """A required integer query parameter in low..high; BadRequest (400) naming it otherwise."""
     raw = request.query.get(name)
     if raw is None:
         raise BadRequest(f"query parameter {name!r} is required", parameter=name)
-    # isascii: str.isdigit accepts digits such as '²' that int() refuses
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < low or (high is not None and int(raw) > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        message = f"query parameter {name!r} must be an integer in {bound}, got {raw!r}"
+    # isascii: str.isdigit accepts digits such as '²' that int() refuses; the length bound
+    # keeps int() off strings long enough to hit Python's digit limit (or to cost time).
+    digits = raw.isascii() and raw.isdigit() and len(raw) <= len(str(high))
+    if not digits or not low <= int(raw) <= high:
+        message = f"query parameter {name!r} must be an integer in {low}..{high}, got {raw[:40]!r}"
         raise BadRequest(message, parameter=name)
     return int(raw)

@@ -10,6 +10,13 @@ request names the shard process (incarnation) the client last spoke with; a rest
 refuses it (409 ``restarted``), and a client keeping a journal (trainers) then replays the
 write-backs the shard's snapshot lacks before going on. Retried write-backs are sent as
 replays: one that had landed before the connection broke changes nothing.
+
+A client with a journal speaks only with shard processes that journal can make whole: on
+first contact and after each restart it reads the checkpoint the shard's rows descend from
+(`Health.restored`) and refuses, with 409 naming the shard and the commands that recover,
+one that holds less than the journal needs (`WriteJournal.needs`): a shard that came back
+empty, or from an older snapshot. Since a shard snapshots checkpoint c only once every
+trainer reported c to that very process, such a shard never completes a checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from common.errors import BagpipeError, Restarted, TimedOut, Unavailable, WireError
+from common.errors import BagpipeError, Conflict, Restarted, TimedOut, Unavailable, WireError
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
 from common.transport import connect_client
@@ -68,7 +75,10 @@ class PsClient:
         backoff_s: float = 0.1,
         reconnect_s: float = 0.0,
         journal_bytes: int | None = None,
+        resumed_from: int = -1,
     ) -> None:
+        """`resumed_from`: the checkpoint this client's run resumed from (-1: none), which
+        every shard must hold."""
         self.endpoints = tuple(endpoints)
         self.dim = dim
         self.state_width = state_width
@@ -77,7 +87,10 @@ class PsClient:
         self.backoff_s = backoff_s
         self.reconnect_s = reconnect_s
         # None: this client writes nothing a restarted shard would miss (tools, benchmarks).
-        self.journals = None if journal_bytes is None else [WriteJournal(journal_bytes) for _ in endpoints]
+        self.journals = (
+            None if journal_bytes is None
+            else [WriteJournal(journal_bytes, base=resumed_from) for _ in endpoints]
+        )
         self.replayed_rows = 0
         self._clients = [
             connect_client(transport, e.host, e.port, token=token, timeout=timeout_s) for e in endpoints
@@ -210,8 +223,8 @@ class PsClient:
                         headers={INCARNATION_HEADER: incarnation},
                         timeout=timeout,
                     )
-                except Restarted as exc:
-                    await self._rejoin(shard, incarnation, str(exc.fields.get("incarnation")))
+                except Restarted:
+                    await self._rejoin(shard, incarnation)
             except TimedOut as exc:
                 raise TimedOut(f"PS shard {shard} at {self.endpoints[shard]}: {exc.message}", shard=shard) from exc
             except Unavailable as exc:
@@ -235,9 +248,8 @@ class PsClient:
                 if known is None:
                     continue
                 try:
-                    current = await self._current_incarnation(shard)
-                    if current != known:
-                        await self._rejoin(shard, known, current)
+                    if (await self._health(shard)).incarnation != known:
+                        await self._rejoin(shard, known)
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
                 except BagpipeError as exc:  # the next request to that shard meets it too
@@ -248,30 +260,31 @@ class PsClient:
         """The shard process this client speaks with (asked once, then after each restart)."""
         known = self._incarnations[shard]
         if known is None:
-            known = self._incarnations[shard] = await self._current_incarnation(shard)
+            health = await self._health(shard)
+            # Nothing was sent to the shard yet: only what the run resumed from must be there.
+            if self.journals is not None:
+                journal = self.journals[shard]
+                self._check_lineage(shard, health, journal, journal.base)
+            known = self._incarnations[shard] = health.incarnation
         return known
 
-    async def _current_incarnation(self, shard: int) -> str:
+    async def _health(self, shard: int) -> Health:
         body = await self._clients[shard].call(HEALTH.method, HEALTH.path, timeout=self.timeout_s)
-        return Health.from_wire(body).incarnation
+        return Health.from_wire(body)
 
-    async def _rejoin(self, shard: int, seen: str, current: str) -> None:
+    async def _rejoin(self, shard: int, seen: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""
         async with self._rejoining[shard]:
             if self._incarnations[shard] != seen:
                 return  # another call rejoined already
+            current = await self._health(shard)
             journal = self.journals[shard] if self.journals is not None else None
-            if journal is not None and not journal.complete:
-                raise BagpipeError(
-                    f"PS shard {shard} at {self.endpoints[shard]} restarted, and this client's journal of "
-                    f"the write-backs its snapshot lacks is incomplete (over {journal.limit_bytes} bytes, or no "
-                    "checkpoint is taken): only a restart of every role from the latest complete checkpoint "
-                    "can recover"
-                )
+            if journal is not None:
+                self._check_lineage(shard, current, journal, journal.needs)
             entries = journal.entries() if journal is not None else []
             rows = sum(len(e.keys) for e in entries)
             log.warning("PS shard %d restarted: replaying %d write-backs (%d rows) to it", shard, len(entries), rows)
-            headers = {INCARNATION_HEADER: current}
+            headers = {INCARNATION_HEADER: current.incarnation}
             try:
                 for entry in entries:
                     await self._clients[shard].call(
@@ -284,5 +297,29 @@ class PsClient:
             except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
                 raise Unavailable(f"restarted again during the replay: {exc.message}") from exc
             self.replayed_rows += rows
-            self._incarnations[shard] = current
+            self._incarnations[shard] = current.incarnation
 
+    def _check_lineage(self, shard: int, health: Health, journal: WriteJournal, needs: int) -> None:
+        """Refuse a shard process whose rows do not reach checkpoint `needs`: `journal`
+        could not complete them."""
+        if health.restored >= needs:
+            return
+        where = f"PS shard {shard} at {self.endpoints[shard]}"
+        if needs > journal.base:  # what is missing was dropped over the journal's limit
+            raise Conflict(
+                f"{where} restarted, and this client's journal of the write-backs its snapshot lacks is "
+                f"incomplete (over {journal.limit_bytes} bytes, or no checkpoint is taken): only a restart "
+                "of every role from the latest complete checkpoint (--resume) can recover",
+                shard=shard,
+            )
+        held = "empty" if health.restored < 0 else f"with checkpoint {health.restored}"
+        raise Conflict(
+            f"{where} came back {held} (process {health.incarnation}), but this trainer's journal only holds "
+            f"the write-backs after checkpoint {needs}: the rows written up to it would be lost (was it "
+            "started without --rejoin?). Stop that shard and restart it with "
+            f"`python launch.py SPEC --role ps --index {shard} --rejoin` (it reloads its own latest snapshot), "
+            "or, if its snapshots are gone, stop every role and start each with --resume",
+            shard=shard,
+            restored=health.restored,
+            needs=needs,
+        )

@@ -9,6 +9,13 @@ a snapshot covers what it dropped: a restart of that shard then needs the whole 
 
 Entries are the write-backs as first sent (`ps.protocol.WriteBack`, this shard's keys only);
 the client resends them as replays.
+
+A replay makes a restarted shard whole only if what the shard loaded already holds every
+write the journal no longer has: a shard process that holds checkpoint r (-1: nothing) can
+be replayed into exactly when r >= `needs`, the newest checkpoint the journal was trimmed
+to (or started after: a resumed trainer's checkpoint) and the newest version it dropped
+over its limit. A shard that came back empty, or with an older snapshot, would silently
+lose rows; the client refuses it instead (`ps.client`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from ps.protocol import WriteBack
 
 
 class WriteJournal:
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, *, base: int = -1) -> None:
+        """`base`: the checkpoint the shard held when this journal started (a trainer that
+        resumed from checkpoint c writes nothing of versions <= c)."""
         self.limit_bytes = limit_bytes
+        self.base = base  # every write of a version <= base is in a snapshot, not here
         self._entries: list[WriteBack] = []
         self._lost_through = -1  # the newest version dropped over the limit
         self.nbytes = 0
@@ -30,6 +40,12 @@ class WriteJournal:
     @property
     def complete(self) -> bool:
         return self._lost_through < 0
+
+    @property
+    def needs(self) -> int:
+        """The oldest checkpoint a restarted shard must hold for a replay of this journal to
+        make it whole."""
+        return max(self.base, self._lost_through)
 
     def record(self, entry: WriteBack) -> None:
         self._entries.append(entry)
@@ -43,6 +59,7 @@ class WriteJournal:
         """The shard has a snapshot of `checkpoint`: it holds every write of versions <= it."""
         self._entries = [e for e in self._entries if e.version > checkpoint]
         self.nbytes = sum(e.nbytes for e in self._entries)
+        self.base = max(self.base, checkpoint)
         if checkpoint >= self._lost_through:
             self._lost_through = -1
 

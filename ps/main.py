@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from common.errors import ConfigError, Conflict
 from common.job import Job
 from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
 from common.checkpoints import latest_complete, ps_dir
@@ -47,30 +48,36 @@ async def run_ps(
     resume: bool,
     ready_file: Path | None,
     rejoin: bool = False,
+    fresh: bool = False,
     admin_port: int | None = None,
 ) -> None:
     """Serve shard `index` until SIGTERM/SIGINT.
 
-    Fresh, it starts empty; with `resume`, from the latest complete checkpoint of the
-    cluster, like every other role. With `rejoin` it was restarted alone while the others
-    run on: it comes back with its own latest snapshot, and each trainer replays to it the
-    write-backs that snapshot lacks (`ps.client`). Snapshots newer than the starting point
-    belong to an abandoned run and are deleted, so that a later rejoin cannot pick one.
+    With `resume`, it starts from the latest complete checkpoint of the cluster, like every
+    other role, and deletes its snapshots newer than that (an abandoned run's). With
+    `rejoin` it was restarted alone while the others run on: it comes back with its own
+    latest snapshot, and each trainer replays to it the write-backs that snapshot lacks
+    (`ps.client`). Otherwise it starts empty, which is right only for a new run: with
+    snapshots on its disk (a run that may still be going on) it refuses to start unless
+    `fresh` says to delete them (`start_fresh`).
     """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
         raise SystemExit(f"--index {index} is outside 0..{spec.ps.num_shards - 1}")
+    if fresh and (resume or rejoin):
+        raise ConfigError("--fresh", "starts a new run: it cannot be combined with --resume or --rejoin")
     service = build_service(job, index)
     if rejoin:
         restore_own_latest(service)
         log.info("restarted alone: the trainers replay what this snapshot lacks")
-    else:
-        start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
+    elif resume:
+        start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
         gone = remove_after(service.checkpoint_dir, -1 if start is None else start)
         if gone:
-            log.info("removed snapshots %s, newer than the starting point", gone)
-        if resume:
-            _restore(service, start)
+            log.warning("removed snapshots %s, newer than the latest complete checkpoint %s", gone, start)
+        _restore(service, start)
+    else:
+        start_fresh(service, index, delete=fresh)
     address = spec.ps.addresses[index]
     limits = connection_limits(spec.cluster)
     servers = [
@@ -108,6 +115,29 @@ async def run_ps(
             await server.stop()
 
 
+def start_fresh(service: PsService, index: int, *, delete: bool) -> None:
+    """Shard `index` starts empty, as at iteration 0 of a new run.
+
+    Its snapshots on disk mean a run that may still be going on: the trainers hold rows
+    newer than any of them, and an empty shard would lose those (and, once it snapshots,
+    make a checkpoint that lost them). So they are deleted only when `delete` (``--fresh``)
+    says this is a new run; otherwise Conflict names the commands that recover.
+    """
+    own = list_checkpoints(service.checkpoint_dir)
+    if own and not delete:
+        raise Conflict(
+            f"PS shard {index} has snapshots {own} in {service.checkpoint_dir}: they may belong to a run "
+            "that is still going on, whose rows an empty shard would lose. Restart it alone while the "
+            f"trainers wait with `python launch.py SPEC --role ps --index {index} --rejoin`, or stop "
+            "every role and start each with --resume; to begin a new run and delete them, pass --fresh",
+            shard=index,
+            checkpoints=own,
+        )
+    gone = remove_after(service.checkpoint_dir, -1)
+    if gone:
+        log.warning("--fresh: deleted this shard's snapshots %s", gone)
+
+
 def restore_own_latest(service: PsService) -> None:
     """A shard restarted alone: its own newest snapshot, complete checkpoint or not (its
     clients' journals hold every write since)."""
@@ -120,5 +150,5 @@ def _restore(service: PsService, checkpoint_id: int | None) -> None:
         log.info("no complete checkpoint in %s: starting empty", service.checkpoint_dir.parent)
         return
     snap, _ = load_snapshot(service.checkpoint_dir, checkpoint_id)
-    service.store.restore(snap, checkpoint_id)
+    service.restore_snapshot(snap, checkpoint_id)
     log.info("restored checkpoint %d (%d rows)", checkpoint_id, len(snap.local))

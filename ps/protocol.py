@@ -346,7 +346,9 @@ class Restored(_JsonMessage):
 
 @dataclass(frozen=True, kw_only=True)
 class Health(_JsonMessage):
-    """What a shard says about itself, public (curl, probes); `incarnation` names the process."""
+    """What a shard says about itself, public (curl, probes); `incarnation` names the process
+    and `restored` the checkpoint its rows descend from (-1: it started empty), which tells
+    a trainer whether its journal can make a restarted shard whole (`ps.journal`)."""
 
     NAME: ClassVar[str] = "health"
 
@@ -356,12 +358,14 @@ class Health(_JsonMessage):
     rows: int
     dim: int
     incarnation: str
+    restored: int
     max_version: int
     checkpoints: tuple[int, ...]  # the snapshots on the shard's disk, oldest first
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "shard", "num_shards", "rows", "dim")
-        _check_types(self, role=str, incarnation=str, max_version=int)
+        _check_types(self, role=str, incarnation=str, restored=int, max_version=int)
+        _check(self, self.restored >= -1, f"restored must be >= -1, got {self.restored}")
         listed = self.checkpoints
         ints = isinstance(listed, list | tuple) and all(type(c) is int for c in listed)
         _check(self, ints, f"checkpoints must be a list of integers, got {listed!r}")

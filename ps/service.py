@@ -47,7 +47,7 @@ from ps.protocol import (
     WriteBack,
     WriteKind,
 )
-from ps.store import ShardStore
+from ps.store import ShardStore, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class PsService:
         self._reports: dict[int, tuple[set[int], asyncio.Future[CheckpointSaved]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.incarnation = secrets.token_hex(8)
+        self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
 
     def router(self) -> Router:
         typed: dict[Route, TypedHandler] = {
@@ -188,9 +189,14 @@ class PsService:
     async def restore(self, message: RestoreRequest, request: Request) -> Restored:
         c = message.checkpoint
         snap, _ = await asyncio.to_thread(load_snapshot, self.checkpoint_dir, c)
-        self.store.restore(snap, c)
-        self._wake_waiters()
+        self.restore_snapshot(snap, c)
         return Restored(checkpoint=c, rows=int(len(snap.local)))
+
+    def restore_snapshot(self, snap: Snapshot, checkpoint_id: int) -> None:
+        """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot."""
+        self.store.restore(snap, checkpoint_id)
+        self.restored = checkpoint_id
+        self._wake_waiters()
 
     async def health(self, message: None, request: Request) -> Health:
         cfg = self.store.config
@@ -201,6 +207,7 @@ class PsService:
             rows=self.store.num_rows,
             dim=cfg.dim,
             incarnation=self.incarnation,
+            restored=self.restored,
             max_version=self.store.max_version(),
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
         )

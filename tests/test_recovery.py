@@ -22,8 +22,9 @@ import torch
 from common.checkpoints import latest_complete, manifest_path
 from common.job import Job, build_job
 from common.spec import load_spec
-from launcher.cluster import LocalCluster, Restart, run_cluster
+from launcher.cluster import ClusterResult, LocalCluster, Restart, Role, RoleFailed, run_cluster
 from launcher.report import RunTail
+from ps.checkpoint import list_checkpoints
 from tests.cluster_helpers import TOKEN, FinalModel, assert_identical, final_model, write_spec
 
 pytestmark = pytest.mark.slow
@@ -184,3 +185,90 @@ def test_a_full_checkpoint_disk_is_reported_and_the_last_complete_checkpoint_sti
     assert (min(resumed), max(resumed)) == (latest + 1, ITERATIONS - 1)
     tables = np.load(out / "tables.npz")
     assert_identical(FinalModel(torch.load(out / "dense.pt"), tables["table"], tables["state"]), uninterrupted)
+
+
+class CarelessRestart:
+    """on_poll hook, the issue's careless restart: once ps-0 has a snapshot, kill -9 it and
+    start it again by hand, as `python launch.py SPEC --role ps --index 0` on its old port
+    (``restart = false``: the launcher brings nothing back). That start must refuse; then it
+    is started with `then` (--rejoin, as the refusal says, or --fresh, insisting on an
+    empty shard) and watched by the launcher."""
+
+    def __init__(self, spec: Path, run_dir: Path, snapshots: Path, then: str) -> None:
+        self.spec, self.run_dir, self.snapshots, self.then = spec, run_dir, snapshots, then
+        self.refused: subprocess.CompletedProcess[str] | None = None
+        self.kept: list[int] = []
+        self.restarted_at = 0.0
+
+    def __call__(self, cluster: LocalCluster) -> None:
+        if self.refused is not None or not list_checkpoints(self.snapshots):
+            return
+        if not all(t.process.poll() is None for t in cluster.trainers()):
+            return  # the run is ending: nothing would need ps-0 any more
+        position, old = next((i, r) for i, r in enumerate(cluster.roles) if r.name == "ps-0")
+        os.kill(old.process.pid, signal.SIGKILL)
+        old.process.wait()
+        by_hand = [sys.executable, str(ROOT / "launch.py"), str(self.spec), "--role", "ps", "--index", "0",
+                   "--ps-addresses", ",".join(str(a) for a in cluster.ps_addresses), "--admin-port", "0"]
+        env = {**os.environ, "BAGPIPE_TOKEN": TOKEN}
+        self.refused = subprocess.run(by_hand, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+        self.kept = list_checkpoints(self.snapshots)
+        log_path = self.run_dir / "logs" / "ps-0-by-hand.log"
+        ready = self.run_dir / ".ps-0-by-hand.ready"
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen([*by_hand, self.then, "--ready-file", str(ready)], stdout=out,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+        self.restarted_at = time.monotonic()
+        cluster.roles[position] = Role("ps-0", process, log_path, ready)  # stopped with the others
+
+
+def run_careless(tmp_path: Path, then: str) -> tuple[Job, CarelessRestart, ClusterResult | RoleFailed]:
+    overrides = {**OVERRIDES, "checkpoint": {"every": EVERY, "restart": False},
+                 "cluster": {"reconnect_s": 120}}
+    job = build_job(load_spec(write_spec(tmp_path, "careless", overrides)))
+    careless = CarelessRestart(job.spec.source, tmp_path / "run", job.spec.checkpoint.dir / "ps-0", then)
+    try:
+        result: ClusterResult | RoleFailed = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=careless)
+    except RoleFailed as exc:
+        result = exc
+    assert careless.refused is not None, "the run ended before ps-0 had a snapshot"
+    refusal = careless.refused.stderr
+    assert careless.refused.returncode == 2, refusal[-3000:]
+    assert "PS shard 0 has snapshots" in refusal and "--rejoin" in refusal, refusal[-3000:]
+    assert "--resume" in refusal and "--fresh" in refusal and "Traceback" not in refusal, refusal[-3000:]
+    assert careless.kept, "the refused start deleted the snapshots"
+    return job, careless, result
+
+
+def test_a_ps_restarted_by_hand_without_rejoin_refuses_and_rejoin_recovers(
+    tmp_path: Path, uninterrupted: FinalModel
+) -> None:
+    """Started without --resume or --rejoin over its snapshots, ps-0 refuses at once naming
+    the commands that recover and deletes nothing (it used to start empty, delete them and
+    let checkpoint 14 complete with rows lost); the --rejoin it names then ends the run
+    bit-identical to an uninterrupted one."""
+    job, _, result = run_careless(tmp_path, "--rejoin")
+    assert isinstance(result, ClusterResult), result
+    assert result.restarts == ()
+    assert_identical(final_model(job, result.run_dir), uninterrupted)
+
+
+def test_a_ps_started_empty_mid_run_stops_the_trainers_and_completes_no_checkpoint(
+    tmp_path: Path, uninterrupted: FinalModel
+) -> None:
+    """Insisting with --fresh (its snapshots deleted, the shard empty): the trainers refuse
+    it at once, naming the shard and the commands, rather than wait 120 s for rows that
+    never come; no checkpoint completes after the kill; --resume of every role then ends
+    with the uninterrupted model."""
+    job, careless, failed = run_careless(tmp_path, "--fresh")
+    assert isinstance(failed, RoleFailed), failed
+    assert time.monotonic() - careless.restarted_at < 60
+    logs = "".join((tmp_path / "run" / "logs" / f"trainer-{j}.log").read_text() for j in range(2))
+    assert "PS shard 0 at" in logs and "came back empty" in logs, logs[-3000:]
+    assert "--role ps --index 0 --rejoin" in logs and "--resume" in logs, logs[-3000:]
+    manifests = sorted(job.spec.checkpoint.dir.glob("ckpt-*.json"))
+    assert all(int(m.stem.removeprefix("ckpt-")) <= careless.kept[-1] for m in manifests), manifests
+    latest = latest_complete(job.spec.checkpoint.dir, 2)
+    assert latest is None  # --fresh deleted ps-0's part of every one
+    resumed = run_cluster(job, tmp_path / "run", token=TOKEN, resume=True)
+    assert_identical(final_model(job, resumed.run_dir), uninterrupted)

@@ -83,6 +83,8 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     ps_client = None
     watcher: concurrent.futures.Future | None = None
     try:
+        # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
+        resumed_from = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         local = spec.oracle.mode == "local"
         if not local:
             # The journal lets a PS shard restart alone (from its snapshot) while this trainer
@@ -92,13 +94,14 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
                 transport=spec.cluster.transport, timeout_s=spec.cluster.request_timeout_s,
                 retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
+                resumed_from=-1 if resumed_from is None else resumed_from,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
         checkpoints = Checkpointer(job, rank, io, ps_client, records)
         rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
         engine = build_engine(job, device, comm, rows, seeded_model(job, device), on_checkpoint_written=checkpoints.report)
-        start = _resume_point(job, engine) if resume else 0
+        start = _resume_point(job, engine, resumed_from) if resume else 0
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
@@ -258,10 +261,9 @@ class Checkpointer:
             future.result()
 
 
-def _resume_point(job: Job, engine: Engine) -> int:
-    """Load the latest complete checkpoint's dense state; the first iteration to run."""
+def _resume_point(job: Job, engine: Engine, c: int | None) -> int:
+    """Load checkpoint `c`'s dense state (None: start afresh); the first iteration to run."""
     spec = job.spec
-    c = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
     if c is None:
         log.info("no complete checkpoint in %s: starting from iteration 0", spec.checkpoint.dir)
         return 0

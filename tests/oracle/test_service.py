@@ -16,7 +16,7 @@ import pytest
 from common.data.dataset import open_dataset
 from common.data.spec import DataSpec
 from common.directive import Directive
-from common.errors import BagpipeError, ConfigError, Conflict
+from common.errors import BadRequest, BagpipeError, ConfigError, Conflict
 from common.keys import TableLayout
 from common.spec import Endpoint
 from common.steps import decode_batch, decode_end, kind_of
@@ -201,7 +201,7 @@ async def test_an_oracle_restarted_alone_serves_the_same_steps_from_where_each_t
     past `max_ahead` (and at different points) neither hold the planner nor get other bytes."""
     async with serving(OracleService(config(first), workload(first), max_ahead=2)) as client:
         before = await asyncio.gather(read(client, 0, first), read(client, 1, first))
-    restarted = OracleService(config(first), workload(first), max_ahead=2)
+    restarted = OracleService(config(first), workload(first), max_ahead=2, restarted_alone=True)
     async with serving(restarted) as client:
         after = await asyncio.gather(read(client, 0, first + 13), read(client, 1, first + 17))
     for j, (whole, tail) in enumerate(zip(before, after)):
@@ -224,11 +224,45 @@ async def test_a_start_below_the_oldest_kept_step_answers_409() -> None:
     assert tail.iterations == list(range(N - 4, N)) and tail.end == N
 
 
+async def test_a_stray_reader_past_a_trainer_cannot_make_the_oracle_drop_its_steps() -> None:
+    """Trainer 0 read 4 steps and its stream broke; a reader of trainer 0's stream from the
+    run's end neither moves trainer 0's position nor releases the planner, so trainer 1 can
+    run ahead by `max_ahead` only and trainer 0 resumes where it was."""
+    service = OracleService(config(), workload(), max_ahead=4)
+    async with serving(service) as client:
+        first = await read(client, 0, 0, limit=4)  # all the planner may make before trainer 1 reads
+        stray = asyncio.create_task(read(client, 0, N))
+        other = asyncio.create_task(read(client, 1, 0))
+        assert await settled(lambda: service.metrics.value("iterations_planned_total"), 8) == 8
+        assert not stray.done() and not other.done()
+        rest = await read(client, 0, 4)
+        strayed, late = await asyncio.wait_for(asyncio.gather(stray, other), 10)
+    check_stream(Received(first.directives + rest.directives, first.labels + rest.labels,
+                          first.dense + rest.dense, first.raw + rest.raw, rest.end), 0)
+    check_stream(late, 1)
+    assert strayed.iterations == [] and strayed.end == N
+
+
+async def test_a_second_reader_cannot_take_a_trainers_steps_before_its_first_stream() -> None:
+    """The issue's request: trainer 0's stream from far ahead, before trainer 0 itself
+    connects; trainer 0 then streams from the start, whole."""
+    service = OracleService(config(), workload(), max_ahead=4)
+    async with serving(service) as client:
+        stray = asyncio.create_task(read(client, 0, N))
+        other = asyncio.create_task(read(client, 1, 0))
+        assert await settled(lambda: service.metrics.value("iterations_planned_total"), 4) == 4
+        real = await read(client, 0, 0)
+        strayed, late = await asyncio.wait_for(asyncio.gather(stray, other), 10)
+    check_stream(real, 0)
+    check_stream(late, 1)
+    assert strayed.iterations == [] and strayed.end == N
+
+
 async def test_a_workload_starting_late_streams_from_its_start() -> None:
     start = 12  # resuming after a planner-side checkpoint at 9 plus two more iterations
     service = OracleService(config(start), workload(start), max_ahead=4)
     async with serving(service) as client:
-        with pytest.raises(Conflict, match=f"iteration 0 is no longer held \\(oldest kept: {start}\\)"):
+        with pytest.raises(BadRequest, match=f"'start' must be an integer in {start}\\.\\.{N}"):
             await read(client, 0, 0)
         streams = await asyncio.gather(*(read(client, j, start) for j in range(T)))
     for j, got in enumerate(streams):
@@ -257,6 +291,11 @@ def test_the_service_refuses_a_planner_numbered_differently_from_its_workload() 
         ("trainer=2&start=0", "trainer"),  # out of range: T = 2
         ("trainer=0&start=abc", "start"),
         ("trainer=0&start=%C2%B2", "start"),  # '²' passes str.isdigit
+        (f"trainer=0&start={N + 1}", "start"),  # past the run's end (N alone streams the end)
+        ("trainer=0&start=1000000", "start"),
+        # past Python's int-string digit limit
+        pytest.param(f"trainer={'9' * 4400}&start=0", "trainer", id="trainer-4400-digits"),
+        pytest.param(f"trainer=0&start={'1' * 4400}", "start", id="start-4400-digits"),
     ],
 )
 async def test_bad_stream_requests_answer_400_naming_the_parameter(query: str, parameter: str) -> None:

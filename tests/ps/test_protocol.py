@@ -60,7 +60,7 @@ def write_back(n: int = 3, kind: WriteKind = WriteKind.EVICT, replay: bool = Fal
 
 
 def health() -> Health:
-    return Health(role="ps", shard=1, num_shards=2, rows=75, dim=DIM, incarnation="ab12", max_version=7,
+    return Health(role="ps", shard=1, num_shards=2, rows=75, dim=DIM, incarnation="ab12", restored=4, max_version=7,
                   checkpoints=(4, 9))
 
 

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
 
+from common.checkpoints import checkpoint_name
 from common.errors import BagpipeError, Conflict, Restarted
 from common.spec import Endpoint
 from common.transport import H2Client
-from ps.checkpoint import load_snapshot
+from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
 from ps.client import PsClient
 from ps.journal import WriteJournal
-from ps.main import restore_own_latest
+from ps.main import restore_own_latest, start_fresh
 from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -39,9 +41,9 @@ async def waiting_fetch(service: PsService) -> None:
         await asyncio.sleep(0.01)
 
 
-def trainer(endpoint: Endpoint, journal_bytes: int | None = 1 << 20) -> PsClient:
-    return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1,
-                    timeout_s=10, retries=20, backoff_s=0.02, journal_bytes=journal_bytes)
+def trainer(endpoint: Endpoint, journal_bytes: int | None = 1 << 20, resumed_from: int = -1) -> PsClient:
+    return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1, timeout_s=10, retries=20,
+                    backoff_s=0.02, journal_bytes=journal_bytes, resumed_from=resumed_from)
 
 
 class Shard:
@@ -62,9 +64,15 @@ class Shard:
         await self.server.stop()
 
     async def crash_and_rejoin(self) -> None:
+        await self.crash_and_restart(rejoin=True)
+
+    async def crash_and_restart(self, *, rejoin: bool) -> None:
+        """The process dies and a new one starts on the same port: with its own latest
+        snapshot (`--rejoin`), or empty (a careless restart)."""
         await self.server.stop()
         self.service = make_shard(self.directory)
-        restore_own_latest(self.service)
+        if rejoin:
+            restore_own_latest(self.service)
         self.server = make_server("h2", self.service, port=self.endpoint.port)
         await self.server.start()
 
@@ -155,6 +163,73 @@ async def test_a_watching_client_replays_before_it_has_anything_to_send(tmp_path
         await asyncio.gather(a.close(), b.close())
 
 
+async def test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapshots(tmp_path: Path) -> None:
+    """Restarted without --rejoin after checkpoint 4: replaying the journals (writes after 4)
+    into an empty shard would lose rows. Every request fails at once naming the shard and the
+    commands that recover, instead of waiting for rows that never come; no trainer reports
+    to that process, so it never takes a checkpoint."""
+    async with Shard(tmp_path) as shard:
+        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        watch = asyncio.create_task(b.watch_restarts(0.05))
+        last = np.full(len(KEYS), -1, dtype=np.int64)
+        for v in range(7):
+            await iteration(a, b, v, last)
+        await shard.crash_and_restart(rejoin=False)
+        started = time.monotonic()
+        for call in (a.fetch(KEYS, last), b.report_checkpoint(9, 1, 2), write(a, KEYS[:2], 7, 0)):
+            with pytest.raises(Conflict) as refused:
+                await asyncio.wait_for(call, 10)
+            message = refused.value.message
+            assert "PS shard 0" in message and "came back empty" in message, message
+            assert "--role ps --index 0 --rejoin" in message and "--resume" in message, message
+            assert refused.value.fields["needs"] == 4
+        assert time.monotonic() - started < 5  # not the fetch timeout, nor a retry budget
+        assert a.replayed_rows == b.replayed_rows == 0 and shard.service.store.max_version() == -1
+        assert shard.service.store.last_checkpoint == -1 and list_checkpoints(shard.directory / "ps-0") == [4]
+        await asyncio.sleep(0.2)  # the watch found the same refusal, and stopped
+        assert watch.done() and not watch.cancelled()
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_shard_rejoining_from_a_snapshot_older_than_the_journals_is_refused(tmp_path: Path) -> None:
+    async with Shard(tmp_path) as shard:
+        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        last = np.full(len(KEYS), -1, dtype=np.int64)
+        for v in range(11):
+            await iteration(a, b, v, last)
+        shutil.rmtree(tmp_path / "ps-0" / checkpoint_name(9))  # its newest snapshot is lost
+        await shard.crash_and_rejoin()
+        assert shard.service.restored == 4
+        with pytest.raises(Conflict, match="came back with checkpoint 4 .* after checkpoint 9"):
+            await asyncio.wait_for(a.fetch(KEYS, last), 10)
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_resumed_trainer_refuses_a_shard_that_did_not_resume(tmp_path: Path) -> None:
+    """Trainers resumed from checkpoint 9; the shard was started empty (as with --fresh)."""
+    async with Shard(tmp_path) as shard:
+        client = trainer(shard.endpoint, resumed_from=9)
+        with pytest.raises(Conflict, match="PS shard 0 .* came back empty .* after checkpoint 9"):
+            await asyncio.wait_for(client.fetch(KEYS[:2]), 10)
+        await client.close()
+        resumed = trainer(shard.endpoint, resumed_from=-1)  # a new run's trainer takes it
+        assert (await resumed.fetch(KEYS[:2])).versions.tolist() == [-1, -1]
+        await resumed.close()
+
+
+def test_a_shard_started_without_flags_over_snapshots_refuses_naming_the_commands(tmp_path: Path) -> None:
+    service = make_shard(tmp_path)
+    save_snapshot(service.checkpoint_dir, 4, service.store.snapshot(4), {})
+    with pytest.raises(Conflict) as refused:
+        start_fresh(service, 0, delete=False)
+    message = refused.value.message
+    assert "--role ps --index 0 --rejoin" in message and "--resume" in message and "--fresh" in message
+    assert list_checkpoints(service.checkpoint_dir) == [4]  # nothing deleted
+    start_fresh(service, 0, delete=True)  # --fresh: a new run
+    assert list_checkpoints(service.checkpoint_dir) == [] and service.restored == -1
+    start_fresh(make_shard(tmp_path / "new"), 0, delete=False)  # nothing on disk: a new run anyway
+
+
 async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: Path) -> None:
     async with Shard(tmp_path) as shard:
         client = trainer(shard.endpoint, journal_bytes=0)  # no checkpoints: nothing is kept
@@ -202,6 +277,23 @@ def test_the_journal_keeps_what_no_snapshot_holds() -> None:
     journal.forget_through(4)
     assert [e.version for e in journal.entries()] == [6, 8] and journal.complete
     assert journal.nbytes == 2 * entry(0).nbytes and journal.peak_nbytes == 6 * entry(0).nbytes
+
+
+def test_the_journal_needs_the_checkpoint_it_starts_after() -> None:
+    """The lineage rule (sans-IO): a shard process holding checkpoint r can be replayed into
+    only if r >= needs, the newest checkpoint the journal was trimmed to or resumed from,
+    or the newest version it dropped over its limit."""
+    journal = WriteJournal(limit_bytes=3 * entry(0).nbytes)
+    assert journal.needs == -1  # a new run: an empty shard is whole once replayed into
+    journal.record(entry(3))
+    journal.forget_through(4)
+    assert journal.needs == 4 and journal.base == 4
+    assert WriteJournal(1 << 20, base=9).needs == 9  # a resumed trainer: every shard holds 9
+    for v in range(5, 9):
+        journal.record(entry(v))  # over the limit at the fourth: 5..8 dropped
+    assert journal.needs == 8 and not journal.complete
+    journal.forget_through(9)
+    assert journal.needs == 9 and journal.complete
 
 
 def test_past_its_limit_the_journal_is_incomplete_until_a_snapshot_covers_the_loss() -> None:
