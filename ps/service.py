@@ -114,7 +114,7 @@ class PsService:
 
     async def fetch(self, message: FetchRequest, request: Request) -> Rows:
         wait_s = self.fetch_timeout_s if message.wait_s is None else message.wait_s
-        local = self.store.check_keys(message.keys)
+        local = self.store.check_fetch(message.keys, message.min_versions)
         await self._wait_for_versions(local, message.min_versions, wait_s)
         rows, state, versions = self.store.gather(local)
         self._count("fetch", len(local), request, rows.nbytes + state.nbytes)
@@ -134,7 +134,7 @@ class PsService:
     async def report_checkpoint(
         self, message: CheckpointReport, request: Request
     ) -> CheckpointSaved:
-        c = message.checkpoint
+        c = self.store.check_version(message.checkpoint, "checkpoint")
         if c <= self.store.last_checkpoint and c not in self._reports:
             # A report retried across a restart of this shard: its snapshot may be on disk.
             saved = saved_checkpoint(self.checkpoint_dir, c)
@@ -151,7 +151,7 @@ class PsService:
         return await asyncio.shield(done)
 
     async def snapshot(self, message: SnapshotRequest, request: Request) -> CheckpointSaved:
-        return await self._take_checkpoint(message.checkpoint)
+        return await self._take_checkpoint(self.store.check_version(message.checkpoint, "checkpoint"))
 
     def _finish_checkpoint(self, checkpoint_id: int, done: asyncio.Future[CheckpointSaved]) -> None:
         async def take() -> None:
@@ -186,7 +186,7 @@ class PsService:
         )
 
     async def restore(self, message: RestoreRequest, request: Request) -> Restored:
-        c = message.checkpoint
+        c = self.store.check_version(message.checkpoint, "checkpoint")
         snap, _ = await asyncio.to_thread(load_snapshot, self.checkpoint_dir, c)
         self.store.restore(snap, c)
         self._wake_waiters()
@@ -201,7 +201,7 @@ class PsService:
             rows=self.store.num_rows,
             dim=cfg.dim,
             incarnation=self.incarnation,
-            max_version=self.store.max_version(),
+            max_version=self.store.max_version,
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
         )
 

@@ -96,16 +96,30 @@ def fetch_body(keys: list[int], **arrays: np.ndarray) -> bytes:
     return encode({}, {"keys": np.array(keys, dtype=np.int64), **arrays})
 
 
-def write_body(version: object, keys: list[int], rows: np.ndarray | None = None, state: np.ndarray | None = None) -> bytes:
+def write_body(
+    version: object,
+    keys: list[int],
+    rows: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+    *,
+    write: str = "evict",
+    replay: bool = False,
+) -> bytes:
     n = len(keys)
     return encode(
-        {"write": "evict", "version": version, "replay": False},
+        {"write": write, "version": version, "replay": replay},
         {
             "keys": np.array(keys, dtype=np.int64),
             "rows": np.zeros((n, DIM), np.float32) if rows is None else rows,
             "state": np.zeros((n, 1), np.float32) if state is None else state,
         },
     )
+
+
+def wire_body(header: dict) -> bytes:
+    """A wire body with this header and no payload (its arrays may lie about their size)."""
+    head = orjson.dumps(header)
+    return len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8)
 
 
 BAD_REQUESTS = [
@@ -121,6 +135,17 @@ BAD_REQUESTS = [
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
     ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
     ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
+    # Versions no run produces: they were a 500 after the rows had been overwritten.
+    ("POST", "/v1/write_back", write_body(2**63, [0, 2]), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2**64 - 1, [0, 2], replay=True), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2**62, [0, 2], write="flush"), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2.0**64, [0, 2]), 400, "version must be an integer"),  # JSON of 2**64
+    ("POST", "/v1/fetch", fetch_body([0], min_versions=np.array([2**62])), 400, "min_versions must be at most"),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0, 2**63]]]}), 400, "too large"),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0] * 65]]}), 400, "at most 8"),
+    ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": 2**62}), 400, "checkpoint must be an integer in 0.."),
+    ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 2**63 - 1, "trainer": 0, "trainers": 1}), 400, "checkpoint must be"),
+    ("POST", "/v1/restore", orjson.dumps({"checkpoint": 2**64 - 1}), 400, "checkpoint must be an integer in 0.."),
     ("POST", "/v1/checkpoint/report", b"{bad json", 400, "JSON"),
     ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 4, "trainer": 2, "trainers": 2}), 400, "not below"),
     ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": -3}), 400, "non-negative"),
