@@ -30,21 +30,21 @@ from common.transport.retry import RetryBudget
 from ps.journal import WriteJournal
 from ps.protocol import (
     FETCH,
-    HEALTH,
     INCARNATION_HEADER,
     REPORT_CHECKPOINT,
     RESTORE,
     SNAPSHOT,
+    STATUS,
     WRITE_BACK,
     CheckpointReport,
     CheckpointSaved,
     FetchRequest,
-    Health,
     Message,
     Restored,
     RestoreRequest,
     Route,
     Rows,
+    ShardStatus,
     SnapshotRequest,
     WriteBack,
     WriteKind,
@@ -167,9 +167,9 @@ class PsClient:
     async def restore(self, checkpoint_id: int) -> list[Restored]:
         return await self._all_shards(RESTORE, RestoreRequest(checkpoint=checkpoint_id), Restored)
 
-    async def health(self) -> list[Health]:
+    async def status(self) -> list[ShardStatus]:
         return [
-            Health.from_wire(await self._call(s, HEALTH, None, self.timeout_s))
+            ShardStatus.from_wire(await self._call(s, STATUS, None, self.timeout_s))
             for s in range(self.num_shards)
         ]
 
@@ -252,8 +252,8 @@ class PsClient:
         return known
 
     async def _current_incarnation(self, shard: int) -> str:
-        body = await self._clients[shard].call(HEALTH.method, HEALTH.path, timeout=self.timeout_s)
-        return Health.from_wire(body).incarnation
+        body = await self._clients[shard].call(STATUS.method, STATUS.path, timeout=self.timeout_s)
+        return ShardStatus.from_wire(body).incarnation
 
     async def _rejoin(self, shard: int, seen: str, current: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""

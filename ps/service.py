@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import Conflict, Restarted, StorageFailed, TimedOut
+from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
 from common.metrics import Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot, saved_checkpoint
@@ -32,6 +32,7 @@ from ps.protocol import (
     RESTORE,
     ROUTES,
     SNAPSHOT,
+    STATUS,
     WRITE_BACK,
     CheckpointReport,
     CheckpointSaved,
@@ -42,6 +43,7 @@ from ps.protocol import (
     RestoreRequest,
     Route,
     Rows,
+    ShardStatus,
     SnapshotRequest,
     WriteAck,
     WriteBack,
@@ -91,6 +93,7 @@ class PsService:
             SNAPSHOT: self.snapshot,
             RESTORE: self.restore,
             HEALTH: self.health,
+            STATUS: self.status,
         }
         handlers: dict[Route, Handler] = {r: self._serve(r, h) for r, h in typed.items()}
         handlers[METRICS] = self.render_metrics
@@ -114,6 +117,12 @@ class PsService:
 
     async def fetch(self, message: FetchRequest, request: Request) -> Rows:
         wait_s = self.fetch_timeout_s if message.wait_s is None else message.wait_s
+        if wait_s > self.fetch_timeout_s:
+            # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
+            # unbounded, it would also hold the request (and its rows) for ever.
+            raise BadRequest(
+                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
+            )
         local = self.store.check_fetch(message.keys, message.min_versions)
         await self._wait_for_versions(local, message.min_versions, wait_s)
         rows, state, versions = self.store.gather(local)
@@ -126,10 +135,10 @@ class PsService:
         local = self.store.check_write(
             m.keys, m.rows, m.state, m.version, flush=flush, replay=replay
         )
-        self.store.write_back(local, m.rows, m.state, m.version, flush=flush, replay=replay)
+        written = self.store.write_back(local, m.rows, m.state, m.version, flush=flush, replay=replay)
         self._count("replay" if m.replay else "write_back", len(local), request, 0)
         self._wake_waiters()
-        return WriteAck(written=len(local), version=m.version)
+        return WriteAck(written=written, version=m.version)
 
     async def report_checkpoint(
         self, message: CheckpointReport, request: Request
@@ -193,15 +202,18 @@ class PsService:
         return Restored(checkpoint=c, rows=int(len(snap.local)))
 
     async def health(self, message: None, request: Request) -> Health:
+        return Health(role="ps", ok=True)
+
+    async def status(self, message: None, request: Request) -> ShardStatus:
         cfg = self.store.config
-        return Health(
-            role="ps",
+        return ShardStatus(
             shard=cfg.shard,
             num_shards=cfg.num_shards,
             rows=self.store.num_rows,
             dim=cfg.dim,
             incarnation=self.incarnation,
             max_version=self.store.max_version,
+            last_checkpoint=self.store.last_checkpoint,
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
         )
 

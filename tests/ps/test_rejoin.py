@@ -165,11 +165,11 @@ async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: P
         await client.close()
 
 
-async def test_a_request_for_another_incarnation_is_refused_and_health_names_the_current(tmp_path: Path) -> None:
+async def test_a_request_for_another_incarnation_is_refused_and_status_names_the_current(tmp_path: Path) -> None:
     async with Shard(tmp_path) as shard:
         raw = H2Client("127.0.0.1", shard.endpoint.port, token=TOKEN)
-        health = orjson.loads(await raw.call("GET", "/v1/health"))
-        assert health["incarnation"] == shard.service.incarnation
+        status = orjson.loads(await raw.call("GET", "/v1/status"))
+        assert status["incarnation"] == shard.service.incarnation
         with pytest.raises(Restarted) as caught:
             await raw.call("POST", "/v1/checkpoint/snapshot", body=b'{"checkpoint": 4}',
                            headers={INCARNATION_HEADER: "0" * 16})
