@@ -231,7 +231,7 @@ class PsService:
         try:
             await asyncio.wait_for(waiter.ready.wait(), timeout)
         except TimeoutError:
-            behind = int((self.store.gather(local)[2] < min_versions).sum())
+            behind = self.store.behind(local, min_versions)  # a refused fetch touches no row
             raise TimedOut(
                 f"{behind} of {len(local)} rows did not reach their version within {timeout:g} s",
                 rows_behind=behind,

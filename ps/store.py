@@ -193,7 +193,12 @@ class ShardStore:
 
     def ready(self, local: np.ndarray, min_versions: np.ndarray) -> bool:
         """Whether every row has reached the version asked for."""
-        return bool((self._versions[local] >= min_versions).all())
+        return self.behind(local, min_versions) == 0
+
+    def behind(self, local: np.ndarray, min_versions: np.ndarray) -> int:
+        """How many rows have not reached the version asked for (reads only: unlike
+        `gather`, it initialises nothing)."""
+        return int((self._versions[local] < min_versions).sum())
 
     def gather(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of (rows, state, versions) at `local` indices, initialising untouched rows."""

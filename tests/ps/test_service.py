@@ -13,7 +13,7 @@ from common.errors import BadRequest, Conflict, TimedOut
 from common.init import initial_rows
 from common.transport import connect_client
 from common.wire import encode
-from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service
+from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state
 
 
 def rows_for(keys: np.ndarray, value: float) -> tuple[np.ndarray, np.ndarray]:
@@ -52,9 +52,12 @@ async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
 
 
 async def test_a_fetch_that_cannot_be_served_times_out(cluster: Cluster) -> None:
+    before = raw_state(cluster.services[0].store)
     with pytest.raises(TimedOut, match="did not reach their version"):
         await cluster.client.fetch(np.array([8], dtype=np.int64), np.array([1]), wait_s=0.2)
     assert all(not s._waiters for s in cluster.services)
+    # Counting the rows behind initialised them (found by tests/ps/test_fuzz.py).
+    assert same_state(before, raw_state(cluster.services[0].store)), "a refused fetch touched rows"
     await cluster.client.fetch(np.array([8], dtype=np.int64))  # still serving
 
 

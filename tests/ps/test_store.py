@@ -14,6 +14,7 @@ from common.init import initial_rows
 from common.keys import TableLayout
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
 from ps.store import DEFAULT_VERSION_LIMIT, ShardConfig, ShardStore
+from tests.ps.conftest import raw_state, same_state
 
 LAYOUT = TableLayout((50, 30))
 
@@ -283,17 +284,6 @@ def test_restore_and_replay_in_any_order_equals_the_uninterrupted_shard(seed: in
     for later in sorted(k for k in snaps if k > c):
         assert same_rows(store.snapshot(later), snaps[later]), f"checkpoint {later} differs"
     assert same_rows(store.snapshot(), final)
-
-
-def raw_state(store: ShardStore) -> list[np.ndarray | int]:
-    """Everything a store holds, copied: its arrays, its saved checkpoint rows, its counters."""
-    saved = [a for s in store._saved for a in (*vars(s.rows).values(), s.until)]
-    arrays = (store._rows, store._state, store._versions, store._touched, *saved)
-    return [a.copy() for a in arrays] + [store.last_checkpoint, store.max_version, len(store._saved)]
-
-
-def same_state(a: list[np.ndarray | int], b: list[np.ndarray | int]) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("version", [101, 2**62, 2**63, 2**64 - 1, -(2**63)])
