@@ -232,9 +232,14 @@ def fuzz_service(directory: Path) -> PsService:
     return PsService(ShardStore(cfg), checkpoint_dir=directory / "ps-0", fetch_timeout_s=FETCH_WAIT_S)
 
 
+def served_path(case: Case) -> str:
+    """The path the shard routes the case by (query dropped, percent-decoded)."""
+    return unquote(case.target.partition("?")[0])
+
+
 def waits_by_design(case: Case) -> bool:
     """A well-formed report naming more than one trainer: it waits for the others."""
-    if case.method != "POST" or case.target != "/v1/checkpoint/report":
+    if case.method != "POST" or served_path(case) != "/v1/checkpoint/report":
         return False
     try:
         return CheckpointReport.from_wire(case.body).trainers > 1
@@ -244,7 +249,7 @@ def waits_by_design(case: Case) -> bool:
 
 def judge(case: Case, status: int, payload: bytes) -> str:
     """The outcome's name for the counts; fails the test for a 5xx that is not by design."""
-    if status == 504 and case.target == "/v1/fetch" and orjson.loads(payload)["error"] == "timeout":
+    if status == 504 and served_path(case) == "/v1/fetch" and orjson.loads(payload)["error"] == "timeout":
         return "504 (a version that never came)"
     assert status < 500, f"{status} for {case}: {payload[:300]!r}"
     return f"{status // 100}xx"
@@ -290,8 +295,7 @@ async def in_process(service: PsService) -> tuple[Send, Close]:
     router, auth = service.router(), TokenCheck(TOKEN)
 
     async def send(case: Case) -> tuple[int, bytes]:
-        path, _, query = case.target.partition("?")
-        request = Request(method=case.method, path=unquote(path), query=dict(parse_qsl(query)),
+        request = Request(method=case.method, path=served_path(case), query=dict(parse_qsl(case.target.partition("?")[2])),
                           headers=dict(case.headers), body=case.body)
         answer = await dispatch(router, auth, request)
         assert isinstance(answer, Response)  # no PS route streams
