@@ -1,7 +1,8 @@
 """Mutation fuzzing of the oracle's routes (``GET /v1/stream?trainer=&start=``, health,
 metrics) on both protocols: requests derived from valid ones (query values and names,
 methods, paths, token) never get a 5xx and never hang; a stream that is answered is read to
-its end message.
+its end message. Starts of 2**64 and more are left to their own test: they reset the stream
+(see `test_a_start_past_uint64_is_a_400`).
 
 It lives here rather than in tests/oracle/ because that folder and oracle/ belong to another
 change under way; it only drives the oracle's service. Counts per route and answer are
@@ -20,6 +21,7 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.errors import Unavailable
 from common.steps import decode_end, kind_of
 from common.transport import Client, H2Server, Http1Server, connect_client, read_messages
 from oracle.service import OracleService
@@ -32,7 +34,7 @@ HANG_S = 10.0
 VALUES = st.one_of(
     st.integers(-3, N + 3).map(str),
     st.sampled_from([
-        "", "+1", " 1", "1 ", "01", "0x1", "1e3", "1.0", "-0", str(2**63), str(2**64), "9" * 400,
+        "", "+1", " 1", "1 ", "01", "0x1", "1e3", "1.0", "-0", str(2**63), str(2**64 - 1),
         "%C2%B2", "%D9%A1", "%00", "%zz", "%", "true", "null", "0&start=0",
     ]),
 )
@@ -130,3 +132,33 @@ def test_oracle_routes_never_5xx_never_hang(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["h2", "http1"])
 def test_oracle_routes_at_length(kind: str) -> None:
     run_fuzz(kind, 2000)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Unavailable,
+    reason=(
+        "oracle/service.py (finding of this fuzz, left to the oracle's owner): a stream start of "
+        "2**64 or more passes _int_param, the answer starts 200, and the end message echoing it "
+        "cannot be encoded (orjson: Integer exceeds 64-bit range), so the stream is reset "
+        "(HTTP/2 RST_STREAM INTERNAL_ERROR, HTTP/1.1 a cut chunked body) instead of a 400"
+    ),
+)
+@pytest.mark.parametrize("kind", ["h2", "http1"])
+@pytest.mark.parametrize("start", [str(2**64), "9" * 400], ids=["2**64", "400 nines"])
+def test_a_start_past_uint64_is_a_400(kind: str, start: str) -> None:
+    async def ask() -> int:
+        service = OracleService(config(), workload(), max_ahead=N + 8)
+        server = (H2Server if kind == "h2" else Http1Server)(service.router(), host="127.0.0.1", port=0, token=TOKEN)
+        await server.start()
+        service.start()
+        client = connect_client(kind, "127.0.0.1", server.port, token=TOKEN, timeout=HANG_S)  # type: ignore[arg-type]
+        try:
+            status, _ = await answer(client, "GET", f"/v1/stream?trainer=0&start={start}", {})
+            return status
+        finally:
+            await client.close()
+            service.stop()
+            await server.stop()
+
+    assert asyncio.run(ask()) == 400
