@@ -15,8 +15,9 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 
 from common.files import write_atomically
@@ -24,6 +25,8 @@ from common.files import write_atomically
 _PREFIX = "ckpt-"
 #: Matches what `checkpoint_name` makes.
 CHECKPOINT_GLOB = f"{_PREFIX}*"
+#: An iteration, or an int64 array of them.
+Iterations = TypeVar("Iterations", int, np.ndarray)
 
 
 def is_checkpoint(iteration: int, every: int) -> bool:
@@ -32,11 +35,12 @@ def is_checkpoint(iteration: int, every: int) -> bool:
     return every > 0 and (iteration + 1) % every == 0
 
 
-def checkpoints_between(after: int, before: int, every: int) -> range:
-    """Checkpoint iterations c with after < c < before."""
-    if every <= 0:
-        return range(0)
-    return range((after + 1) // every * every + every - 1, before, every)
+def first_checkpoint_from(iteration: Iterations, every: int) -> Iterations:
+    """The first checkpoint iteration c >= `iteration`, elementwise for an array; `every` > 0.
+
+    Arithmetic, not a walk: a far iteration costs no more than a near one.
+    """
+    return (iteration + every) // every * every - 1
 
 
 def checkpoint_name(checkpoint_id: int) -> str:

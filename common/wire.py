@@ -30,6 +30,12 @@ DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name) for name in ("<f4", "<f8", "<i4", "<i8", "<u8", "<i2", "|u1", "|i1")
 }
 MAX_HEADER_BYTES = 1 << 20
+#: Dimensions an array may have (numpy's own limit is 64; our messages use at most 2).
+MAX_NDIM = 8
+#: The bytes an array's shape may describe, its zero dimensions counted as 1: numpy refuses
+#: a shape whose size times its item size does not fit in a signed 64-bit integer, even
+#: when a zero dimension makes the array empty.
+_MAX_SHAPE_BYTES = (1 << 63) - 1
 
 
 def _pad(n: int) -> int:
@@ -100,10 +106,21 @@ def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
         name, dtype, shape = item
         if dtype not in DTYPES:
             raise WireError(f"array {name!r}: dtype {dtype!r} is not allowed", array=name)
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise WireError(f"array {name!r}: shape {shape!r} is invalid", array=name)
-        specs.append((name, DTYPES[dtype], tuple(shape)))
+        specs.append((name, DTYPES[dtype], _shape(name, shape, DTYPES[dtype])))
     return specs
+
+
+def _shape(name: str, shape: Any, dtype: np.dtype) -> tuple[int, ...]:
+    """`shape` if numpy can build an array of it; WireError naming the array otherwise.
+    (Whether the body holds that many bytes is checked by `decode`.)"""
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(n) is int and n >= 0 for n in shape)):
+        raise WireError(
+            f"array {name!r}: shape {shape!r} is invalid (at most {MAX_NDIM} non-negative integers)",
+            array=name,
+        )
+    if math.prod(max(n, 1) for n in shape) * dtype.itemsize > _MAX_SHAPE_BYTES:
+        raise WireError(f"array {name!r}: shape {shape!r} is too large", array=name)
+    return tuple(shape)
 
 
 def require(arrays: Mapping[str, np.ndarray], name: str, dtype: str, ndim: int) -> np.ndarray:

@@ -13,7 +13,7 @@ replays: one that had landed before the connection broke changes nothing.
 
 A client with a journal speaks only with shard processes that journal can make whole: on
 first contact and after each restart it reads the checkpoint the shard's rows descend from
-(`Health.restored`) and refuses, with 409 naming the shard and the commands that recover,
+(`ShardStatus.restored`) and refuses, with 409 naming the shard and the commands that recover,
 one that holds less than the journal needs (`WriteJournal.needs`): a shard that came back
 empty, or from an older snapshot. Since a shard snapshots checkpoint c only once every
 trainer reported c to that very process, such a shard never completes a checkpoint.
@@ -37,21 +37,21 @@ from common.transport.retry import RetryBudget
 from ps.journal import WriteJournal
 from ps.protocol import (
     FETCH,
-    HEALTH,
     INCARNATION_HEADER,
     REPORT_CHECKPOINT,
     RESTORE,
     SNAPSHOT,
+    STATUS,
     WRITE_BACK,
     CheckpointReport,
     CheckpointSaved,
     FetchRequest,
-    Health,
     Message,
     Restored,
     RestoreRequest,
     Route,
     Rows,
+    ShardStatus,
     SnapshotRequest,
     WriteBack,
     WriteKind,
@@ -180,9 +180,9 @@ class PsClient:
     async def restore(self, checkpoint_id: int) -> list[Restored]:
         return await self._all_shards(RESTORE, RestoreRequest(checkpoint=checkpoint_id), Restored)
 
-    async def health(self) -> list[Health]:
+    async def status(self) -> list[ShardStatus]:
         return [
-            Health.from_wire(await self._call(s, HEALTH, None, self.timeout_s))
+            ShardStatus.from_wire(await self._call(s, STATUS, None, self.timeout_s))
             for s in range(self.num_shards)
         ]
 
@@ -248,7 +248,7 @@ class PsClient:
                 if known is None:
                     continue
                 try:
-                    if (await self._health(shard)).incarnation != known:
+                    if (await self._status(shard)).incarnation != known:
                         await self._rejoin(shard, known)
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
@@ -260,24 +260,24 @@ class PsClient:
         """The shard process this client speaks with (asked once, then after each restart)."""
         known = self._incarnations[shard]
         if known is None:
-            health = await self._health(shard)
+            status = await self._status(shard)
             # Nothing was sent to the shard yet: only what the run resumed from must be there.
             if self.journals is not None:
                 journal = self.journals[shard]
-                self._check_lineage(shard, health, journal, journal.base)
-            known = self._incarnations[shard] = health.incarnation
+                self._check_lineage(shard, status, journal, journal.base)
+            known = self._incarnations[shard] = status.incarnation
         return known
 
-    async def _health(self, shard: int) -> Health:
-        body = await self._clients[shard].call(HEALTH.method, HEALTH.path, timeout=self.timeout_s)
-        return Health.from_wire(body)
+    async def _status(self, shard: int) -> ShardStatus:
+        body = await self._clients[shard].call(STATUS.method, STATUS.path, timeout=self.timeout_s)
+        return ShardStatus.from_wire(body)
 
     async def _rejoin(self, shard: int, seen: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""
         async with self._rejoining[shard]:
             if self._incarnations[shard] != seen:
                 return  # another call rejoined already
-            current = await self._health(shard)
+            current = await self._status(shard)
             journal = self.journals[shard] if self.journals is not None else None
             if journal is not None:
                 self._check_lineage(shard, current, journal, journal.needs)
@@ -299,10 +299,10 @@ class PsClient:
             self.replayed_rows += rows
             self._incarnations[shard] = current.incarnation
 
-    def _check_lineage(self, shard: int, health: Health, journal: WriteJournal, needs: int) -> None:
+    def _check_lineage(self, shard: int, status: ShardStatus, journal: WriteJournal, needs: int) -> None:
         """Refuse a shard process whose rows do not reach checkpoint `needs`: `journal`
         could not complete them."""
-        if health.restored >= needs:
+        if status.restored >= needs:
             return
         where = f"PS shard {shard} at {self.endpoints[shard]}"
         if needs > journal.base:  # what is missing was dropped over the journal's limit
@@ -312,14 +312,14 @@ class PsClient:
                 "of every role from the latest complete checkpoint (--resume) can recover",
                 shard=shard,
             )
-        held = "empty" if health.restored < 0 else f"with checkpoint {health.restored}"
+        held = "empty" if status.restored < 0 else f"with checkpoint {status.restored}"
         raise Conflict(
-            f"{where} came back {held} (process {health.incarnation}), but this trainer's journal only holds "
+            f"{where} came back {held} (process {status.incarnation}), but this trainer's journal only holds "
             f"the write-backs after checkpoint {needs}: the rows written up to it would be lost (was it "
             "started without --rejoin?). Stop that shard and restart it with "
             f"`python launch.py SPEC --role ps --index {shard} --rejoin` (it reloads its own latest snapshot), "
             "or, if its snapshots are gone, stop every role and start each with --resume",
             shard=shard,
-            restored=health.restored,
+            restored=status.restored,
             needs=needs,
         )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from common.checkpoints import latest_complete, ps_dir
+from common.data.dataset import open_dataset
 from common.errors import ConfigError, Conflict
 from common.job import Job
 from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
-from common.checkpoints import latest_complete, ps_dir
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -27,7 +28,16 @@ def shard_config(job: Job, index: int) -> ShardConfig:
         state_init=job.state_init,
         seed=spec.seed,
         checkpoint_every=spec.checkpoint.every,
+        version_limit=run_iterations(job),
     )
+
+
+def run_iterations(job: Job) -> int:
+    """The run's length N: write-backs carry iterations below N and the final snapshot is
+    checkpoint N (`trainer.main`), so no request of this run names a larger version."""
+    train = job.spec.train
+    total = open_dataset(job.data).num_batches(train.batch_size, train.epochs)
+    return min(total, train.max_iterations) if train.max_iterations else total
 
 
 def build_service(job: Job, index: int) -> PsService:

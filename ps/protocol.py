@@ -5,7 +5,7 @@ Messages are frozen keyword-only dataclasses, checked when they are built (on ei
 and carrying their codec: `to_wire()` / `from_wire()`, and `to_parts()` for sending without
 joining large arrays. Data-plane bodies (fetch, write-back) use the binary codec of
 `common.wire`, decoded into zero-copy array views; control bodies (checkpoint, restore,
-health) are one JSON object, so that curl can drive and probe a shard. A message that does
+health, status) are one JSON object, so that curl can drive and probe a shard. A message that does
 not follow its definition raises `WireError` (400) naming the first problem. What only the
 shard can judge (key ranges and ownership, row width, versions against stored ones) is
 checked by `ps.store.ShardStore`.
@@ -113,9 +113,9 @@ class _BinaryMessage:
 class FetchRequest(_BinaryMessage):
     """Rows of `keys` (all on the shard asked), each once it has reached its min_version.
 
-    The shard waits without polling; past `wait_s` (None: the shard's default) it answers
-    504 rather than serve stale data. On the wire `min_versions` may be left out (any
-    version) and so may `wait_s`.
+    The shard waits without polling; past `wait_s` (None: the shard's default, which is also
+    the most it accepts) it answers 504 rather than serve stale data. On the wire
+    `min_versions` may be left out (any version) and so may `wait_s`.
     """
 
     NAME: ClassVar[str] = "fetch request"
@@ -253,7 +253,9 @@ class _JsonMessage:
 
 @dataclass(frozen=True, kw_only=True)
 class WriteAck(_JsonMessage):
-    """A write-back was applied: `written` rows of `version`."""
+    """A write-back was accepted: `written` of its rows now hold `version` in the table. The
+    others were already there at that version or a newer one (a replay that had landed, a
+    late flush): they changed at most the pending checkpoints they belong to."""
 
     NAME: ClassVar[str] = "write acknowledgement"
 
@@ -346,13 +348,25 @@ class Restored(_JsonMessage):
 
 @dataclass(frozen=True, kw_only=True)
 class Health(_JsonMessage):
-    """What a shard says about itself, public (curl, probes); `incarnation` names the process
-    and `restored` the checkpoint its rows descend from (-1: it started empty), which tells
-    a trainer whether its journal can make a restarted shard whole (`ps.journal`)."""
+    """That the shard process answers: public (probes, curl), so it tells nothing else and
+    costs nothing, however often it is asked."""
 
     NAME: ClassVar[str] = "health"
 
     role: str
+    ok: bool
+
+    def __post_init__(self) -> None:
+        _check_types(self, role=str, ok=bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardStatus(_JsonMessage):
+    """What a shard says about itself to its clients (the bearer token is required):
+    `incarnation` names the process, `max_version` is the newest version it holds."""
+
+    NAME: ClassVar[str] = "shard status"
+
     shard: int
     num_shards: int
     rows: int
@@ -360,11 +374,12 @@ class Health(_JsonMessage):
     incarnation: str
     restored: int
     max_version: int
+    last_checkpoint: int  # the newest checkpoint taken or restored; -1: none
     checkpoints: tuple[int, ...]  # the snapshots on the shard's disk, oldest first
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "shard", "num_shards", "rows", "dim")
-        _check_types(self, role=str, incarnation=str, restored=int, max_version=int)
+        _check_types(self, incarnation=str, restored=int, max_version=int, last_checkpoint=int)
         _check(self, self.restored >= -1, f"restored must be >= -1, got {self.restored}")
         listed = self.checkpoints
         ints = isinstance(listed, list | tuple) and all(type(c) is int for c in listed)
@@ -408,6 +423,7 @@ SNAPSHOT = Route(
 # Not tied to an incarnation: a whole-cluster restore is an operator's act, not a trainer's.
 RESTORE = Route(method="POST", path="/v1/restore", request=RestoreRequest, response=Restored)
 HEALTH = Route(method="GET", path="/v1/health", request=None, response=Health, public=True)
+STATUS = Route(method="GET", path="/v1/status", request=None, response=ShardStatus)
 METRICS = Route(method="GET", path="/metrics", request=None, response=None, public=True)
 
 ROUTES: tuple[Route, ...] = (
@@ -417,6 +433,7 @@ ROUTES: tuple[Route, ...] = (
     SNAPSHOT,
     RESTORE,
     HEALTH,
+    STATUS,
     METRICS,
 )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import Conflict, Restarted, StorageFailed, TimedOut
+from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
 from common.metrics import Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot, saved_checkpoint
@@ -32,6 +32,7 @@ from ps.protocol import (
     RESTORE,
     ROUTES,
     SNAPSHOT,
+    STATUS,
     WRITE_BACK,
     CheckpointReport,
     CheckpointSaved,
@@ -42,6 +43,7 @@ from ps.protocol import (
     RestoreRequest,
     Route,
     Rows,
+    ShardStatus,
     SnapshotRequest,
     WriteAck,
     WriteBack,
@@ -92,6 +94,7 @@ class PsService:
             SNAPSHOT: self.snapshot,
             RESTORE: self.restore,
             HEALTH: self.health,
+            STATUS: self.status,
         }
         handlers: dict[Route, Handler] = {r: self._serve(r, h) for r, h in typed.items()}
         handlers[METRICS] = self.render_metrics
@@ -115,7 +118,13 @@ class PsService:
 
     async def fetch(self, message: FetchRequest, request: Request) -> Rows:
         wait_s = self.fetch_timeout_s if message.wait_s is None else message.wait_s
-        local = self.store.check_keys(message.keys)
+        if wait_s > self.fetch_timeout_s:
+            # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
+            # unbounded, it would also hold the request (and its rows) for ever.
+            raise BadRequest(
+                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
+            )
+        local = self.store.check_fetch(message.keys, message.min_versions)
         await self._wait_for_versions(local, message.min_versions, wait_s)
         rows, state, versions = self.store.gather(local)
         self._count("fetch", len(local), request, rows.nbytes + state.nbytes)
@@ -127,15 +136,15 @@ class PsService:
         local = self.store.check_write(
             m.keys, m.rows, m.state, m.version, flush=flush, replay=replay
         )
-        self.store.write_back(local, m.rows, m.state, m.version, flush=flush, replay=replay)
+        written = self.store.write_back(local, m.rows, m.state, m.version, flush=flush, replay=replay)
         self._count("replay" if m.replay else "write_back", len(local), request, 0)
         self._wake_waiters()
-        return WriteAck(written=len(local), version=m.version)
+        return WriteAck(written=written, version=m.version)
 
     async def report_checkpoint(
         self, message: CheckpointReport, request: Request
     ) -> CheckpointSaved:
-        c = message.checkpoint
+        c = self.store.check_version(message.checkpoint, "checkpoint")
         if c <= self.store.last_checkpoint and c not in self._reports:
             # A report retried across a restart of this shard: its snapshot may be on disk.
             saved = saved_checkpoint(self.checkpoint_dir, c)
@@ -152,7 +161,7 @@ class PsService:
         return await asyncio.shield(done)
 
     async def snapshot(self, message: SnapshotRequest, request: Request) -> CheckpointSaved:
-        return await self._take_checkpoint(message.checkpoint)
+        return await self._take_checkpoint(self.store.check_version(message.checkpoint, "checkpoint"))
 
     def _finish_checkpoint(self, checkpoint_id: int, done: asyncio.Future[CheckpointSaved]) -> None:
         async def take() -> None:
@@ -187,7 +196,7 @@ class PsService:
         )
 
     async def restore(self, message: RestoreRequest, request: Request) -> Restored:
-        c = message.checkpoint
+        c = self.store.check_version(message.checkpoint, "checkpoint")
         snap, _ = await asyncio.to_thread(load_snapshot, self.checkpoint_dir, c)
         self.restore_snapshot(snap, c)
         return Restored(checkpoint=c, rows=int(len(snap.local)))
@@ -199,16 +208,19 @@ class PsService:
         self._wake_waiters()
 
     async def health(self, message: None, request: Request) -> Health:
+        return Health(role="ps", ok=True)
+
+    async def status(self, message: None, request: Request) -> ShardStatus:
         cfg = self.store.config
-        return Health(
-            role="ps",
+        return ShardStatus(
             shard=cfg.shard,
             num_shards=cfg.num_shards,
             rows=self.store.num_rows,
             dim=cfg.dim,
             incarnation=self.incarnation,
             restored=self.restored,
-            max_version=self.store.max_version(),
+            max_version=self.store.max_version,
+            last_checkpoint=self.store.last_checkpoint,
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
         )
 
@@ -226,7 +238,7 @@ class PsService:
         try:
             await asyncio.wait_for(waiter.ready.wait(), timeout)
         except TimeoutError:
-            behind = int((self.store.gather(local)[2] < min_versions).sum())
+            behind = self.store.behind(local, min_versions)  # a refused fetch touches no row
             raise TimedOut(
                 f"{behind} of {len(local)} rows did not reach their version within {timeout:g} s",
                 rows_behind=behind,

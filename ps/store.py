@@ -2,7 +2,11 @@
 
 Sans-IO: no sockets, clocks or files. The asyncio service (`ps/service.py`) validates
 requests through `check_*`, waits for versions with `ready`, and calls `gather` and
-`write_back`; `ps/checkpoint.py` persists `snapshot()`.
+`write_back`; `ps/checkpoint.py` persists `snapshot()`. Every operation either raises before
+changing anything or completes: the `check_*` methods refuse what the mutating ones could
+not apply whole, and those compute everything that can fail before their first assignment.
+The work of a request is proportional to its number of rows, never to a number it carries
+(a version far ahead costs what a near one does).
 
 Rows are initialised lazily, on first touch, from `common.init.initial_rows`, so a shard of a
 billion-row table costs only the pages it has touched (`np.zeros` maps untouched memory
@@ -15,10 +19,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.checkpoints import checkpoints_between, is_checkpoint
-from common.errors import BadRequest, Conflict
+from common.checkpoints import first_checkpoint_from, is_checkpoint
+from common.errors import BadRequest, ConfigError, Conflict
 from common.init import initial_rows
 from common.keys import TableLayout, global_key, local_index, shard_of, shard_size
+
+
+#: The highest version a shard accepts when it is not told its run's length (tools, tests):
+#: 2**40 iterations last 35 years at one per millisecond, and version arithmetic (a
+#: version plus a checkpoint interval) stays far from int64's limit.
+DEFAULT_VERSION_LIMIT = 1 << 40
+#: The bound on `ShardConfig.version_limit` and `checkpoint_every`: their sum fits in int64.
+_MAX_BOUND = 1 << 61
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +43,15 @@ class ShardConfig:
     state_init: float = 0.0
     seed: int = 0
     checkpoint_every: int = 0  # 0: none; which iterations: common.checkpoints.is_checkpoint
+    #: The highest version (iteration) and checkpoint id a request may name: what the run
+    #: can produce (`ps.main.shard_config`). A larger one is refused with 400.
+    version_limit: int = DEFAULT_VERSION_LIMIT
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_every", "version_limit"):
+            value = getattr(self, name)
+            if not 0 <= value <= _MAX_BOUND:
+                raise ConfigError(name, f"must be in 0..{_MAX_BOUND}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +67,15 @@ class Snapshot:
     versions: np.ndarray  # int64 [n]
 
 
-@dataclass
-class _Pending:
-    """Rows as of checkpoint c that the live table no longer holds: values saved before a
-    newer write replaced them, and flushes of c that arrived after a newer write-back."""
+@dataclass(frozen=True, kw_only=True)
+class _Saved:
+    """Row values the live table does not hold that pending checkpoints need: values saved
+    before a newer write replaced them, and flushes or replays that arrived after a newer
+    write-back. Row i is the value of every checkpoint c with
+    ``rows.versions[i] <= c < until[i]``: one copy serves any number of checkpoints."""
 
-    parts: list[Snapshot]
+    rows: Snapshot
+    until: np.ndarray  # int64 [n]: the newer version that replaces the row in the table
 
 
 class ShardStore:
@@ -62,7 +86,9 @@ class ShardStore:
     saves the row's old value for it (copy on write), and a flush of c that arrives after a
     newer write of the same row (they come from different trainers) goes only to c (and to
     any later pending checkpoint the row has moved past). A checkpoint's row is the one with
-    the highest version among what the table and the saved parts hold for it.
+    the highest version among what the table and the saved parts hold for it. A saved copy
+    records the range of checkpoints it serves rather than being filed under each, so that a
+    write jumping over many checkpoint intervals costs one copy.
 
     A *replayed* write-back (`replay=True`) may arrive in any order and more than once: the
     trainers resend what they wrote since this shard's snapshot after it was restarted
@@ -80,10 +106,30 @@ class ShardStore:
         self._state = np.zeros((n, config.state_width), dtype=np.float32)
         self._versions = np.full(n, -1, dtype=np.int64)
         self._touched = np.zeros(n, dtype=bool)
-        self._pending: dict[int, _Pending] = {}
+        self._saved: list[_Saved] = []
         self.last_checkpoint = -1  # the newest checkpoint taken or restored
+        self.max_version = -1  # the highest version in the table, kept on each write
 
     # -- validation --------------------------------------------------------------------
+
+    def check_version(self, value: object, name: str = "version") -> int:
+        """`value` if it is an iteration this run can produce (0..version_limit); BadRequest
+        naming `name` otherwise."""
+        bound = self.config.version_limit
+        if type(value) is not int or not 0 <= value <= bound:
+            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {value!r}", field=name)
+        return value
+
+    def check_fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> np.ndarray:
+        """Local indices of `keys`; BadRequest for a key `check_keys` refuses or a version
+        asked for that this run can never produce (it would wait for nothing)."""
+        local = self.check_keys(keys)
+        if min_versions.size and int(min_versions.max()) > self.config.version_limit:
+            raise BadRequest(
+                f"min_versions must be at most {self.config.version_limit}, got {int(min_versions.max())}",
+                field="min_versions",
+            )
+        return local
 
     def check_keys(self, keys: np.ndarray) -> np.ndarray:
         """Local indices of `keys`; BadRequest for a key out of range or on another shard."""
@@ -123,8 +169,7 @@ class ShardStore:
             )
         if not (np.isfinite(rows).all() and np.isfinite(state).all()):
             raise BadRequest("rows and state must be finite")
-        if version < 0:
-            raise BadRequest(f"version must be >= 0, got {version}")
+        self.check_version(version)
         if len(np.unique(local)) != len(local):
             raise BadRequest("a write-back names the same key twice")
         if flush and not is_checkpoint(version, self.config.checkpoint_every):
@@ -148,7 +193,12 @@ class ShardStore:
 
     def ready(self, local: np.ndarray, min_versions: np.ndarray) -> bool:
         """Whether every row has reached the version asked for."""
-        return bool((self._versions[local] >= min_versions).all())
+        return self.behind(local, min_versions) == 0
+
+    def behind(self, local: np.ndarray, min_versions: np.ndarray) -> int:
+        """How many rows have not reached the version asked for (reads only: unlike
+        `gather`, it initialises nothing)."""
+        return int((self._versions[local] < min_versions).sum())
 
     def gather(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of (rows, state, versions) at `local` indices, initialising untouched rows."""
@@ -164,39 +214,43 @@ class ShardStore:
         *,
         flush: bool = False,
         replay: bool = False,
-    ) -> None:
-        """Store a checked write-back (see `check_write`) in one step."""
-        if flush or replay:
-            stored = self._versions[local]
-            behind = stored > version
-            if behind.any():
-                self._save_behind(local[behind], rows[behind], state[behind], version)
-            ahead = stored < version  # a replayed row the table has at `version` landed already
-            local, rows, state = local[ahead], rows[ahead], state[ahead]
-        self._save_for_checkpoints(local, version)
-        self._rows[local] = rows
-        self._state[local] = state
-        self._versions[local] = version
-        self._touched[local] = True
+    ) -> int:
+        """Store a checked write-back (see `check_write`) in one step; returns how many rows
+        the table now holds at `version`.
 
-    def _save_behind(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int) -> None:
-        """Rows of `version` that the table has already replaced by newer ones: they are
-        still the value of each pending checkpoint c >= version that the table moved past."""
-        stored, every = self._versions[local], self.config.checkpoint_every
-        for c in checkpoints_between(max(self.last_checkpoint, version - 1), int(stored.max()), every):
-            past = stored > c
-            self._pending_part(c, local[past], rows[past], state[past], np.full(int(past.sum()), version))
+        Rows the table already has at `version` (a replay that landed before) change nothing;
+        rows it has newer (a late flush, a replay) only reach the pending checkpoints they
+        belong to. `flush` and `replay` were checked by `check_write`: here they change
+        nothing, since each row's fate follows from its stored version.
+        """
+        mine = np.full(len(local), version, dtype=np.int64)
+        stored = self._versions[local]
+        ahead, behind = stored < mine, stored > mine
+        # Values this write hides from a pending checkpoint: the table's rows it moves past
+        # one, and its own rows that arrive behind the table's newer ones.
+        moved = local[ahead & self._touched[local] & self._serves_pending(stored, mine)]
+        late = behind & self._serves_pending(mine, stored)
+        saved = [
+            _Saved(rows=_rows_at(moved, self._rows[moved], self._state[moved], self._versions[moved]), until=mine[: len(moved)]),
+            _Saved(rows=_rows_at(local[late], rows[late], state[late], mine[late]), until=stored[late]),
+        ]
+        fresh, fresh_rows, fresh_state = local[ahead], rows[ahead], state[ahead]
+        self._saved += [s for s in saved if len(s.until)]
+        self._rows[fresh] = fresh_rows
+        self._state[fresh] = fresh_state
+        self._versions[fresh] = version
+        self._touched[fresh] = True
+        if fresh.size:
+            self.max_version = max(self.max_version, version)
+        return int(fresh.size)
 
-    def _save_for_checkpoints(self, local: np.ndarray, version: int) -> None:
-        """Keep the current value of rows this write moves past a pending checkpoint."""
-        for c in checkpoints_between(self.last_checkpoint, version, self.config.checkpoint_every):
-            crossing = local[self._touched[local] & (self._versions[local] <= c)]
-            if crossing.size:
-                self._pending_part(c, crossing, self._rows[crossing], self._state[crossing], self._versions[crossing])
-
-    def _pending_part(self, c: int, local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: np.ndarray) -> None:
-        part = Snapshot(local=local, rows=rows.copy(), state=state.copy(), versions=versions.copy())
-        self._pending.setdefault(c, _Pending([])).parts.append(part)
+    def _serves_pending(self, versions: np.ndarray, until: np.ndarray) -> np.ndarray:
+        """Row by row, whether a checkpoint not taken yet falls in versions <= c < until."""
+        every = self.config.checkpoint_every
+        if every <= 0:
+            return np.zeros(len(versions), dtype=bool)
+        start = np.maximum(versions, self.last_checkpoint + 1)
+        return first_checkpoint_from(start, every) < until
 
     def _initialise(self, local: np.ndarray) -> None:
         fresh = local[~self._touched[local]]
@@ -214,16 +268,17 @@ class ShardStore:
     def snapshot(self, checkpoint: int | None = None) -> Snapshot:
         """The touched rows as of iteration `checkpoint` (default: as they are now).
 
-        Taking checkpoint c forgets what was saved for it and for any older one.
+        Taking checkpoint c forgets the saved rows that no later checkpoint needs.
         """
         if checkpoint is None:
             local = np.flatnonzero(self._touched)
             return Snapshot(local=local, rows=self._rows[local], state=self._state[local], versions=self._versions[local])
         live = np.flatnonzero(self._touched & (self._versions <= checkpoint))
         parts = [Snapshot(local=live, rows=self._rows[live], state=self._state[live], versions=self._versions[live])]
-        parts += self._pending.get(checkpoint, _Pending([])).parts
-        self._pending = {c: p for c, p in self._pending.items() if c > checkpoint}
+        parts += [_take(s.rows, (s.rows.versions <= checkpoint) & (checkpoint < s.until)) for s in self._saved]
         self.last_checkpoint = max(self.last_checkpoint, checkpoint)
+        kept = (_take_saved(s, self._serves_pending(s.rows.versions, s.until)) for s in self._saved)
+        self._saved = [s for s in kept if len(s.until)]
         return _overlay(parts)
 
     def restore(self, snap: Snapshot, checkpoint: int = -1) -> None:
@@ -246,11 +301,22 @@ class ShardStore:
         self._state[snap.local] = snap.state
         self._versions[snap.local] = snap.versions
         self._touched[snap.local] = True
-        self._pending = {}
+        self._saved = []
         self.last_checkpoint = checkpoint
+        self.max_version = int(snap.versions.max(initial=-1))
 
-    def max_version(self) -> int:
-        return int(self._versions.max(initial=-1))
+
+def _rows_at(local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: np.ndarray) -> Snapshot:
+    return Snapshot(local=local, rows=rows, state=state, versions=versions)
+
+
+def _take(snap: Snapshot, keep: np.ndarray) -> Snapshot:
+    """The rows of `snap` where `keep` (copies: boolean indexing copies)."""
+    return _rows_at(snap.local[keep], snap.rows[keep], snap.state[keep], snap.versions[keep])
+
+
+def _take_saved(saved: _Saved, keep: np.ndarray) -> _Saved:
+    return saved if keep.all() else _Saved(rows=_take(saved.rows, keep), until=saved.until[keep])
 
 
 def _overlay(parts: list[Snapshot]) -> Snapshot:

@@ -329,12 +329,16 @@ def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
 
         status, body = curl(f"http://127.0.0.1:{port}/v1/health")
         assert status == 200, body
-        health = json.loads(body)
-        assert health["role"] == "ps" and health["shard"] == 0 and health["num_shards"] == 2, health
-        # The token from $BAGPIPE_TOKEN guards the data routes: refused without it, accepted
-        # with it (an empty fetch is then a bad request, not an unauthorised one).
+        assert json.loads(body) == {"role": "ps", "ok": True}, body
+        # The token from $BAGPIPE_TOKEN guards the data routes and the shard's status: refused
+        # without it, accepted with it (an empty fetch is then a bad request, not an
+        # unauthorised one).
         assert curl("-X", "POST", f"http://127.0.0.1:{port}/v1/fetch")[0] == 401
+        assert curl(f"http://127.0.0.1:{port}/v1/status")[0] == 401
         bearer = f"Authorization: Bearer {TOKEN}"
+        status, body = curl("-H", bearer, f"http://127.0.0.1:{port}/v1/status")
+        shard = json.loads(body)
+        assert status == 200 and shard["shard"] == 0 and shard["num_shards"] == 2, body
         authorised = curl("-X", "POST", "-H", bearer, f"http://127.0.0.1:{port}/v1/fetch")
         assert authorised[0] == 400, authorised
 

@@ -9,8 +9,8 @@ import numpy as np
 
 from common.checkpoints import (
     checkpoint_name,
-    checkpoints_between,
     dense_path,
+    first_checkpoint_from,
     is_checkpoint,
     latest_complete,
     manifest_path,
@@ -54,10 +54,9 @@ def _ids_left(directory: Path) -> dict[str, list[int]]:
 def test_checkpoint_schedule() -> None:
     assert [c for c in range(20) if is_checkpoint(c, 5)] == [4, 9, 14, 19]
     assert not any(is_checkpoint(c, 0) for c in range(20))
-    assert list(checkpoints_between(-1, 20, 5)) == [4, 9, 14, 19]
-    assert list(checkpoints_between(4, 10, 5)) == [9]
-    assert list(checkpoints_between(4, 9, 5)) == []
-    assert list(checkpoints_between(-1, 100, 0)) == []
+    assert [first_checkpoint_from(i, 5) for i in (0, 4, 5, 9, 10)] == [4, 4, 9, 9, 14]
+    far = np.array([0, 3, 2**62], dtype=np.int64)
+    assert first_checkpoint_from(far, 4).tolist() == [3, 3, 2**62 + 3]
 
 
 def test_checkpoint_names_sort_as_their_ids_and_give_them_back() -> None:

@@ -73,14 +73,36 @@ def _raw(header: dict, payload: bytes = b"") -> bytes:
         (_raw({"arrays": [["x", "<f4"]]}), r"\[name, dtype, shape\]"),
         (_raw({"arrays": [["x", "|O", [1]]]}), "not allowed"),
         (_raw({"arrays": [["x", "<f4", [-1]]]}), "shape"),
-        (_raw({"arrays": [["x", "<f4", [2**40, 2**40]]]}), "runs past the end"),
+        (_raw({"arrays": [["x", "<f4", [2**20, 2**20]]]}), "runs past the end"),
         (_raw({"arrays": [["x", "<f4", [4]]]}, bytes(8)), "runs past the end"),
+        # Empty arrays whose other dimensions numpy cannot represent (once a 500).
+        (_raw({"arrays": [["keys", "<i8", [0, 2**63]]]}), "too large"),
+        (_raw({"arrays": [["keys", "<i8", [0, 2**62]]]}), "too large"),
+        (_raw({"arrays": [["x", "|u1", [0, 2**40, 2**40]]]}), "too large"),
+        (_raw({"arrays": [["x", "<f4", [0] * 65]]}), "at most 8"),
+        (_raw({"arrays": [["x", "<f4", [1] * 9]]}), "at most 8"),
+        (_raw({"arrays": [["x", "<f4", [True]]]}), "invalid"),
         (_raw({"arrays": []}, bytes(8)), "unexpected bytes"),
     ],
 )
 def test_malformed_bodies_raise_wire_error(body: bytes, message: str) -> None:
     with pytest.raises(WireError, match=message):
         decode(body)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from([*DTYPES, "<i8", "|i1"]),
+    shape=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1)), max_size=10),
+    payload=st.integers(0, 64),
+)
+def test_any_shape_decodes_or_raises_wire_error(dtype: str, shape: list[int], payload: int) -> None:
+    body = _raw({"arrays": [["x", dtype, shape]]}, bytes(payload))
+    try:
+        _, arrays = decode(body)
+    except WireError:
+        return
+    assert arrays["x"].shape == tuple(shape)
 
 
 def test_require_checks_presence_dtype_and_rank() -> None:

@@ -4,6 +4,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.keys import TableLayout
@@ -12,6 +13,9 @@ from common.transport import H2Server, Http1Server
 from ps.client import PsClient
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
+
+#: Everything a store holds, copied (`raw_state`).
+RawState = list[np.ndarray | int]
 
 TOKEN = "test-token"
 LAYOUT = TableLayout((100, 50))
@@ -56,3 +60,14 @@ async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     await client.close()
     for server in servers:
         await server.stop()
+
+
+def raw_state(store: ShardStore) -> RawState:
+    """Everything a store holds, copied: its arrays, its saved checkpoint rows, its counters."""
+    saved = [a for s in store._saved for a in (*vars(s.rows).values(), s.until)]
+    arrays = (store._rows, store._state, store._versions, store._touched, *saved)
+    return [a.copy() for a in arrays] + [store.last_checkpoint, store.max_version, len(store._saved)]
+
+
+def same_state(a: RawState, b: RawState) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))

@@ -24,6 +24,7 @@ from ps.protocol import (
     Restored,
     RestoreRequest,
     Rows,
+    ShardStatus,
     SnapshotRequest,
     WriteAck,
     WriteBack,
@@ -59,9 +60,9 @@ def write_back(n: int = 3, kind: WriteKind = WriteKind.EVICT, replay: bool = Fal
     )
 
 
-def health() -> Health:
-    return Health(role="ps", shard=1, num_shards=2, rows=75, dim=DIM, incarnation="ab12", restored=4, max_version=7,
-                  checkpoints=(4, 9))
+def status() -> ShardStatus:
+    return ShardStatus(shard=1, num_shards=2, rows=75, dim=DIM, incarnation="ab12", restored=4, max_version=7,
+                       last_checkpoint=4, checkpoints=(4, 9))
 
 
 CONTROL = [
@@ -71,7 +72,8 @@ CONTROL = [
     CheckpointSaved(checkpoint=4, path="/tmp/ckpt/ps-0/4", nbytes=1024, seconds=0.25),
     RestoreRequest(checkpoint=9),
     Restored(checkpoint=9, rows=12),
-    health(),
+    Health(role="ps", ok=True),
+    status(),
 ]
 
 
@@ -131,8 +133,8 @@ def test_a_fetch_without_min_versions_or_wait_asks_for_any_version() -> None:
     assert got.min_versions.tolist() == [-1, -1] and got.wait_s is None
 
 
-def test_health_checkpoints_arrive_as_a_tuple() -> None:
-    assert Health.from_wire(health().to_wire()).checkpoints == (4, 9)
+def test_status_checkpoints_arrive_as_a_tuple() -> None:
+    assert ShardStatus.from_wire(status().to_wire()).checkpoints == (4, 9)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -189,8 +191,10 @@ BAD_BODIES = [
     (CheckpointSaved, b'{"checkpoint": 4, "path": "p", "nbytes": -1, "seconds": 0}', "nbytes must be a non-negative"),
     (Restored, b'{"checkpoint": 4, "rows": null}', "rows must be a non-negative"),
     (WriteAck, b'{"written": 2, "version": "5"}', "version must be an integer"),
-    (Health, orjson.dumps({**orjson.loads(health().to_wire()), "checkpoints": [4, "9"]}), "checkpoints must be a list"),
-    (Health, orjson.dumps({**orjson.loads(health().to_wire()), "incarnation": 12}), "incarnation must be a string"),
+    (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "checkpoints": [4, "9"]}), "checkpoints must be a list"),
+    (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "incarnation": 12}), "incarnation must be a string"),
+    (Health, b'{"role": "ps", "ok": 1}', "ok must be a boolean"),
+    (Health, b'{"role": "ps", "ok": true, "incarnation": "ab12"}', "unexpected fields ['incarnation']"),
 ]
 
 

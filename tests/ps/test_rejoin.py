@@ -184,7 +184,7 @@ async def test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapsho
             assert "--role ps --index 0 --rejoin" in message and "--resume" in message, message
             assert refused.value.fields["needs"] == 4
         assert time.monotonic() - started < 5  # not the fetch timeout, nor a retry budget
-        assert a.replayed_rows == b.replayed_rows == 0 and shard.service.store.max_version() == -1
+        assert a.replayed_rows == b.replayed_rows == 0 and shard.service.store.max_version == -1
         assert shard.service.store.last_checkpoint == -1 and list_checkpoints(shard.directory / "ps-0") == [4]
         await asyncio.sleep(0.2)  # the watch found the same refusal, and stopped
         assert watch.done() and not watch.cancelled()
@@ -240,11 +240,11 @@ async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: P
         await client.close()
 
 
-async def test_a_request_for_another_incarnation_is_refused_and_health_names_the_current(tmp_path: Path) -> None:
+async def test_a_request_for_another_incarnation_is_refused_and_status_names_the_current(tmp_path: Path) -> None:
     async with Shard(tmp_path) as shard:
         raw = H2Client("127.0.0.1", shard.endpoint.port, token=TOKEN)
-        health = orjson.loads(await raw.call("GET", "/v1/health"))
-        assert health["incarnation"] == shard.service.incarnation
+        status = orjson.loads(await raw.call("GET", "/v1/status"))
+        assert status["incarnation"] == shard.service.incarnation
         with pytest.raises(Restarted) as caught:
             await raw.call("POST", "/v1/checkpoint/snapshot", body=b'{"checkpoint": 4}',
                            headers={INCARNATION_HEADER: "0" * 16})

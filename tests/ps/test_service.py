@@ -13,7 +13,7 @@ from common.errors import BadRequest, Conflict, TimedOut
 from common.init import initial_rows
 from common.transport import connect_client
 from common.wire import encode
-from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service
+from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state
 
 
 def rows_for(keys: np.ndarray, value: float) -> tuple[np.ndarray, np.ndarray]:
@@ -52,9 +52,12 @@ async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
 
 
 async def test_a_fetch_that_cannot_be_served_times_out(cluster: Cluster) -> None:
+    before = raw_state(cluster.services[0].store)
     with pytest.raises(TimedOut, match="did not reach their version"):
         await cluster.client.fetch(np.array([8], dtype=np.int64), np.array([1]), wait_s=0.2)
     assert all(not s._waiters for s in cluster.services)
+    # Counting the rows behind initialised them (found by tests/ps/test_fuzz.py).
+    assert same_state(before, raw_state(cluster.services[0].store)), "a refused fetch touched rows"
     await cluster.client.fetch(np.array([8], dtype=np.int64))  # still serving
 
 
@@ -76,8 +79,9 @@ async def test_checkpoint_then_restore_brings_back_the_rows(cluster: Cluster) ->
     await cluster.client.restore(1)
     got = await cluster.client.fetch(keys)
     assert np.array_equal(got.rows, rows_for(keys, 3.0)[0]) and (got.versions == 1).all()
-    health = await cluster.client.health()
-    assert [h.checkpoints for h in health] == [(1,), (1,)]
+    status = await cluster.client.status()
+    assert [s.checkpoints for s in status] == [(1,), (1,)]
+    assert [s.last_checkpoint for s in status] == [1, 1] and [s.max_version for s in status] == [1, 1]
 
 
 async def test_metrics_count_rows_and_bytes(cluster: Cluster) -> None:
@@ -96,16 +100,30 @@ def fetch_body(keys: list[int], **arrays: np.ndarray) -> bytes:
     return encode({}, {"keys": np.array(keys, dtype=np.int64), **arrays})
 
 
-def write_body(version: object, keys: list[int], rows: np.ndarray | None = None, state: np.ndarray | None = None) -> bytes:
+def write_body(
+    version: object,
+    keys: list[int],
+    rows: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+    *,
+    write: str = "evict",
+    replay: bool = False,
+) -> bytes:
     n = len(keys)
     return encode(
-        {"write": "evict", "version": version, "replay": False},
+        {"write": write, "version": version, "replay": replay},
         {
             "keys": np.array(keys, dtype=np.int64),
             "rows": np.zeros((n, DIM), np.float32) if rows is None else rows,
             "state": np.zeros((n, 1), np.float32) if state is None else state,
         },
     )
+
+
+def wire_body(header: dict) -> bytes:
+    """A wire body with this header and no payload (its arrays may lie about their size)."""
+    head = orjson.dumps(header)
+    return len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8)
 
 
 BAD_REQUESTS = [
@@ -121,6 +139,19 @@ BAD_REQUESTS = [
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
     ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
     ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
+    # Versions no run produces: they were a 500 after the rows had been overwritten.
+    ("POST", "/v1/write_back", write_body(2**63, [0, 2]), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2**64 - 1, [0, 2], replay=True), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2**62, [0, 2], write="flush"), 400, "version must be an integer in 0.."),
+    ("POST", "/v1/write_back", write_body(2.0**64, [0, 2]), 400, "version must be an integer"),  # JSON of 2**64
+    ("POST", "/v1/fetch", encode({"wait_s": 2**63 - 1}, {"keys": np.zeros(1, np.int64)}), 400, "wait_s must be at most 5"),
+    ("POST", "/v1/fetch", encode({"wait_s": 5.5}, {"keys": np.zeros(1, np.int64)}), 400, "wait_s must be at most 5"),
+    ("POST", "/v1/fetch", fetch_body([0], min_versions=np.array([2**62])), 400, "min_versions must be at most"),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0, 2**63]]]}), 400, "too large"),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0] * 65]]}), 400, "at most 8"),
+    ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": 2**62}), 400, "checkpoint must be an integer in 0.."),
+    ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 2**63 - 1, "trainer": 0, "trainers": 1}), 400, "checkpoint must be"),
+    ("POST", "/v1/restore", orjson.dumps({"checkpoint": 2**64 - 1}), 400, "checkpoint must be an integer in 0.."),
     ("POST", "/v1/checkpoint/report", b"{bad json", 400, "JSON"),
     ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 4, "trainer": 2, "trainers": 2}), 400, "not below"),
     ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": -3}), 400, "non-negative"),
@@ -162,6 +193,45 @@ async def test_requests_without_the_token_are_refused(cluster: Cluster) -> None:
             assert (await raw.request("GET", "/v1/health")).status == 200  # public
         finally:
             await raw.close()
+
+
+async def test_public_health_shows_nothing_internal_and_reads_nothing(cluster: Cluster) -> None:
+    """Anyone may ask health, as often as they like: it answers liveness and touches no
+    data (it once scanned every version and listed the checkpoints on disk)."""
+
+    class Untouchable:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"health read store.{name}")
+
+    service = cluster.services[0]
+    store, service.store = service.store, Untouchable()  # type: ignore[assignment]
+    anonymous = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=None)
+    try:
+        health = await anonymous.request("GET", "/v1/health")
+        assert health.status == 200 and orjson.loads(health.body) == {"role": "ps", "ok": True}
+        service.store = store
+        assert (await anonymous.request("GET", "/v1/status")).status == 401
+    finally:
+        service.store = store
+        await anonymous.close()
+    status = await cluster.client.status()
+    assert [s.incarnation for s in status] == [s.incarnation for s in cluster.services]
+
+
+async def test_a_write_ack_counts_the_rows_really_written(cluster: Cluster) -> None:
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=TOKEN)
+    keys = [0, 2, 4, 6]
+
+    async def written(version: int, replay: bool) -> int:
+        return orjson.loads(await raw.call("POST", "/v1/write_back", body=write_body(version, keys, replay=replay)))["written"]
+
+    try:
+        assert await written(5, replay=False) == 4
+        assert await written(5, replay=True) == 0  # landed already
+        assert await written(3, replay=True) == 0  # older than the table's rows
+        assert await written(7, replay=True) == 4
+    finally:
+        await raw.close()
 
 
 async def test_client_errors_carry_the_server_message(cluster: Cluster) -> None:

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +13,8 @@ from common.errors import BadRequest, Conflict, NotFound
 from common.init import initial_rows
 from common.keys import TableLayout
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
-from ps.store import ShardConfig, ShardStore
+from ps.store import DEFAULT_VERSION_LIMIT, ShardConfig, ShardStore
+from tests.ps.conftest import raw_state, same_state
 
 LAYOUT = TableLayout((50, 30))
 
@@ -280,3 +284,63 @@ def test_restore_and_replay_in_any_order_equals_the_uninterrupted_shard(seed: in
     for later in sorted(k for k in snaps if k > c):
         assert same_rows(store.snapshot(later), snaps[later]), f"checkpoint {later} differs"
     assert same_rows(store.snapshot(), final)
+
+
+@pytest.mark.parametrize("version", [101, 2**62, 2**63, 2**64 - 1, -(2**63)])
+@pytest.mark.parametrize(("flush", "replay"), [(False, False), (True, False), (False, True)])
+def test_a_version_the_run_cannot_produce_is_refused_and_changes_nothing(version: int, flush: bool, replay: bool) -> None:
+    cfg = ShardConfig(shard=0, num_shards=1, layout=LAYOUT, dim=4, state_width=1, checkpoint_every=1, version_limit=100)
+    store = ShardStore(cfg)
+    put(store, [1, 2], 1.0, version=7)
+    before = raw_state(store)
+    with pytest.raises(BadRequest, match=r"version must be an integer in 0\.\.100"):
+        put(store, [1, 2], 2.0, version=version, flush=flush, replay=replay)
+    assert same_state(before, raw_state(store))
+
+
+def test_an_unchecked_write_that_cannot_be_stored_changes_nothing() -> None:
+    """`write_back` computes all it can fail on before its first assignment."""
+    store = checkpointing_store()
+    put(store, [1], 1.0, version=7)
+    before = raw_state(store)
+    with pytest.raises(OverflowError):
+        store.write_back(store.check_keys(np.array([1])), np.zeros((1, 4), np.float32), np.zeros((1, 1), np.float32), 2**63)
+    assert same_state(before, raw_state(store))
+
+
+class _Deadline(Exception):
+    pass
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Fail the block if it runs past `seconds` (a pure-Python loop is interrupted)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise _Deadline(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_version_jump_costs_what_a_near_version_does() -> None:
+    """A write far past the last checkpoint keeps one copy for all the checkpoints it
+    crosses, instead of walking them (2**40 of them here: it never finished)."""
+    store = checkpointing_store(every=1)
+    put(store, [1, 2], 1.0, version=3)
+    with deadline(2.0):
+        put(store, [1], 2.0, version=DEFAULT_VERSION_LIMIT)
+        put(store, [2], 4.0, version=DEFAULT_VERSION_LIMIT // 2, flush=True, replay=True)
+        put(store, [2], 3.0, version=DEFAULT_VERSION_LIMIT)
+        put(store, [2], 5.0, version=DEFAULT_VERSION_LIMIT - 2, flush=True, replay=True)
+    assert len(store._saved) == 4
+    assert values(store.snapshot(3), [1, 2]) == [1.0, 1.0]
+    assert values(store.snapshot(DEFAULT_VERSION_LIMIT // 2 + 1), [1, 2]) == [1.0, 4.0]
+    assert values(store.snapshot(DEFAULT_VERSION_LIMIT - 1), [1, 2]) == [1.0, 5.0]
+    assert not store._saved  # no checkpoint left needs a saved row
+    assert values(store.snapshot(), [1, 2]) == [2.0, 3.0]
