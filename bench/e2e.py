@@ -21,7 +21,8 @@ is not the steady state. The first fifth of the iterations is excluded as warm-u
 
 `--rounds N` runs every mode and TorchRec in turn, N times over, and reports for each the run
 with the median samples/s (with an even N, the lower of the middle two) and the spread
-(min..max) of samples/s: on a shared machine one run says little.
+(min..max) of samples/s, with the median of each mode's per-round ratio to TorchRec: on a
+shared machine one run says little, and runs of one round share the load of their minutes.
 
     python bench/e2e.py --quick
     python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
@@ -97,15 +98,17 @@ def median_run(runs: Sequence[RunSummary]) -> RunSummary:
 
 
 def spread_table(rounds: Mapping[str, Sequence[RunSummary]]) -> str:
-    """Per mode: median, min and max samples/s over the rounds, and the medians' ratio to TorchRec's."""
-    base = statistics.median(s.samples_per_s for s in rounds[torchrec_baseline.MODE]) if torchrec_baseline.MODE in rounds else None
+    """Per mode: median, min and max samples/s over the rounds and, when TorchRec ran, the
+    median of the per-round ratios to it (runs of one round saw about the same load)."""
+    base = rounds.get(torchrec_baseline.MODE)
     head = f"{'mode':<14}{'median':>12}{'min':>12}{'max':>12}" + (f"{'vs torchrec':>13}" if base else "")
     lines = [head, "-" * len(head)]
     for name, runs in rounds.items():
         rates = [s.samples_per_s for s in runs]
-        median = statistics.median(rates)
-        line = f"{name:<14}{median:>12,.1f}{min(rates):>12,.1f}{max(rates):>12,.1f}"
-        lines.append(line + (f"{median / base:>12.2f}x" if base else ""))
+        line = f"{name:<14}{statistics.median(rates):>12,.1f}{min(rates):>12,.1f}{max(rates):>12,.1f}"
+        if base:
+            line += f"{statistics.median(r / b.samples_per_s for r, b in zip(rates, base)):>12.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 
