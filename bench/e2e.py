@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end throughput of every mode, and of TorchRec, on the same data, model and cluster, in one run.
+"""End-to-end throughput of every mode and TorchRec on the same data, model and cluster, in one run.
 
 T = 2 trainers, S = 2 PS shards, DLRM, synthetic Criteo-like data (Criteo Kaggle's 26 table
 cardinalities, 33.8 M rows, top 1% of rows = 92% of accesses), a cache far below the table
@@ -113,13 +113,14 @@ def spread_table(rounds: Mapping[str, Sequence[RunSummary]]) -> str:
 
 
 def phase_table(summaries: Mapping[str, RunSummary]) -> str:
-    """Mean ms per iteration and trainer: the model's own work, the rest (machinery), and the total."""
-    head = f"{'mode':<14}{'forward':>10}{'backward':>10}{'dense opt':>11}{'machinery':>11}{'total':>10}"
+    """Mean ms per iteration and trainer: the model's own work, the rest (machinery), the total."""
+    columns = (("forward", 10), ("backward", 10), ("dense opt", 11), ("machinery", 11), ("total", 10))
+    head = f"{'mode':<14}" + "".join(f"{name:>{width}}" for name, width in columns)
     lines = [head, "-" * len(head)]
     for name, s in summaries.items():
-        ms = [1e3 * v for v in (s.phase_s["forward"], s.phase_s["backward"], s.phase_s["dense_optimizer"],
-                                s.machinery_s, sum(s.phase_s.values()))]
-        lines.append(f"{name:<14}{ms[0]:>10,.2f}{ms[1]:>10,.2f}{ms[2]:>11,.2f}{ms[3]:>11,.2f}{ms[4]:>10,.2f}")
+        seconds = (s.phase_s["forward"], s.phase_s["backward"], s.phase_s["dense_optimizer"],
+                   s.machinery_s, sum(s.phase_s.values()))
+        lines.append(f"{name:<14}" + "".join(f"{1e3 * v:>{width},.2f}" for v, (_, width) in zip(seconds, columns)))
     return "\n".join(lines)
 
 
@@ -146,11 +147,13 @@ def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tup
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer iterations")
-    parser.add_argument("--iterations", type=int, help="iterations per mode (default 150 quick, 300 full; keep it well above 64)")
+    parser.add_argument("--iterations", type=int,
+                        help="iterations per mode (default 150 quick, 300 full; keep it well above 64)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
                         help="add the TorchRec baseline (default: when torchrec is importable)")
-    parser.add_argument("--rounds", type=int, default=1, help="run everything this many times, in turn; report medians")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run everything this many times, in turn; report medians")
     parser.add_argument("--shaped", metavar="RATE", help="put the PS behind a veth link shaped to RATE (e.g. 1gbit); root")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
@@ -186,13 +189,14 @@ def main() -> int:
     summaries = {m: median_run(runs) for m, runs in rounds.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
     median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"\n{iterations} iterations per mode (first {warmup_of(iterations)} excluded), global batch {batch}, "
-          f"C = {cache_rows} rows per trainer, {link}{median}")
+    print(f"\n{iterations} iterations per mode (first {warmup_of(iterations)} excluded), "
+          f"global batch {batch}, C = {cache_rows} rows per trainer, {link}{median}")
     print(compare_modes(summaries))
     if args.rounds > 1:
         print(f"\nsamples/s over {args.rounds} rounds")
         print(spread_table(rounds))
-    print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
+    print("\nms per iteration and trainer "
+          "(machinery: all but forward, backward and the dense optimizer)")
     print(phase_table(summaries))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
@@ -201,8 +205,9 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         per_mode = {m: figures(s, rounds[m]) for m, s in summaries.items()}
-        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch, "cache_rows": cache_rows,
-                "shaped": args.shaped, "rounds": args.rounds, "torchrec_skipped": skipped}
+        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch,
+                "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
+                "torchrec_skipped": skipped}
         args.json.write_bytes(orjson.dumps({"config": meta, "modes": per_mode}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if args.plot:
         plot_modes(summaries, args.plot)

@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from common.errors import ConfigError
 from common.job import Job, build_job
 from common.spec import load_spec
 from launcher.report import COUNTERS, RunSummary, read_run, summarise
@@ -55,6 +56,7 @@ from trainer.optim import build_dense_optimizer
 from trainer.timing import PhaseTimer
 
 if TYPE_CHECKING:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 INSTALL = "pip install --no-deps -r bench/requirements-torchrec.txt"
@@ -65,13 +67,15 @@ def unavailable() -> str | None:
     """Why TorchRec cannot run here (with the command that installs it), or None if it can."""
     try:
         import torchrec.distributed  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as exc:  # fbgemm's library failing to load raises OSError or RuntimeError
-        return f"torchrec is not importable ({exc}); install it with `{INSTALL}` (never without --no-deps: it would replace torch)"
+    # An fbgemm build that does not match torch fails to load its library: OSError or RuntimeError.
+    except (ImportError, OSError, RuntimeError) as exc:
+        return (f"torchrec is not importable ({exc}); install it with `{INSTALL}` "
+                "(never without --no-deps: it would replace torch)")
     return None
 
 
 class PooledDLRM(nn.Module):
-    """Our dense model over the pooled rows of an `EmbeddingBagCollection` (one feature per table)."""
+    """Our dense model over the pooled rows of an `EmbeddingBagCollection` (a feature a table)."""
 
     def __init__(self, tables: nn.Module, dense: nn.Module, dim: int) -> None:
         super().__init__()
@@ -102,7 +106,8 @@ def _rank_main(rank: int, spec_path: Path, run_dir: Path) -> None:
     world = job.spec.trainers.count
     torch.set_num_threads(job.spec.trainers.threads)
     # A file store: no port to pick and race for.
-    dist.init_process_group("gloo", init_method=(run_dir / "rendezvous").as_uri(), rank=rank, world_size=world)
+    rendezvous = (run_dir / "rendezvous").as_uri()
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
     try:
         batches = _local_batches(job, rank, world)
@@ -116,7 +121,8 @@ def _rank_main(rank: int, spec_path: Path, run_dir: Path) -> None:
         dist.destroy_process_group()
 
 
-Batch = tuple[torch.Tensor, torch.Tensor, "KeyedJaggedTensor"]  # labels (b,), dense (b, num_dense), ids
+#: labels (b,), dense (b, num_dense), the ids of the F features.
+Batch = tuple[torch.Tensor, torch.Tensor, "KeyedJaggedTensor"]
 
 
 def _local_batches(job: Job, rank: int, world: int) -> list[Batch]:
@@ -127,26 +133,31 @@ def _local_batches(job: Job, rank: int, world: int) -> list[Batch]:
     per = workload.batch_size // world
     mine = slice(rank * per, (rank + 1) * per)
     keys = [f"f{t}" for t in range(job.layout.num_tables)]
-    batches = itertools.islice(workload.dataset.train_batches(workload.batch_size, epochs=workload.epochs),
-                               workload.num_iterations)
+    batches = workload.dataset.train_batches(workload.batch_size, epochs=workload.epochs)
     out = []
-    for batch in batches:
-        sparse = np.ascontiguousarray(batch.sparse[mine].T)  # (F, b): feature-major, as a KJT lays out its values
+    for batch in itertools.islice(batches, workload.num_iterations):
+        sparse = np.ascontiguousarray(batch.sparse[mine].T)  # (F, b): a KJT is feature-major
         ids = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(sparse).view(-1),
                                 lengths=torch.ones(sparse.size, dtype=torch.int32))
-        out.append((torch.from_numpy(batch.labels[mine].copy()), torch.from_numpy(batch.dense[mine].copy()), ids))
+        labels = torch.from_numpy(batch.labels[mine].copy())
+        out.append((labels, torch.from_numpy(batch.dense[mine].copy()), ids))
     return out
 
 
-def _sharded_model(job: Job, world: int) -> nn.Module:
+def _sharded_model(job: Job, world: int) -> DistributedModelParallel:
     """`PooledDLRM` under `DistributedModelParallel`: tables table-wise on the fused CPU
     kernel with row-wise Adagrad in backward, the dense part under DDP as our trainers'."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+    from torchrec.distributed.model_parallel import (
+        DefaultDataParallelWrapper,
+        DistributedModelParallel,
+    )
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.storage_reservations import (
+        FixedPercentageStorageReservation,
+    )
     from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.types import ShardingType
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -154,29 +165,44 @@ def _sharded_model(job: Job, world: int) -> nn.Module:
 
     opt = job.optimizer
     if opt.embedding != "rowwise_adagrad" or opt.initial_accumulator != 0.0:
-        raise ValueError("the TorchRec baseline runs row-wise Adagrad from a zero accumulator, as FBGEMM starts it")
-    configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=job.dim, num_embeddings=n, feature_names=[f"f{t}"],
-                                  pooling=PoolingType.SUM) for t, n in enumerate(job.layout.sizes)]
-    tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))  # allocated once sharded
+        raise ConfigError("optimizer.embedding", "the TorchRec baseline runs row-wise Adagrad "
+                          "from a zero accumulator, as FBGEMM starts it")
+    configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=job.dim, num_embeddings=n,
+                                  feature_names=[f"f{t}"], pooling=PoolingType.SUM)
+               for t, n in enumerate(job.layout.sizes)]
+    # On the meta device: each rank allocates only its own tables, once sharded.
+    tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     torch.manual_seed(job.spec.seed)  # as `trainer.main.seeded_model`: the same dense parameters
-    module = PooledDLRM(tables, build_model(job.model, job.num_dense, job.layout.num_tables), job.dim)
+    dense = build_model(job.model, job.num_dense, job.layout.num_tables)
+    module = PooledDLRM(tables, dense, job.dim)
     sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": opt.embedding_lr, "eps": opt.eps,
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": opt.embedding_lr,
+        "eps": opt.eps,
     })
-    constraints = {c.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
-                                                compute_kernels=[EmbeddingComputeKernel.FUSED.value])
-                   for c in configs}
-    topology = TopologyFactory.create_topology(TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device="cpu"))
+    table_wise = ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
+                                      compute_kernels=[EmbeddingComputeKernel.FUSED.value])
+    constraints = {c.name: table_wise for c in configs}
+    topology = TopologyFactory.create_topology(TrainerConfig(world_size=world),
+                                               kernel_config=KernelConfig(compute_device="cpu"))
     # A fixed reservation: the default heuristic one warns that it misjudges dense tensors.
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=job.spec.train.batch_size // world,
-                                       constraints=constraints, storage_reservation=FixedPercentageStorageReservation(0.15))
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=job.spec.train.batch_size // world, constraints=constraints,
+        storage_reservation=FixedPercentageStorageReservation(0.15),
+    )
     plan = planner.collective_plan(module, [sharder], dist.GroupMember.WORLD)
     # static_graph off: our trainers use DDP's defaults.
-    return DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                                    data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
+    return DistributedModelParallel(
+        module, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+        data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False),
+    )
 
 
-def _train(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], records: RecordWriter) -> None:
+def _train(
+    model: nn.Module,
+    dense_optimizer: torch.optim.Optimizer,
+    batches: list[Batch],
+    records: RecordWriter,
+) -> None:
     """The loop of `trainer.engine.Engine._train` with TorchRec's embeddings: the same phases,
     the same loss, one record per iteration in the trainers' format."""
     timer = PhaseTimer()
@@ -189,6 +215,8 @@ def _train(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: li
             loss.backward()
         with timer.phase("dense_optimizer"):
             dense_optimizer.step()
-        records.write({"kind": "iter", "iteration": x, **dict.fromkeys(COUNTERS, 0), "samples": len(labels),
-                       "loss": float(loss.detach()), "time": time.time(), "phases": timer.end_iteration()})
+        # No PS traffic, cache or sync: every counter but the samples is zero.
+        records.write({"kind": "iter", "iteration": x, **dict.fromkeys(COUNTERS, 0),
+                       "samples": len(labels), "loss": float(loss.detach()), "time": time.time(),
+                       "phases": timer.end_iteration()})
     records.write({"kind": "final", "time": time.time(), "iterations": len(batches)})
