@@ -125,6 +125,7 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
 
 
 def figures(s: RunSummary, runs: Sequence[RunSummary]) -> dict[str, Any]:
+    """The JSON figures of a mode: those of its median run `s`, and samples/s of all `runs`."""
     rates = [r.samples_per_s for r in runs]
     return {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
             "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
@@ -142,6 +143,29 @@ def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tup
     if reason and wanted:
         parser.error(reason)
     return reason is None, reason
+
+
+def run_rounds(
+    modes: Sequence[str], with_torchrec: bool, base: dict, rounds: int, out: Path, shaped: str | None
+) -> dict[str, list[RunSummary]]:
+    """Every mode, then TorchRec, `rounds` times over; each run's summary, by mode, in order."""
+    shaping: contextlib.AbstractContextManager[PsHost | None] = contextlib.nullcontext(None)
+    if shaped:
+        from bench.netshape import shaped_ps_host
+
+        shaping = shaped_ps_host(shaped)
+    runs: dict[str, list[RunSummary]] = {m: [] for m in modes}
+    if with_torchrec:
+        runs[torchrec_baseline.MODE] = []
+    with shaping as ps_host:
+        for r in range(rounds):
+            round_dir = out / f"round-{r + 1}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            for mode in modes:
+                runs[mode].append(run_mode(mode, base, round_dir, ps_host))
+            if with_torchrec:
+                runs[torchrec_baseline.MODE].append(run_torchrec(base, round_dir))
+    return runs
 
 
 def main() -> int:
@@ -170,22 +194,7 @@ def main() -> int:
     with_torchrec, skipped = torchrec_choice(parser, args.torchrec)
     if skipped:
         print(f"TorchRec skipped: {skipped}", file=sys.stderr, flush=True)
-    shaping: contextlib.AbstractContextManager[PsHost | None] = contextlib.nullcontext(None)
-    if args.shaped:
-        from bench.netshape import shaped_ps_host
-
-        shaping = shaped_ps_host(args.shaped)
-    rounds: dict[str, list[RunSummary]] = {m: [] for m in modes}
-    if with_torchrec:
-        rounds[torchrec_baseline.MODE] = []
-    with shaping as ps_host:
-        for r in range(args.rounds):
-            out = args.out / f"round-{r + 1}"
-            out.mkdir(parents=True, exist_ok=True)
-            for mode in modes:
-                rounds[mode].append(run_mode(mode, base, out, ps_host))
-            if with_torchrec:
-                rounds[torchrec_baseline.MODE].append(run_torchrec(base, out))
+    rounds = run_rounds(modes, with_torchrec, base, args.rounds, args.out, args.shaped)
     summaries = {m: median_run(runs) for m, runs in rounds.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
     median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
