@@ -1,32 +1,56 @@
 #!/usr/bin/env python3
-"""End-to-end throughput of every mode on the same data, model and cluster, in one run.
+"""End-to-end throughput of every mode and TorchRec on the same data, model and cluster, in one run.
 
 T = 2 trainers, S = 2 PS shards, DLRM, synthetic Criteo-like data (Criteo Kaggle's 26 table
 cardinalities, 33.8 M rows, top 1% of rows = 92% of accesses), a cache far below the table
 sizes. Prints samples/s, iteration time, hit rate and MB moved per iteration with ratios to
-`local` and `no-cache`; `--json` writes them per mode, `--plot` a PNG.
+`local` and `no-cache`, then where an iteration's time goes (forward, backward, dense
+optimizer, machinery: everything else); `--json` writes them per mode, `--plot` a PNG.
+
+TorchRec (`bench/torchrec_baseline.py`) trains the same job on the same batches with the same
+dense model, optimizers, learning rates and thread count: tables sharded table-wise by
+`DistributedModelParallel`, row-wise Adagrad fused into backward. Its forward and backward
+include its all-to-alls; it moves no rows through a PS, so its traffic columns are zero and
+its hit rate n/a. It is optional: `pip install --no-deps -r bench/requirements-torchrec.txt`
+(never without --no-deps: it would replace torch). Without it the row is skipped, saying so.
+
+Iterations: 150 per mode with --quick, 300 without, far more than the oracle's `max_ahead`
+(64: how far it plans ahead of the slowest trainer). In a run not much longer than that the
+oracle plans everything at the start and the trainers never share the cores with it, which
+is not the steady state. The first fifth of the iterations is excluded as warm-up everywhere.
+
+`--rounds N` runs every mode and TorchRec in turn, N times over, and reports for each the run
+with the median samples/s (with an even N, the lower of the middle two) and the spread
+(min..max) of samples/s, with the median of each mode's per-round ratio to TorchRec: on a
+shared machine one run says little, and runs of one round share the load of their minutes.
 
     python bench/e2e.py --quick
-    python bench/e2e.py --shaped 1gbit --json runs/bench/e2e.json     (root: PS behind a 1 Gbit/s link)
+    python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
+    python bench/e2e.py --shaped 1gbit          (root: PS behind a 1 Gbit/s link)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import torchrec_baseline  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
-from launcher.cluster import run_cluster  # noqa: E402
-from launcher.report import compare_modes, plot_modes, read_run, summarise  # noqa: E402
+from launcher.cluster import PsHost, run_cluster  # noqa: E402
+from launcher.report import RunSummary, compare_modes, plot_modes, read_run, summarise  # noqa: E402
 
 TOKEN = "e2e-bench"
+SEED = 3
 
 
 def sections(iterations: int, batch: int, cache_rows: int) -> dict[str, dict]:
@@ -42,52 +66,157 @@ def sections(iterations: int, batch: int, cache_rows: int) -> dict[str, dict]:
     }
 
 
-def run_mode(mode: str, base: dict, out: Path, ps_host) -> dict:
+def warmup_of(iterations: int) -> int:
+    """Iterations left out of every summary: start-up, first fetches, lazy initialisation."""
+    return max(2, iterations // 5)
+
+
+def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> RunSummary:
     spec_path = out / f"{mode}.toml"
-    spec_path.write_text(spec_toml(f"e2e-{mode}", 3, {**base, "oracle": {**base["oracle"], "mode": mode}}))
+    spec_path.write_text(spec_toml(f"e2e-{mode}", SEED, {**base, "oracle": {**base["oracle"], "mode": mode}}))
     job = build_job(load_spec(spec_path))
     run_dir = out / mode
     print(f"running {mode} ...", file=sys.stderr, flush=True)
     run_cluster(job, run_dir, token=TOKEN, ps_host=ps_host)
     iterations = job.spec.train.max_iterations
     return summarise(read_run(run_dir, 2), mode=mode, global_batch=job.spec.train.batch_size,
-                     warmup=max(2, iterations // 5), trainers=2)
+                     warmup=warmup_of(iterations), trainers=2)
+
+
+def run_torchrec(base: dict, out: Path) -> RunSummary:
+    spec_path = out / f"{torchrec_baseline.MODE}.toml"
+    spec_path.write_text(spec_toml(f"e2e-{torchrec_baseline.MODE}", SEED, base))
+    print(f"running {torchrec_baseline.MODE} ...", file=sys.stderr, flush=True)
+    return torchrec_baseline.run(spec_path, out / torchrec_baseline.MODE,
+                                 warmup=warmup_of(base["train"]["max_iterations"]))
+
+
+def median_run(runs: Sequence[RunSummary]) -> RunSummary:
+    """The run with the median samples/s; with an even count, the lower of the middle two, so
+    that every figure shown comes from one real run."""
+    return sorted(runs, key=lambda s: s.samples_per_s)[(len(runs) - 1) // 2]
+
+
+def spread_table(rounds: Mapping[str, Sequence[RunSummary]]) -> str:
+    """Per mode: median, min and max samples/s over the rounds and, when TorchRec ran, the
+    median of the per-round ratios to it (runs of one round saw about the same load)."""
+    base = rounds.get(torchrec_baseline.MODE)
+    head = f"{'mode':<14}{'median':>12}{'min':>12}{'max':>12}" + (f"{'vs torchrec':>13}" if base else "")
+    lines = [head, "-" * len(head)]
+    for name, runs in rounds.items():
+        rates = [s.samples_per_s for s in runs]
+        line = f"{name:<14}{statistics.median(rates):>12,.1f}{min(rates):>12,.1f}{max(rates):>12,.1f}"
+        if base:
+            line += f"{statistics.median(r / b.samples_per_s for r, b in zip(rates, base)):>12.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def phase_table(summaries: Mapping[str, RunSummary]) -> str:
+    """Mean ms per iteration and trainer: the model's own work, the rest (machinery), the total."""
+    columns = (("forward", 10), ("backward", 10), ("dense opt", 11), ("machinery", 11), ("total", 10))
+    head = f"{'mode':<14}" + "".join(f"{name:>{width}}" for name, width in columns)
+    lines = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        seconds = (s.phase_s["forward"], s.phase_s["backward"], s.phase_s["dense_optimizer"],
+                   s.machinery_s, sum(s.phase_s.values()))
+        lines.append(f"{name:<14}" + "".join(f"{1e3 * v:>{width},.2f}" for v, (_, width) in zip(seconds, columns)))
+    return "\n".join(lines)
+
+
+def figures(s: RunSummary, runs: Sequence[RunSummary]) -> dict[str, Any]:
+    """The JSON figures of a mode: those of its median run `s`, and samples/s of all `runs`."""
+    rates = [r.samples_per_s for r in runs]
+    return {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
+            "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
+            "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
+            "phase_s": s.phase_s, "machinery_s": s.machinery_s, "rounds_samples_per_s": rates,
+            "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
+            "max_samples_per_s": max(rates)}
+
+
+def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tuple[bool, str | None]:
+    """Whether to run TorchRec, and why not when it was not turned off but cannot run."""
+    if wanted is False:
+        return False, None
+    reason = torchrec_baseline.unavailable()
+    if reason and wanted:
+        parser.error(reason)
+    return reason is None, reason
+
+
+def run_rounds(
+    modes: Sequence[str], with_torchrec: bool, base: dict, rounds: int, out: Path, shaped: str | None
+) -> dict[str, list[RunSummary]]:
+    """Every mode, then TorchRec, `rounds` times over; each run's summary, by mode, in order."""
+    shaping: contextlib.AbstractContextManager[PsHost | None] = contextlib.nullcontext(None)
+    if shaped:
+        from bench.netshape import shaped_ps_host
+
+        shaping = shaped_ps_host(shaped)
+    runs: dict[str, list[RunSummary]] = {m: [] for m in modes}
+    if with_torchrec:
+        runs[torchrec_baseline.MODE] = []
+    with shaping as ps_host:
+        for r in range(rounds):
+            round_dir = out / f"round-{r + 1}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            for mode in modes:
+                runs[mode].append(run_mode(mode, base, round_dir, ps_host))
+            if with_torchrec:
+                runs[torchrec_baseline.MODE].append(run_torchrec(base, round_dir))
+    return runs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer, smaller iterations (a few minutes)")
-    parser.add_argument("--iterations", type=int, help="iterations per mode (default 40 quick, 150 full)")
+    parser.add_argument("--quick", action="store_true", help="smaller batches and fewer iterations")
+    parser.add_argument("--iterations", type=int,
+                        help="iterations per mode (default 150 quick, 300 full; keep it well above 64)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
+    parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
+                        help="add the TorchRec baseline (default: when torchrec is importable)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run everything this many times, in turn; report medians")
     parser.add_argument("--shaped", metavar="RATE", help="put the PS behind a veth link shaped to RATE (e.g. 1gbit); root")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/e2e"), help="specs, logs and records")
     args = parser.parse_args()
-    iterations = args.iterations or (40 if args.quick else 150)
+    iterations = args.iterations or (150 if args.quick else 300)
     batch, cache_rows = (2048, 32768) if args.quick else (4096, 65536)
     base = sections(iterations, batch, cache_rows)
-    args.out.mkdir(parents=True, exist_ok=True)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
-    shaping = contextlib.nullcontext(None)
-    if args.shaped:
-        from bench.netshape import shaped_ps_host
-
-        shaping = shaped_ps_host(args.shaped)
-    with shaping as ps_host:
-        summaries = {mode: run_mode(mode, base, args.out, ps_host) for mode in modes}
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    with_torchrec, skipped = torchrec_choice(parser, args.torchrec)
+    if skipped:
+        print(f"TorchRec skipped: {skipped}", file=sys.stderr, flush=True)
+    rounds = run_rounds(modes, with_torchrec, base, args.rounds, args.out, args.shaped)
+    summaries = {m: median_run(runs) for m, runs in rounds.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
-    print(f"\n{iterations} iterations per mode, global batch {batch}, C = {cache_rows} rows per trainer, {link}")
+    median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"\n{iterations} iterations per mode (first {warmup_of(iterations)} excluded), "
+          f"global batch {batch}, C = {cache_rows} rows per trainer, {link}{median}")
     print(compare_modes(summaries))
+    if args.rounds > 1:
+        print(f"\nsamples/s over {args.rounds} rounds")
+        print(spread_table(rounds))
+    print("\nms per iteration and trainer "
+          "(machinery: all but forward, backward and the dense optimizer)")
+    print(phase_table(summaries))
+    if with_torchrec and args.shaped:
+        print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
+    if skipped:
+        print(f"(TorchRec skipped: {skipped})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        per_mode = {m: {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
-                        "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
-                        "write_back_bytes_per_iter": s.write_back_bytes_per_iter,
-                        "iteration_time_s": s.iteration_time_s, "phase_s": s.phase_s} for m, s in summaries.items()}
-        meta = {"iterations": iterations, "batch_size": batch, "cache_rows": cache_rows, "shaped": args.shaped}
+        per_mode = {m: figures(s, rounds[m]) for m, s in summaries.items()}
+        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch,
+                "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
+                "torchrec_skipped": skipped}
         args.json.write_bytes(orjson.dumps({"config": meta, "modes": per_mode}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if args.plot:
         plot_modes(summaries, args.plot)
