@@ -124,6 +124,7 @@ def test_oracle_routes_never_5xx_never_hang(kind: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.parametrize("kind", ["h2", "http1"])
 def test_oracle_routes_at_length(kind: str) -> None:
     run_fuzz(kind, 2000)

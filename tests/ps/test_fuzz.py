@@ -343,6 +343,7 @@ def test_fuzz_over_loopback_never_5xx_never_hangs(tmp_path: Path, kind: str) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.parametrize("kind", ["in-process", "h2", "http1"])
 def test_fuzz_at_length(tmp_path: Path, kind: str) -> None:
     run_fuzz(tmp_path, 4000, in_process if kind == "in-process" else over(kind))

@@ -190,6 +190,7 @@ def test_the_store_does_what_the_model_says_and_refusals_change_nothing(every: i
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @settings(max_examples=3000, deadline=None, derandomize=True)
 @given(every=CHECKPOINT_EVERY, ops=st.lists(OPS, max_size=60))
 def test_the_store_does_what_the_model_says_at_length(every: int, ops: list[Op]) -> None:
