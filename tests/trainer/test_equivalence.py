@@ -73,8 +73,11 @@ def assert_cache_was_exercised(job: Job, run: InProcessRun) -> None:
         assert total["join_rows"] > 0, total
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("model", MODELS)
+#: The fast tier's two-trainer cases: every model, every optimizer, not every pair.
+TWO_TRAINERS = [("dlrm", "adagrad"), ("deepfm", "sgd"), ("wide_deep", "adagrad"), ("dcn", "sgd")]
+
+
+@pytest.mark.parametrize(("model", "optimizer"), TWO_TRAINERS)
 def test_every_mode_is_bit_identical_with_two_trainers(tmp_path: Path, model: str, optimizer: str) -> None:
     check_every_mode(tmp_path, trainers=2, model=model, optimizer=optimizer)
 
@@ -88,10 +91,11 @@ def _full_matrix() -> list:
     """Every (T, model, optimizer) the fast tests above leave out; eight trainers (threads
     on two cores here) take the longest, so only DLRM's run in CI, the others nightly."""
     cases = []
-    for trainers in (1, 4, 8):
+    for trainers in (1, 2, 4, 8):
         for model in MODELS:
             for optimizer in OPTIMIZERS:
-                if model == "dlrm" and optimizer == "adagrad" and trainers < 8:
+                fast = (model, optimizer) in TWO_TRAINERS if trainers == 2 else model == "dlrm" and optimizer == "adagrad"
+                if fast and trainers < 8:
                     continue
                 marks = [pytest.mark.nightly] if trainers == 8 and model != "dlrm" else []
                 cases.append(pytest.param(trainers, model, optimizer, marks=marks))
