@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
+import queue
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -289,9 +290,11 @@ def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Eve
                            return_when=asyncio.FIRST_COMPLETED)
         ready.set()
         await asyncio.to_thread(stop.wait)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Cancel until it ends: Python 3.11's asyncio.wait_for (in the upload loop) can swallow
+        # a cancellation that lands as its inner wait completes, and the attack goes on.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=1)
         return dict(counts)
 
     results.put(run(main()))
@@ -378,10 +381,16 @@ def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: flo
         stop.set()
     counts = {}
     if abuse != "idle":
-        attacker.join(60)
+        # Read before joining: a process that put into a queue exits only once its data has
+        # been fed to the pipe (the multiprocessing docs' "joining processes that use queues").
+        try:
+            counts = results.get(timeout=60)
+        except queue.Empty:
+            attacker.kill()
+            raise RuntimeError(f"the {abuse} attacker did not stop within 60 s") from None
+        attacker.join(30)
         if attacker.exitcode != 0:
             raise RuntimeError(f"the {abuse} attacker failed (exit code {attacker.exitcode})")
-        counts = results.get(timeout=10)
     ms = np.array(latencies) * 1e3
     return Row(protocol=kind, abuse=abuse, fetches=len(latencies),
                p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
