@@ -13,7 +13,6 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +49,13 @@ from ps.protocol import (
     WriteKind,
 )
 from ps.store import ShardStore, Snapshot
+from ps.waiting import WaitingFetches
 
 log = logging.getLogger(__name__)
 
 #: A handler of one route: its decoded request message (None for a GET) and the request
 #: itself (headers, body size) in, its answer message out.
 TypedHandler = Callable[[Any, Request], Awaitable[Message]]
-
-
-@dataclass(eq=False)
-class _Waiter:
-    local: np.ndarray
-    min_versions: np.ndarray
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PsService:
@@ -80,7 +73,8 @@ class PsService:
         self.checkpoint_dir = checkpoint_dir
         self.fetch_timeout_s = fetch_timeout_s
         self.metrics = registry or Registry()
-        self._waiters: set[_Waiter] = set()
+        self._waiting = WaitingFetches(store.num_rows)
+        self._woken: dict[int, asyncio.Event] = {}  # a waiting fetch's ticket → its wake-up
         self._reports: dict[int, tuple[set[int], asyncio.Future[CheckpointSaved]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.incarnation = secrets.token_hex(8)
@@ -138,7 +132,7 @@ class PsService:
         )
         written = self.store.write_back(local, m.rows, m.state, m.version, flush=flush, replay=replay)
         self._count("replay" if m.replay else "write_back", len(local), request, 0)
-        self._wake_waiters()
+        self._wake(self._waiting.written(local, self.store.versions))
         return WriteAck(written=written, version=m.version)
 
     async def report_checkpoint(
@@ -205,7 +199,7 @@ class PsService:
         """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot."""
         self.store.restore(snap, checkpoint_id)
         self.restored = checkpoint_id
-        self._wake_waiters()
+        self._wake(self._waiting.recheck(self.store.versions))
 
     async def health(self, message: None, request: Request) -> Health:
         return Health(role="ps", ok=True)
@@ -225,18 +219,22 @@ class PsService:
         )
 
     async def render_metrics(self, request: Request) -> Response:
-        self.metrics.set("fetches_waiting", len(self._waiters), help="Fetches waiting for a version")
+        self.metrics.set("fetches_waiting", self.fetches_waiting, help="Fetches waiting for a version")
         body = self.metrics.render().encode()
         return Response(body=body, content_type="text/plain; version=0.0.4")
 
     async def _wait_for_versions(self, local: np.ndarray, min_versions: np.ndarray, timeout: float) -> None:
-        if self.store.ready(local, min_versions):
+        ticket = self._waiting.wait(local, min_versions, self.store.versions)
+        if ticket is None:
             return
-        waiter = _Waiter(local, min_versions)
-        self._waiters.add(waiter)
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(waiter.ready.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                while ticket is not None:
+                    await self._woken_up(ticket)
+                    # Checked again: a restored snapshot can take rows back below versions
+                    # they had reached.
+                    ticket = self._waiting.wait(local, min_versions, self.store.versions)
         except TimeoutError:
             behind = self.store.behind(local, min_versions)  # a refused fetch touches no row
             raise TimedOut(
@@ -244,9 +242,16 @@ class PsService:
                 rows_behind=behind,
             ) from None
         finally:
-            self._waiters.discard(waiter)
             self.metrics.observe("fetch_wait_seconds", time.perf_counter() - started,
                                  help="Time fetches waited for a write-back")
+
+    async def _woken_up(self, ticket: int) -> None:
+        woken = self._woken[ticket] = asyncio.Event()
+        try:
+            await woken.wait()
+        finally:
+            del self._woken[ticket]
+            self._waiting.cancel(ticket)
 
     def _check_incarnation(self, request: Request) -> None:
         meant = request.headers.get(INCARNATION_HEADER)
@@ -256,10 +261,13 @@ class PsService:
                 incarnation=self.incarnation,
             )
 
-    def _wake_waiters(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.ready.is_set() and self.store.ready(waiter.local, waiter.min_versions):
-                waiter.ready.set()
+    @property
+    def fetches_waiting(self) -> int:
+        return len(self._waiting)
+
+    def _wake(self, tickets: list[int]) -> None:
+        for ticket in tickets:
+            self._woken[ticket].set()
 
     def _count(self, op: str, rows: int, request: Request, bytes_out: int) -> None:
         labels = {"op": op}

@@ -110,6 +110,13 @@ class ShardStore:
         self.last_checkpoint = -1  # the newest checkpoint taken or restored
         self.max_version = -1  # the highest version in the table, kept on each write
 
+    @property
+    def versions(self) -> np.ndarray:
+        """Every row's version (-1: never written), read-only: rows change through the store."""
+        view = self._versions.view()
+        view.flags.writeable = False
+        return view
+
     # -- validation --------------------------------------------------------------------
 
     def check_version(self, value: object, name: str = "version") -> int:

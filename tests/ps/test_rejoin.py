@@ -37,7 +37,7 @@ def make_shard(directory: Path) -> PsService:
 
 
 async def waiting_fetch(service: PsService) -> None:
-    while not service._waiters:
+    while not service.fetches_waiting:
         await asyncio.sleep(0.01)
 
 

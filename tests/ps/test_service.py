@@ -11,8 +11,10 @@ import pytest
 
 from common.errors import BadRequest, Conflict, TimedOut
 from common.init import initial_rows
+from common.keys import local_index, shard_of
 from common.transport import connect_client
 from common.wire import encode
+from ps.store import Snapshot
 from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state
 
 
@@ -43,7 +45,7 @@ async def test_concurrent_write_backs_and_fetches(cluster: Cluster) -> None:
 async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
     keys = np.array([3, 4, 5], dtype=np.int64)
     fetch = asyncio.create_task(cluster.client.fetch(keys, np.array([-1, 7, 7])))
-    await _until(lambda: sum(len(s._waiters) for s in cluster.services) == 2)
+    await _until(lambda: sum(s.fetches_waiting for s in cluster.services) == 2)
     assert not fetch.done()
     await cluster.client.write_back(keys[1:], *rows_for(keys[1:], 1.0), version=7)
     got = await asyncio.wait_for(fetch, 5)
@@ -51,11 +53,30 @@ async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
     assert np.array_equal(got.rows[1:], rows_for(keys[1:], 1.0)[0])
 
 
+async def test_a_restore_that_takes_rows_back_keeps_the_fetch_waiting(cluster: Cluster) -> None:
+    keys = np.array([4, 6], dtype=np.int64)
+    assert (shard_of(keys, 2) == 0).all()
+    shard = cluster.services[0]
+    fetch = asyncio.create_task(cluster.client.fetch(keys, np.array([7, 7])))
+    await _until(lambda: shard.fetches_waiting == 1)
+    await cluster.client.write_back(keys[:1], *rows_for(keys[:1], 1.0), version=7)
+    rows, state = rows_for(keys, 0.5)
+    local = local_index(keys, 2)
+    # Key 4 goes back to version 5 and key 6 comes to 7: the fetch must not be served yet.
+    shard.restore_snapshot(Snapshot(local=local, rows=rows, state=state, versions=np.array([5, 7])), 5)
+    await _until(lambda: shard.fetches_waiting == 1)
+    assert not fetch.done()
+    await cluster.client.write_back(keys[:1], *rows_for(keys[:1], 2.0), version=7)
+    got = await asyncio.wait_for(fetch, 5)
+    assert got.versions.tolist() == [7, 7]
+    assert np.array_equal(got.rows[0], rows_for(keys[:1], 2.0)[0][0])
+
+
 async def test_a_fetch_that_cannot_be_served_times_out(cluster: Cluster) -> None:
     before = raw_state(cluster.services[0].store)
     with pytest.raises(TimedOut, match="did not reach their version"):
         await cluster.client.fetch(np.array([8], dtype=np.int64), np.array([1]), wait_s=0.2)
-    assert all(not s._waiters for s in cluster.services)
+    assert all(not s.fetches_waiting for s in cluster.services)
     # Counting the rows behind initialised them (found by tests/ps/test_fuzz.py).
     assert same_state(before, raw_state(cluster.services[0].store)), "a refused fetch touched rows"
     await cluster.client.fetch(np.array([8], dtype=np.int64))  # still serving
