@@ -12,6 +12,13 @@
                                               one role, for clusters across machines: every
                                               machine reads the same spec, whose addresses
                                               say where each role listens
+    python launch.py --role ps --coordinator HOST:PORT
+    python launch.py --role trainer --coordinator HOST:PORT
+                                              one role that knows only the oracle's address
+                                              (and $BAGPIPE_TOKEN): it registers, learns the
+                                              job from the oracle and needs no spec and no
+                                              data; a trainer under torchrun takes its rank
+                                              and rendezvous from torchrun
     python launch.py SPEC.toml --role ps --index 1 --rejoin
     python launch.py SPEC.toml --role oracle --first-iteration F
                                               restart a dead PS shard or oracle alone while
@@ -50,12 +57,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    parser.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC), help="cluster spec (TOML)")
+    parser.add_argument("spec", nargs="?", help=f"cluster spec (TOML; default {DEFAULT_SPEC.relative_to(DEFAULT_SPEC.parents[1])}, "
+                                                "none with --coordinator)")
     parser.add_argument("--role", choices=ROLES, help="start only this role (default: a whole local cluster)")
-    parser.add_argument("--index", type=int, default=0, help="PS shard or trainer rank (with --role)")
+    parser.add_argument("--index", type=int, help="PS shard or trainer rank (with --role; default 0, or "
+                                                  "the lowest free one with --coordinator)")
     parser.add_argument("--resume", action="store_true", help="restart from the latest complete checkpoint")
     parser.add_argument("--run-dir", type=Path, help="where records, logs and reports go (default runs/<name>)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (a log line every 10%%)")
+    joined = parser.add_argument_group("joining through the coordinator (the oracle)")
+    joined.add_argument("--coordinator", help="HOST:PORT of the oracle: PS and trainer roles learn the job from it")
+    joined.add_argument("--bind", help="PS: HOST:PORT to serve on (default: this host's address towards "
+                                       "the coordinator, any free port)")
+    joined.add_argument("--transport", choices=("h2", "http1"), default="h2",
+                        help="the coordinator's protocol (the spec's cluster.transport; default h2)")
     roles = parser.add_argument_group("addresses chosen at start-up (the local launcher passes these)")
     roles.add_argument("--oracle-address", help="HOST:PORT of the oracle, overriding the spec")
     roles.add_argument("--ps-addresses", help="HOST:PORT,... of the PS shards, overriding the spec")
@@ -76,6 +91,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.coordinator and args.role not in ("ps", "trainer"):
+        print("launch.py: --coordinator is for --role ps or --role trainer", file=sys.stderr)
+        return 2
+    if args.spec is None and not args.coordinator:
+        args.spec = str(DEFAULT_SPEC)
     if args.role is None:
         from launcher.cluster import run_local_cluster
 
@@ -124,20 +144,24 @@ def with_addresses(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
 
 
 def run_role(args: argparse.Namespace) -> int:
-    from common.job import build_job
     from common.runtime import configure_logging, raise_file_limit
+
+    configure_logging(f"{args.role}[{'?' if args.index is None else args.index}]")
+    raise_file_limit()
+    if args.coordinator:
+        return run_joined_role(args)
+    from common.job import build_job
     from common.spec import load_spec
     from common.transport import run
 
-    configure_logging(f"{args.role}[{args.index}]")
-    raise_file_limit()
     spec = with_addresses(load_spec(args.spec), args)
     job = build_job(spec)
     token = spec.token()
+    index = args.index or 0
     if args.role == "ps":
         from ps.main import run_ps
 
-        run(run_ps(job, args.index, token=token, resume=args.resume, ready_file=args.ready_file,
+        run(run_ps(job, index, token=token, resume=args.resume, ready_file=args.ready_file,
                    rejoin=args.rejoin, fresh=args.fresh, admin_port=args.admin_port))
     elif args.role == "oracle":
         from oracle.main import run_oracle
@@ -145,11 +169,40 @@ def run_role(args: argparse.Namespace) -> int:
         run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume,
                        first_iteration=args.first_iteration))
     else:
+        from trainer.collectives import Rendezvous
         from trainer.main import Peers, run_trainer
 
-        peers = Peers(oracle=spec.oracle.address, ps=spec.ps.addresses, rendezvous=spec.trainers.rendezvous)
+        peers = Peers(oracle=spec.oracle.address, ps=spec.ps.addresses,
+                      rendezvous=Rendezvous(store=spec.trainers.rendezvous, hosted=True))
         run_dir = args.run_dir or Path("runs") / spec.name
-        run_trainer(job, args.index, token=token, peers=peers, run_dir=run_dir, resume=args.resume)
+        run_trainer(job, index, token=token, peers=peers, run_dir=run_dir, resume=args.resume)
+    return 0
+
+
+def run_joined_role(args: argparse.Namespace) -> int:
+    """A PS shard or trainer that knows only the coordinator's address (and the token)."""
+    from common.coordinator import CoordinatorClient
+    from common.spec import TOKEN_ENV, load_spec
+    from common.transport import run
+
+    spec = load_spec(args.spec) if args.spec else None  # only checked against the coordinator's
+    token = spec.token() if spec is not None else os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"launch.py: set ${TOKEN_ENV} to the job's token", file=sys.stderr)
+        return 2
+    coordinator = Endpoint.parse(args.coordinator, "--coordinator")
+    reconnect_s = spec.cluster.reconnect_s if spec is not None else 30.0
+    client = CoordinatorClient(coordinator, token=token, transport=args.transport, spec=spec, reconnect_s=reconnect_s)
+    if args.role == "ps":
+        from ps.main import join_and_run_ps
+
+        bind = Endpoint.parse(args.bind, "--bind") if args.bind else None
+        run(join_and_run_ps(client, token=token, index=args.index, bind=bind, ready_file=args.ready_file,
+                            resume=args.resume, rejoin=args.rejoin, fresh=args.fresh, admin_port=args.admin_port))
+    else:
+        from trainer.main import join_and_run_trainer
+
+        join_and_run_trainer(client, token=token, index=args.index, run_dir=args.run_dir, resume=args.resume)
     return 0
 
 

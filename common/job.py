@@ -1,14 +1,17 @@
 """Everything a role needs from the spec, parsed once: the cluster spec plus the role-owned
-sections (data, model, optimizer) and the table layout they imply.
+sections (data, model, optimizer) and the facts of the data they imply.
 
 Every role needs the table layout and row shape (PS shards size their arrays with it, the
 oracle maps rows to keys, trainers build caches), so the sections are parsed here, once,
-and a bad field fails every role at start-up with the same message.
+and a bad field fails every role at start-up with the same message. Only the oracle reads
+the data (`build_job`); a role started with just the coordinator's address gets the same
+job from it (`job_from_facts`), and never needs the data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from common.data.spec import DataSpec, parse_data_spec
 from common.keys import TableLayout
@@ -18,13 +21,39 @@ from common.spec import ClusterSpec
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataFacts:
+    """What the roles that never open the data need to know of it."""
+
+    table_sizes: tuple[int, ...]
+    num_dense: int
+    iterations: int  # N: the run's length; its final snapshot is checkpoint N
+
+    def to_json(self) -> dict[str, object]:
+        return {"table_sizes": list(self.table_sizes), "num_dense": self.num_dense,
+                "iterations": self.iterations}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Job:
     spec: ClusterSpec
     data: DataSpec
     model: ModelSpec
     optimizer: OptimizerSpec
-    layout: TableLayout
-    num_dense: int
+    facts: DataFacts
+
+    @cached_property
+    def layout(self) -> TableLayout:
+        return TableLayout(self.facts.table_sizes)
+
+    @property
+    def num_dense(self) -> int:
+        return self.facts.num_dense
+
+    @property
+    def iterations(self) -> int:
+        """The run's length N: write-backs carry iterations below N and the final snapshot
+        is checkpoint N (`trainer.main`), so no request of this run names a larger version."""
+        return self.facts.iterations
 
     @property
     def dim(self) -> int:
@@ -41,18 +70,28 @@ class Job:
 
 
 def build_job(spec: ClusterSpec) -> Job:
-    """Parse the role-owned sections; table sizes the spec leaves to the data come from it."""
+    """Parse the role-owned sections and read the data's facts (table sizes the spec leaves
+    to the data, the run's length) from the data itself."""
     from common.data import open_dataset
 
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
-    model = parse_model_spec(spec.sections["model"])
-    optimizer = parse_optimizer_spec(spec.sections["optimizer"])
     dataset = open_dataset(data)
+    train = spec.train
+    total = dataset.num_batches(train.batch_size, train.epochs)
+    facts = DataFacts(
+        table_sizes=tuple(dataset.table_sizes),
+        num_dense=dataset.num_dense,
+        iterations=min(total, train.max_iterations) if train.max_iterations else total,
+    )
+    return job_from_facts(spec, facts, data=data)
+
+
+def job_from_facts(spec: ClusterSpec, facts: DataFacts, *, data: DataSpec | None = None) -> Job:
+    """The job of `spec` whose data has `facts`, without opening the data."""
     return Job(
         spec=spec,
-        data=data,
-        model=model,
-        optimizer=optimizer,
-        layout=TableLayout(tuple(dataset.table_sizes)),
-        num_dense=dataset.num_dense,
+        data=data or parse_data_spec(spec.sections["data"], base_dir=spec.source.parent),
+        model=parse_model_spec(spec.sections["model"]),
+        optimizer=parse_optimizer_spec(spec.sections["optimizer"]),
+        facts=facts,
     )

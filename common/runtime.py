@@ -15,6 +15,7 @@ import resource
 import signal
 import sys
 from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -94,3 +95,15 @@ async def wait_for_stop_signal() -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stop signal received")
+
+
+async def first_of(*awaitables: Awaitable[Any]) -> None:
+    """Wait until one of `awaitables` ends, cancel the others; its exception, if any, is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    for task in done:
+        task.result()

@@ -9,10 +9,11 @@ puts them together with this one.
 
 from __future__ import annotations
 
+import copy
 import os
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
@@ -130,6 +131,9 @@ class ClusterSpec:
     checkpoint: CheckpointSection
     sections: dict[str, dict[str, Any]]
     """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
+    document: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The whole TOML document as read: the coordinator sends it to roles that have no spec
+    file, and a role that has one must agree with it (`common.coordinator`)."""
 
     def token(self) -> str:
         """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""
@@ -265,6 +269,7 @@ ROLE_SECTIONS = ("data", "model", "optimizer")
 
 def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
     """Build a ClusterSpec from a parsed TOML document; `source` anchors relative paths."""
+    document = copy.deepcopy(raw)
     raw = dict(raw)
     top = _Section({k: raw.pop(k) for k in ("name", "seed") if k in raw}, "spec")
     name = top.get("name", str, source.stem)
@@ -280,6 +285,7 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
         train=_parse(raw, "train", _train),
         checkpoint=_parse(raw, "checkpoint", lambda s: _checkpoint(s, name)),
         sections={key: _Section(raw.pop(key, {}), key).raw for key in ROLE_SECTIONS},
+        document=document,
     )
     if raw:
         raise ConfigError(sorted(raw)[0], "unknown section")

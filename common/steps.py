@@ -83,3 +83,28 @@ def decode_end(body: bytes) -> EndOfStream:
     if meta.get("kind") != "end" or type(meta.get("iterations")) is not int:
         raise WireError("malformed end-of-stream message")
     return EndOfStream(iterations=meta["iterations"])
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EvalBatch:
+    """One batch of a trainer's share of the held-out rows, as the oracle sends it
+    (``GET /v1/eval``): the rows' global keys, dense features and labels."""
+
+    keys: np.ndarray  # int64 [B, F]
+    dense: np.ndarray  # float32 [B, num_dense]
+    labels: np.ndarray  # float32 [B]
+
+    def encode(self) -> bytes:
+        arrays = {"keys": self.keys, "dense": self.dense, "labels": self.labels}
+        return encode({"kind": "eval"}, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+
+    @classmethod
+    def decode(cls, body: bytes) -> EvalBatch:
+        meta, arrays = decode(body)
+        if meta.get("kind") != "eval":
+            raise WireError(f"expected an eval message, got kind {meta.get('kind')!r}")
+        batch = cls(keys=require(arrays, "keys", "<i8", 2), dense=require(arrays, "dense", "<f4", 2),
+                    labels=require(arrays, "labels", "<f4", 1))
+        if not len(batch.keys) == len(batch.dense) == len(batch.labels):
+            raise WireError("eval keys, dense and labels differ in length")
+        return batch

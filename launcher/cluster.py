@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from typing import Any
 import orjson
 
 from common.checkpoints import latest_complete, remove_all
+from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, Endpoint, load_spec
@@ -123,7 +123,7 @@ class LocalCluster:
         self.oracle_address = oracle_address = self._wait_ready(oracle)
         rendezvous = spec.trainers.rendezvous
         if rendezvous.port == 0:
-            rendezvous = Endpoint(host=rendezvous.host, port=_free_port(rendezvous.host))
+            rendezvous = Endpoint(host=rendezvous.host, port=free_port(rendezvous.host))
         peers = [
             "--oracle-address", str(oracle_address),
             "--ps-addresses", ",".join(str(a) for a in self.ps_addresses),
@@ -311,7 +311,7 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
     open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
-    total = _iterations(job)
+    total = job.iterations
     tail = RunTail(run_dir, spec.trainers.count)
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "
           f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
@@ -334,24 +334,11 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     return 0
 
 
-def _iterations(job: Job) -> int:
-    from common.data.dataset import open_dataset
-
-    train = job.spec.train
-    total = open_dataset(job.data).num_batches(train.batch_size, train.epochs)
-    return min(total, train.max_iterations) if train.max_iterations else total
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _died(role: Role) -> bool:
-    """Exited, and not as a trainer that finished (services run until stopped)."""
+    """Exited with an error or a signal: a role that exits 0 finished its part (the PS
+    shards and the oracle stop by themselves once the run is done)."""
     code = role.process.poll()
-    return code is not None and not (code == 0 and role.name.startswith("trainer-"))
+    return code is not None and code != 0
 
 
 def _exit_text(role: Role) -> str:

@@ -13,8 +13,10 @@ from common.checkpoints import latest_complete
 from common.data.dataset import open_dataset
 from common.errors import ConfigError
 from common.job import Job
-from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
+from common.runtime import connection_limits, first_of, make_server, wait_for_stop_signal, write_ready_file
+from common.spec import Endpoint
 from oracle.config import PlannerConfig, capacity_bound, check_batch_size, hottest_keys, required_capacity
+from oracle.coordinator import Coordinator
 from oracle.service import OracleService, Workload
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,9 @@ def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
 async def run_oracle(
     job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None
 ) -> None:
-    """Plan and serve the directive streams until SIGTERM; with `resume`, from the iteration
-    after the latest complete checkpoint.
+    """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator`),
+    until every trainer has finished (then it exits by itself, so a batch job completes) or
+    SIGTERM; with `resume`, from the iteration after the latest complete checkpoint.
 
     An oracle restarted alone is given `first_iteration`, where the running trainers started:
     the plan is a pure function of the data from there, so replanning from it gives the
@@ -95,8 +98,11 @@ async def run_oracle(
     config = planner_config(job, workload)
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
     address = spec.oracle.address
+    coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host))
+    router = service.router()
+    coordinator.add_routes(router)
     server = make_server(
-        spec.cluster.transport, service.router(), host=address.host, port=address.port,
+        spec.cluster.transport, router, host=address.host, port=address.port,
         token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=connection_limits(spec.cluster),
     )
     await server.start()
@@ -108,11 +114,21 @@ async def run_oracle(
                                   "iterations": workload.num_iterations})
     try:
         assert service.failed is not None
-        stop = asyncio.ensure_future(wait_for_stop_signal())
-        done, _ = await asyncio.wait({stop, service.failed}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if service.failed in done:
+        await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait())
+        if service.failed.done():
             raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
+        if coordinator.finished.is_set():
+            log.info("every trainer has finished: the oracle exits")
     finally:
         service.stop()
         await server.stop()
+
+
+def trainer_store(host: str) -> tuple[object, Endpoint]:
+    """A store where the trainers' process group meets (`trainer.collectives.Rendezvous`), on
+    a free port of the oracle's host: the store (keep it alive) and its address. torch is
+    imported only here, when a trainer joins through the coordinator."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    return store, Endpoint(host=host, port=store.port)

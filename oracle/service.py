@@ -169,8 +169,8 @@ class OracleService:
 
     async def stream(self, request: Request) -> StreamResponse:
         assert self.buffer is not None
-        trainer = _int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        start = _int_param(request, "start", self.workload.start, self.workload.num_iterations)
+        trainer = int_param(request, "trainer", 0, self.config.num_trainers - 1)
+        start = int_param(request, "start", self.workload.start, self.workload.num_iterations)
         self.buffer.check_resumable(start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
@@ -212,7 +212,7 @@ def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None
         future.set_result(exc)
 
 
-def _int_param(request: Request, name: str, low: int, high: int) -> int:
+def int_param(request: Request, name: str, low: int, high: int) -> int:
     """A required integer query parameter in low..high; BadRequest (400) naming it otherwise."""
     raw = request.query.get(name)
     if raw is None:

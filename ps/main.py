@@ -6,10 +6,11 @@ import logging
 from pathlib import Path
 
 from common.checkpoints import latest_complete, ps_dir
-from common.data.dataset import open_dataset
 from common.errors import ConfigError, Conflict
+from common.coordinator import CoordinatorClient, free_port, serve_address
 from common.job import Job
-from common.runtime import connection_limits, make_server, wait_for_stop_signal, write_ready_file
+from common.spec import Endpoint
+from common.runtime import configure_logging, connection_limits, first_of, make_server, wait_for_stop_signal, write_ready_file
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -28,16 +29,8 @@ def shard_config(job: Job, index: int) -> ShardConfig:
         state_init=job.state_init,
         seed=spec.seed,
         checkpoint_every=spec.checkpoint.every,
-        version_limit=run_iterations(job),
+        version_limit=job.iterations,
     )
-
-
-def run_iterations(job: Job) -> int:
-    """The run's length N: write-backs carry iterations below N and the final snapshot is
-    checkpoint N (`trainer.main`), so no request of this run names a larger version."""
-    train = job.spec.train
-    total = open_dataset(job.data).num_batches(train.batch_size, train.epochs)
-    return min(total, train.max_iterations) if train.max_iterations else total
 
 
 def build_service(job: Job, index: int) -> PsService:
@@ -60,8 +53,12 @@ async def run_ps(
     rejoin: bool = False,
     fresh: bool = False,
     admin_port: int | None = None,
+    address: Endpoint | None = None,
+    coordinator: CoordinatorClient | None = None,
 ) -> None:
-    """Serve shard `index` until SIGTERM/SIGINT.
+    """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
+    is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
+    `coordinator` is unreachable for `cluster.reconnect_s`.
 
     With `resume`, it starts from the latest complete checkpoint of the cluster, like every
     other role, and deletes its snapshots newer than that (an abandoned run's). With
@@ -88,7 +85,7 @@ async def run_ps(
         _restore(service, start)
     else:
         start_fresh(service, index, delete=fresh)
-    address = spec.ps.addresses[index]
+    address = address or spec.ps.addresses[index]
     limits = connection_limits(spec.cluster)
     servers = [
         make_server(
@@ -119,10 +116,31 @@ async def run_ps(
              info["http1_port"], service.store.num_rows, job.dim)
     write_ready_file(ready_file, info)
     try:
-        await wait_for_stop_signal()
+        ends = [wait_for_stop_signal(), service.finished.wait()]
+        if coordinator is not None:
+            ends.append(coordinator.watch(spec.cluster.reconnect_s))
+        await first_of(*ends)
+        if service.finished.is_set():
+            log.info("the run's final snapshot is saved: PS shard %d exits", index)
     finally:
         for server in servers:
             await server.stop()
+
+
+async def join_and_run_ps(
+    coordinator: CoordinatorClient, *, token: str, index: int | None, bind: Endpoint | None,
+    ready_file: Path | None, resume: bool = False, rejoin: bool = False, fresh: bool = False,
+    admin_port: int | None = None,
+) -> None:
+    """A shard that knows only the coordinator: bind, register, learn the job, serve."""
+    address = await serve_address(bind, coordinator.endpoint)
+    if address.port == 0:  # the coordinator must know the port before the job says how to serve
+        address = Endpoint(host=address.host, port=free_port(address.host))
+    joined = await coordinator.join("ps", index, address)
+    configure_logging(f"ps[{joined.index}]")
+    job = joined.job(coordinator.endpoint)
+    await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
+                 fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator)
 
 
 def start_fresh(service: PsService, index: int, *, delete: bool) -> None:

@@ -79,6 +79,7 @@ class PsService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.incarnation = secrets.token_hex(8)
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
+        self.finished = asyncio.Event()  # set once the run's final snapshot is saved
 
     def router(self) -> Router:
         typed: dict[Route, TypedHandler] = {
@@ -155,7 +156,11 @@ class PsService:
         return await asyncio.shield(done)
 
     async def snapshot(self, message: SnapshotRequest, request: Request) -> CheckpointSaved:
-        return await self._take_checkpoint(self.store.check_version(message.checkpoint, "checkpoint"))
+        checkpoint = self.store.check_version(message.checkpoint, "checkpoint")
+        saved = await self._take_checkpoint(checkpoint)
+        if checkpoint == self.store.config.version_limit:
+            self.finished.set()  # the run's final snapshot: this shard's work is done
+        return saved
 
     def _finish_checkpoint(self, checkpoint_id: int, done: asyncio.Future[CheckpointSaved]) -> None:
         async def take() -> None:

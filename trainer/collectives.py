@@ -6,6 +6,11 @@ trainer every collective is the identity, so T = 1 runs the same code.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,7 +19,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from common.coordinator import address_towards
 from common.spec import Endpoint
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 class Work(Protocol):
@@ -84,18 +93,72 @@ def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Where the trainers' group meets: a TCPStore at `store` that another process hosts
+    (the coordinator), keys under `prefix` (a restart's fresh group); or, with `hosted`,
+    the store is started by rank 0 at `store` (`tcp://`); `torchrun` reads torchrun's
+    MASTER_ADDR/MASTER_PORT instead."""
+
+    store: Endpoint
+    prefix: str = ""
+    hosted: bool = False
+    torchrun: bool = False
+
+
 def init_collectives(
-    backend: str, rendezvous: Endpoint, rank: int, world_size: int, timeout_s: float
+    backend: str, rendezvous: Rendezvous, rank: int, world_size: int, timeout_s: float
 ) -> Collectives:
-    """Join the trainers' process group (TCP rendezvous at `rendezvous`)."""
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    """Join the trainers' process group, its gloo sockets on the interface that reaches the
+    peers (`gloo_interface`)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        gloo_interface(rendezvous.store.host)
+    if rendezvous.torchrun:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timeout)
+    elif rendezvous.hosted:
+        dist.init_process_group(backend=backend, init_method=f"tcp://{rendezvous.store}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    else:
+        store = dist.TCPStore(rendezvous.store.host, rendezvous.store.port, world_size, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(rendezvous.prefix, store), rank=rank,
+                                world_size=world_size, timeout=timeout)
     return Collectives(world_size=world_size, rank=rank, group=dist.group.WORLD)
+
+
+def gloo_interface(peer_host: str) -> str | None:
+    """Point gloo at the network interface on the route to `peer_host`, unless
+    $GLOO_SOCKET_IFNAME already names one (the explicit override); the interface, or None
+    for loopback peers.
+
+    Left alone, gloo binds the address the hostname resolves to, often 127.0.0.1, and
+    trainers on other hosts are then refused ("Gloo connectFullMesh failed").
+    """
+    if os.environ.get(GLOO_IFNAME):
+        return os.environ[GLOO_IFNAME]
+    address = address_towards(peer_host)
+    if ipaddress.ip_address(address).is_loopback:
+        return None
+    name = interface_of(address)
+    if name is not None:
+        os.environ[GLOO_IFNAME] = name
+    return name
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local IPv4 interface holding `address`, if any."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+            except OSError:  # down, or no IPv4 address
+                continue
+        if socket.inet_ntoa(answer[20:24]) == address:
+            return name
+    return None
 
 
 def close_collectives() -> None:

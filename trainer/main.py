@@ -6,8 +6,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -19,22 +21,25 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from common.checkpoints import dense_path, latest_complete, prune, write_manifest
-from common.data.dataset import open_dataset
-from common.errors import BagpipeError
+from common.coordinator import CoordinatorClient, Joined, address_towards
+from common.errors import BagpipeError, ConfigError
 from common.files import write_atomically
 from common.init import initial_rows
 from common.job import Job
+from common.runtime import configure_logging
 from common.spec import Endpoint
+from common.steps import EvalBatch
+from common.transport import run
 from ps.client import PsClient
 from trainer.cache import EmbeddingCache
-from trainer.collectives import Collectives, close_collectives, init_collectives
+from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
 from trainer.device import Device, select_device
 from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
 from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
-from trainer.remote import DirectiveStream, RemoteRows
+from trainer.remote import DirectiveStream, RemoteRows, eval_batches, report_finished
 from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -44,11 +49,12 @@ RESTART_WATCH_S = 0.5  # how often a trainer looks for a PS shard restarted alon
 
 @dataclass(frozen=True, kw_only=True)
 class Peers:
-    """Where this trainer's peers listen (resolved by the launcher for port-0 specs)."""
+    """Where this trainer's peers listen: from the coordinator, or from the spec and the
+    command line (resolved by the launcher for port-0 specs)."""
 
     oracle: Endpoint
     ps: tuple[Endpoint, ...]
-    rendezvous: Endpoint
+    rendezvous: Rendezvous
 
 
 class RecordWriter:
@@ -112,10 +118,14 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         stream.close()
         checkpoints.wait()
         comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
-        _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations)
+        held_out = eval_batches(io, peers.oracle, token=token, transport=spec.cluster.transport,
+                                trainer=rank, timeout_s=spec.cluster.request_timeout_s)
+        _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations, held_out)
         # Leave together: trainers that left while rank 0 still saved the final model aborted
         # in gloo at exit in 2 of 32 T = 4 runs (see also launch.py on how a trainer exits).
         comm.barrier()
+        report_finished(io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
+                        timeout_s=spec.cluster.request_timeout_s)
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
@@ -127,6 +137,41 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         io.close()
         records.close()
         close_collectives()
+
+
+def join_and_run_trainer(
+    coordinator: CoordinatorClient, *, token: str, index: int | None, run_dir: Path | None,
+    resume: bool = False, environ: Mapping[str, str] = os.environ,
+) -> None:
+    """A trainer that knows only the coordinator: register, learn the job and its peers,
+    train. Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) its rank is
+    torchrun's and the group meets at torchrun's store; else at the coordinator's."""
+    torchrun = all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if torchrun:
+        index = int(environ["RANK"])
+    host = address_towards(coordinator.endpoint.host)
+
+    async def join() -> Joined:
+        try:
+            return await coordinator.join("trainer", index, Endpoint(host=host, port=0))
+        finally:
+            await coordinator.close()
+
+    joined = run(join())
+    configure_logging(f"trainer[{joined.index}]")
+    job = joined.job(coordinator.endpoint)
+    if torchrun and int(environ["WORLD_SIZE"]) != job.spec.trainers.count:
+        raise ConfigError("WORLD_SIZE", f"is {environ['WORLD_SIZE']}, but the job has "
+                                        f"trainers.count = {job.spec.trainers.count}")
+    if torchrun:
+        store = Endpoint(host=environ["MASTER_ADDR"], port=int(environ["MASTER_PORT"]))
+        rendezvous = Rendezvous(store=store, torchrun=True)
+    else:
+        assert joined.store is not None
+        rendezvous = Rendezvous(store=joined.store, prefix=f"bagpipe/{joined.generation}/")
+    peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous)
+    run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
+                resume=resume)
 
 
 def seeded_model(job: Job, device: Device) -> torch.nn.Module:
@@ -310,9 +355,9 @@ def _record_eval(records: RecordWriter, comm: Collectives, acc: MetricAccumulato
 
 
 def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread, ps: PsClient | None,
-            records: RecordWriter, run_dir: Path, iterations: int) -> None:
+            records: RecordWriter, run_dir: Path, iterations: int, held_out: Iterable[EvalBatch]) -> None:
     """Held-out evaluation and the final model: dense state (rank 0) and the tables."""
-    _record_eval(records, comm, _held_out(job, rank, engine, io, ps), iterations, split="held-out")
+    _record_eval(records, comm, _predict(held_out, engine, io, ps), iterations, split="held-out")
     if rank == 0:
         final = run_dir / "final"
         final.mkdir(parents=True, exist_ok=True)
@@ -329,19 +374,16 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
     records.write({"kind": "final", "time": time.time(), "iterations": iterations})
 
 
-def _held_out(job: Job, rank: int, engine: Engine, io: IoThread, ps: PsClient | None) -> MetricAccumulator:
+def _predict(batches: Iterable[EvalBatch], engine: Engine, io: IoThread, ps: PsClient | None) -> MetricAccumulator:
     """Predictions on this trainer's share of the held-out rows, with the final parameters."""
-    dataset = open_dataset(job.data)
     acc = MetricAccumulator()
     model = engine.model.module
     model.eval()
     with torch.no_grad():
-        for i, batch in enumerate(dataset.eval_batches(job.spec.train.batch_size)):
-            if i % job.spec.trainers.count != rank:
-                continue
-            keys = job.layout.to_keys(batch.sparse)
-            emb = _rows_of(keys, engine, io, ps)
-            dense = torch.from_numpy(np.ascontiguousarray(batch.dense)).to(engine.device)
+        for batch in batches:
+            # Copies: a decoded message's arrays are read-only views of its bytes.
+            emb = _rows_of(batch.keys.copy(), engine, io, ps)
+            dense = torch.tensor(batch.dense, device=engine.device)
             logits = model(dense, emb)
             acc.add(batch.labels, torch.sigmoid(logits).cpu().numpy())
     model.train()

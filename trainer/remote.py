@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 from common.directive import Directive
 from common.errors import BagpipeError, Unavailable, WireError
 from common.spec import Endpoint, Transport
-from common.steps import Step, decode_batch, decode_end, kind_of
+from common.steps import EvalBatch, Step, decode_batch, decode_end, kind_of
 from common.transport import connect_client, read_messages
 from common.transport.retry import RetryBudget
 from ps.client import PsClient
@@ -154,3 +155,42 @@ class DirectiveStream:
 
     def _named(self, exc: BagpipeError) -> BagpipeError:
         return type(exc)(f"oracle at {self.endpoint}: {exc.message}", **exc.fields)
+
+
+def eval_batches(io: IoThread, endpoint: Endpoint, *, token: str, transport: Transport, trainer: int,
+                 timeout_s: float) -> Iterator[EvalBatch]:
+    """This trainer's share of the held-out rows from the oracle (``GET /v1/eval``), one batch
+    at a time: the trainer never reads the data, and holds one batch of it at a time."""
+    client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+    chunks = client.stream("GET", f"/v1/eval?trainer={trainer}", timeout=timeout_s)
+    messages = read_messages(chunks)
+    try:
+        while True:
+            try:
+                message = io.run(_next(messages))
+            except StopAsyncIteration:
+                raise Unavailable(f"held-out stream from the oracle at {endpoint} closed before its end") from None
+            if kind_of(message) == "end":
+                return
+            yield EvalBatch.decode(message)
+    finally:
+        io.run(messages.aclose())
+        io.run(client.close())
+
+
+async def _next(messages: AsyncIterator[bytes]) -> bytes:
+    return await anext(messages)
+
+
+def report_finished(io: IoThread, endpoint: Endpoint, *, token: str, transport: Transport, trainer: int,
+                    timeout_s: float) -> None:
+    """Tell the oracle this trainer is done (``POST /v1/finished``): once all are, it stops."""
+
+    async def call() -> None:
+        client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+        try:
+            await client.call("POST", "/v1/finished", body=orjson.dumps({"trainer": trainer}))
+        finally:
+            await client.close()
+
+    io.run(call())

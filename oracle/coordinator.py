@@ -1,0 +1,177 @@
+"""The oracle as the job's coordinator: roles register with it and learn the job from it.
+
+Routes (beside the directive streams of `oracle.service`):
+
+* ``POST /v1/register``: a PS shard or trainer joins (`common.coordinator`). Indices are
+  the caller's or the lowest free; a PS index registers again only from the address it had
+  (a shard restarted alone must come back where the trainers look for it); a trainer's
+  answer waits until every PS shard has registered.
+* ``GET /v1/eval?trainer=J``: trainer J's share of the held-out rows (every T-th batch from
+  the J-th), as framed `common.wire` messages and an end message: trainers never read the
+  data.
+* ``POST /v1/finished`` ``{"trainer": J}``: trainer J is done; once every trainer is, the
+  oracle stops by itself (`finished`), so a batch job completes.
+
+`Registry` is the sans-IO bookkeeping; `Coordinator` the routes around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import orjson
+
+from common.coordinator import REGISTER_HOLD_S, Joined, Registration, fingerprint
+from common.errors import BadRequest, Conflict, Unavailable
+from common.job import Job
+from common.spec import Endpoint
+from common.steps import EndOfStream, EvalBatch
+from common.transport import Request, Response, Router, StreamResponse, encode_message
+from oracle.service import int_param
+
+log = logging.getLogger(__name__)
+
+
+class Registry:
+    """Who has joined: PS shards by index with their addresses, trainers by index."""
+
+    def __init__(self, *, num_shards: int, num_trainers: int, fingerprint: str) -> None:
+        self.counts = {"ps": num_shards, "trainer": num_trainers}
+        self.fingerprint = fingerprint
+        self.ps: dict[int, Endpoint] = {}
+        self.joins: dict[tuple[str, int], int] = {}  # (role, index) → times joined
+
+    def register(self, reg: Registration) -> tuple[int, int]:
+        """(index, generation) of a registration; Conflict or BadRequest naming why not."""
+        index = self.check(reg)
+        if reg.role == "ps":
+            self.ps[index] = reg.address
+        generation = self.joins.get((reg.role, index), 0)
+        self.joins[(reg.role, index)] = generation + 1
+        return index, generation
+
+    def check(self, reg: Registration) -> int:
+        """The index `reg` would get; Conflict or BadRequest naming why it cannot join."""
+        if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
+            raise Conflict(
+                f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
+                f"{reg.fingerprint}, coordinator's {self.fingerprint}): it belongs to another job",
+                field="fingerprint",
+            )
+        count = self.counts[reg.role]
+        index = self._free_index(reg.role) if reg.index is None else reg.index
+        if not 0 <= index < count:
+            raise BadRequest(f"{reg.role} index {index} is outside 0..{count - 1}", field="index")
+        if reg.role == "ps":
+            had = self.ps.get(index)
+            if had is not None and had != reg.address:
+                raise Conflict(
+                    f"PS shard {index} is registered at {had}: a shard restarted alone must come "
+                    f"back there (--bind {had}), where the trainers look for it",
+                    field="address",
+                )
+        return index
+
+    def _free_index(self, role: str) -> int:
+        for index in range(self.counts[role]):
+            if (role, index) not in self.joins:
+                return index
+        raise Conflict(f"all {self.counts[role]} {role} indices have joined: give --index to restart one",
+                       field="index")
+
+    @property
+    def missing_ps(self) -> list[int]:
+        return [i for i in range(self.counts["ps"]) if i not in self.ps]
+
+    def ps_addresses(self) -> tuple[Endpoint, ...]:
+        return tuple(self.ps[i] for i in range(self.counts["ps"]))
+
+
+class Coordinator:
+    """The coordinator's routes for `job`; `start_store` starts the store where the trainers'
+    group meets (once, when the first trainer joins): the store and its address."""
+
+    def __init__(self, job: Job, *, start_store: Callable[[], tuple[object, Endpoint]]) -> None:
+        spec = job.spec
+        self.job = job
+        self._start_store = start_store
+        self._store: tuple[object, Endpoint] | None = None
+        self._store_lock = asyncio.Lock()
+        self.registry = Registry(num_shards=spec.ps.num_shards, num_trainers=spec.trainers.count,
+                                 fingerprint=fingerprint(spec.document))
+        self._ps_ready = asyncio.Event()
+        self._finished: set[int] = set()
+        self.finished = asyncio.Event()  # every trainer has said it is done
+
+    def add_routes(self, router: Router) -> None:
+        router.add("POST", "/v1/register", self.register)
+        router.add("GET", "/v1/eval", self.eval)
+        router.add("POST", "/v1/finished", self.trainer_finished)
+
+    async def register(self, request: Request) -> Response:
+        reg = Registration.from_json(request.body)
+        ps: tuple[Endpoint, ...] = ()
+        store = None
+        if reg.role == "trainer":  # answered once it can train; registered only then
+            self.registry.check(reg)
+            ps = await self._wait_for_ps()
+            store = await self._trainer_store()
+        index, generation = self.registry.register(reg)
+        log.info("%s %d joined from %s%s", reg.role, index, reg.address,
+                 f" (again: {generation} time(s) before)" if generation else "")
+        if not self.registry.missing_ps:
+            self._ps_ready.set()
+        joined = Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
+                        store=store, generation=generation)
+        return Response(body=joined.to_json(), content_type="application/json")
+
+    async def _wait_for_ps(self) -> tuple[Endpoint, ...]:
+        if self.job.spec.oracle.mode == "local":
+            return ()
+        try:
+            await asyncio.wait_for(self._ps_ready.wait(), REGISTER_HOLD_S)
+        except TimeoutError:
+            raise Unavailable(f"waiting for PS shards {self.registry.missing_ps} to register") from None
+        return self.registry.ps_addresses()
+
+    async def _trainer_store(self) -> Endpoint:
+        async with self._store_lock:
+            if self._store is None:
+                self._store = await asyncio.to_thread(self._start_store)
+        return self._store[1]
+
+    async def eval(self, request: Request) -> StreamResponse:
+        trainers = self.job.spec.trainers.count
+        trainer = int_param(request, "trainer", 0, trainers - 1)
+        return StreamResponse(chunks=self._eval_chunks(trainer, trainers))
+
+    async def _eval_chunks(self, trainer: int, trainers: int) -> AsyncIterator[bytes]:
+        from common.data import open_dataset
+
+        job = self.job
+        batches = open_dataset(job.data).eval_batches(job.spec.train.batch_size)
+        count = 0
+        for i, batch in enumerate(batches):
+            if i % trainers != trainer:
+                continue
+            keys = job.layout.to_keys(batch.sparse)
+            yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).encode())
+            count += 1
+        yield encode_message(EndOfStream(iterations=count).encode())
+
+    async def trainer_finished(self, request: Request) -> Response:
+        try:
+            raw = orjson.loads(request.body)
+            trainer = raw["trainer"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise BadRequest('expected {"trainer": J}', field="trainer") from None
+        trainers = self.job.spec.trainers.count
+        if type(trainer) is not int or not 0 <= trainer < trainers:
+            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer!r}", field="trainer")
+        self._finished.add(trainer)
+        log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
+        if len(self._finished) == trainers:
+            self.finished.set()
+        return Response.json({"finished": len(self._finished)})

@@ -1,0 +1,140 @@
+"""Roles that know only the coordinator's address (`launch.py --role ps|trainer
+--coordinator HOST:PORT`), as real processes on loopback.
+
+The data lives beside the spec, in the oracle's folder; every other role runs in a folder of
+its own, where the spec's relative data path leads nowhere: a role that opened the data
+would fail. The run must end bit-identical to the local launcher's run of the same spec,
+the PS shards and the oracle must exit by themselves, a role of another job must be refused,
+and a PS whose coordinator is gone must exit naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from common.job import build_job
+from common.spec import load_spec
+from tests.cluster_helpers import TOKEN, differing_elements, final_model, run_spec, write_spec
+from tests.test_launch import LAUNCH, wait_for
+
+pytestmark = pytest.mark.slow
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
+ROWS = 2000
+OVERRIDES = {
+    "oracle": {"mode": "bagpipe", "lookahead": 6, "prefetch_lead": 2, "cache_rows": 2000},
+    "model": {"name": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+    "train": {"batch_size": 64, "epochs": 1, "max_iterations": 20},
+    "cluster": {"reconnect_s": 3},
+}
+
+
+@pytest.fixture
+def oracle_host(tmp_path: Path) -> Path:
+    """The oracle's folder: the spec, and beside it the only copy of the data."""
+    folder = tmp_path / "oracle-host"
+    folder.mkdir()
+    with DATA.open() as src, (folder / "clicks.tsv").open("w") as dst:
+        dst.writelines(itertools.islice(src, ROWS))
+    return folder
+
+
+class Roles:
+    """Role processes of one test, each in its own folder ("host"), killed at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str, cwd: Path | None = None, token: str = TOKEN) -> subprocess.Popen:
+        host = cwd or self.tmp_path / name
+        host.mkdir(exist_ok=True)
+        log = (self.tmp_path / f"{name}.log").open("wb")
+        process = subprocess.Popen(
+            [sys.executable, str(LAUNCH), *args], cwd=host, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, "BAGPIPE_TOKEN": token},
+        )
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def oracle(self, spec: Path) -> str:
+        ready = self.tmp_path / "oracle.ready"
+        process = self.start("oracle", str(spec), "--role", "oracle", "--ready-file", str(ready),
+                             cwd=spec.parent)
+        wait_for(lambda: ready.exists() or process.poll() is not None, 120, "the oracle's ready file")
+        assert process.poll() is None, self.log("oracle")
+        return f"127.0.0.1:{orjson.loads(ready.read_bytes())['port']}"
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def roles(tmp_path: Path) -> Iterator[Roles]:
+    started = Roles(tmp_path)
+    yield started
+    started.kill_all()
+
+
+def test_roles_that_know_only_the_coordinator_train_the_same_model(
+    oracle_host: Path, roles: Roles, tmp_path: Path
+) -> None:
+    data = {"format": "criteo", "path": "clicks.tsv", "eval_fraction": 0.1}
+    spec = write_spec(oracle_host, "joined", OVERRIDES, data=data)
+    job, _ = run_spec(spec, tmp_path / "launched")
+    want = final_model(job, tmp_path / "launched")
+    shutil.rmtree(job.spec.checkpoint.dir)
+
+    coordinator = roles.oracle(spec)
+    ps = [roles.start(f"ps-{i}", "--role", "ps", "--coordinator", coordinator) for i in range(2)]
+    run_dir = tmp_path / "joined-run"
+    trainers = [roles.start(f"trainer-{j}", "--role", "trainer", "--coordinator", coordinator,
+                            "--run-dir", str(run_dir)) for j in range(2)]
+    for name, process in [*((f"trainer-{j}", p) for j, p in enumerate(trainers)),
+                          *((f"ps-{i}", p) for i, p in enumerate(ps)), ("oracle", roles.processes[0])]:
+        assert process.wait(timeout=180) == 0, roles.log(name)  # every role ends by itself
+    assert "every trainer has finished: the oracle exits" in roles.log("oracle")
+    assert not list((tmp_path / "ps-0").rglob("*.tsv*")), "a PS host holds data"
+    assert differing_elements(final_model(job, run_dir), want) == {}
+
+
+def test_a_role_of_another_job_is_refused(oracle_host: Path, roles: Roles, tmp_path: Path) -> None:
+    spec = write_spec(oracle_host, "mine", OVERRIDES)
+    coordinator = roles.oracle(spec)
+    stranger = roles.start("stranger", "--role", "ps", "--coordinator", coordinator, token="another-runs-token")
+    assert stranger.wait(timeout=60) != 0
+    assert f"the coordinator at {coordinator} refused this role's token" in roles.log("stranger"), roles.log("stranger")
+
+    other = write_spec(tmp_path, "theirs", {**OVERRIDES, "train": {"batch_size": 32}})
+    misfit = roles.start("misfit", str(other), "--role", "ps", "--coordinator", coordinator)
+    assert misfit.wait(timeout=60) != 0
+    assert "belongs to another job" in roles.log("misfit"), roles.log("misfit")
+    assert "Traceback" not in roles.log("misfit"), roles.log("misfit")
+
+
+def test_a_ps_whose_coordinator_is_gone_exits_naming_it(oracle_host: Path, roles: Roles) -> None:
+    spec = write_spec(oracle_host, "orphan", OVERRIDES)
+    job = build_job(load_spec(spec))
+    coordinator = roles.oracle(spec)
+    ready = roles.tmp_path / "ps.ready"
+    shard = roles.start("ps-0", "--role", "ps", "--coordinator", coordinator, "--ready-file", str(ready))
+    wait_for(lambda: ready.exists() or shard.poll() is not None, 60, "the PS ready file")
+    roles.processes[0].send_signal(signal.SIGKILL)
+    assert shard.wait(timeout=job.spec.cluster.reconnect_s + 30) != 0
+    log = roles.log("ps-0")
+    assert f"the coordinator at {coordinator} has been unreachable for 3 s" in log, log
