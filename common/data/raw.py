@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -143,7 +143,8 @@ class RawFormat:
     name: str
     columns: tuple[str, ...]
     delimiter: str
-    header: bool
+    header: bool  # files normally start with a header line (one may be missing: see RawReader)
+    label: str  # the label column, which tells a data line from a header
     num_dense: int
     tables: tuple[str, ...]
     direct_tables: tuple[int, ...]  # tables whose value ids are small integers (hash mode)
@@ -151,11 +152,11 @@ class RawFormat:
 
 
 CRITEO = RawFormat(
-    name="criteo", columns=CRITEO_COLUMNS, delimiter="\t", header=False, num_dense=13,
+    name="criteo", columns=CRITEO_COLUMNS, delimiter="\t", header=False, label="label", num_dense=13,
     tables=CRITEO_COLUMNS[14:], direct_tables=(), parse=_parse_criteo,
 )  # fmt: skip
 AVAZU = RawFormat(
-    name="avazu", columns=AVAZU_COLUMNS, delimiter=",", header=True, num_dense=0,
+    name="avazu", columns=AVAZU_COLUMNS, delimiter=",", header=True, label="click", num_dense=0,
     tables=AVAZU_TABLES, direct_tables=(0, 1), parse=_parse_avazu,
 )  # fmt: skip
 
@@ -224,12 +225,13 @@ class RawReader:
 
     def _file_chunks(self, path: Path) -> Iterator[RawChunk]:
         rejected: list[str] = []
-        lines_done = 1 if self.fmt.header else 0  # lines before the current block, exact in fail mode
+        header = self._header_lines(path)
+        lines_done = header  # lines before the current block, exact in fail mode
         with path.open("rb") as f:
             source: pcsv.CSVStreamingReader | None = None
             while True:
                 try:  # opening parses the first block, so it can fail like any read
-                    source = source or self._open(path, f, rejected)
+                    source = source or self._open(path, f, rejected, header)
                     batch = source.read_next_batch()
                 except StopIteration:
                     return
@@ -240,12 +242,10 @@ class RawReader:
                 self.rows += len(chunk.labels)
                 yield chunk
 
-    def _open(self, path: Path, f: BinaryIO, rejected: list[str]) -> pcsv.CSVStreamingReader:
+    def _open(self, path: Path, f: BinaryIO, rejected: list[str], header: int) -> pcsv.CSVStreamingReader:
         stream: object = io.BufferedReader(_Tap(f, self._digest, self._on_bytes), 1 << 20)
         if path.suffix == ".gz":
             stream = gzip.GzipFile(fileobj=stream)  # type: ignore[arg-type]
-        if self.fmt.header:
-            self._check_header(path, stream)  # type: ignore[arg-type]
 
         def on_invalid(row: pcsv.InvalidRow) -> str:
             rejected.append(row.text)
@@ -257,7 +257,7 @@ class RawReader:
         names = list(self.fmt.columns)
         return pcsv.open_csv(
             stream,
-            read_options=pcsv.ReadOptions(column_names=names, block_size=BLOCK_BYTES),
+            read_options=pcsv.ReadOptions(column_names=names, block_size=BLOCK_BYTES, skip_rows=header),
             parse_options=pcsv.ParseOptions(
                 delimiter=self.fmt.delimiter, quote_char=False, ignore_empty_lines=False,
                 invalid_row_handler=on_invalid,
@@ -268,10 +268,26 @@ class RawReader:
             ),
         )  # fmt: skip
 
-    def _check_header(self, path: Path, stream: BinaryIO) -> None:
-        header = stream.readline().decode("utf-8", "replace").rstrip("\r\n")
-        if header.split(self.fmt.delimiter) != list(self.fmt.columns):
-            raise MalformedData(path, 1, f"header is not the {self.fmt.name} header: {header[:200]!r}")
+    def _header_lines(self, path: Path) -> int:
+        """Header lines to skip: 1 when the file starts with the format's header, 0 when a
+        header-format file starts with a data line instead (split files made from Avazu's
+        train.csv often have none). Anything else is refused, saying what line 1 holds."""
+        if not self.fmt.header:
+            return 0
+        with _open_text(path) as f:
+            first = f.readline().rstrip("\r\n")
+        fields = first.split(self.fmt.delimiter)
+        if fields == list(self.fmt.columns):
+            return 1
+        label = self.fmt.columns.index(self.fmt.label)
+        if len(fields) == len(self.fmt.columns) and fields[label] in ("0", "1"):
+            log.warning("%s has no header line: read as headerless (line 1 is data)", path)
+            return 0
+        if fields == [c for c in self.fmt.columns if c != self.fmt.label]:
+            why = f"this is the header of an unlabelled test file (no {self.fmt.label} column): nothing to train on"
+        else:
+            why = f"header is not the {self.fmt.name} header, nor is line 1 a data line"
+        raise MalformedData(path, 1, f"{why}: {first[:200]!r}")
 
     def _validate(self, path: Path, batch: pa.RecordBatch, lines_done: int) -> RawChunk:
         parsed = self.fmt.parse(batch)
@@ -301,14 +317,15 @@ class RawReader:
         return MalformedData(path, line, f"expected {want} fields, got {got}: {rejected[0][:120]!r}")
 
 
+def _open_text(path: Path) -> TextIO:
+    opener = gzip.open if path.suffix == ".gz" else open
+    return opener(path, "rt", encoding="utf-8", errors="replace", newline="")  # type: ignore[operator, no-any-return]
+
+
 def _find_line(path: Path, after: int, text: str) -> int | None:
     """1-based number of the first line after line `after` equal to `text` (error path only)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:  # type: ignore[operator]
+    with _open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if number > after and line.rstrip("\r\n") == text:
                 return number
     return None
-
-
-
