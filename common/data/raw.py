@@ -16,7 +16,6 @@ import gzip
 import hashlib
 import io
 import logging
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,34 +26,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
-from common.data.hashing import MISSING, hash_strings, parse_hex8
+from common.data.chunks import Check, MalformedData, RawChunk, Reader, natural_order
+from common.data.hashing import hash_strings, parse_hex8
 from common.data.spec import DataSpec
-from common.errors import BagpipeError, ConfigError
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 BLOCK_BYTES = 8 << 20
 _INT_RE = r"^-?[0-9]{1,18}$"
 _HOUR_RE = r"^[0-9]{8}$"
-
-
-class MalformedData(BagpipeError):
-    """A raw data line that cannot be parsed; names the file and 1-based line number."""
-
-    code = "bad_data"
-
-    def __init__(self, path: Path, line: int | None, message: str) -> None:
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {message}", file=str(path), line=line)
-        self.path, self.line = path, line
-
-
-@dataclass(frozen=True, kw_only=True)
-class RawChunk:
-    """Parsed rows of one block: labels float32 [n], dense float32 [n, D], ids uint64 [n, F]."""
-
-    labels: np.ndarray
-    dense: np.ndarray
-    ids: np.ndarray
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,7 +155,7 @@ def source_files(path: Path) -> list[Path]:
     files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
     if not files:
         raise ConfigError("data.path", f"{path} holds no data files")
-    return sorted(files, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    return natural_order(files)
 
 
 class _Tap(io.RawIOBase):
@@ -196,26 +176,16 @@ class _Tap(io.RawIOBase):
         return n or 0
 
 
-class RawReader:
-    """Streams `RawChunk`s from the files of a raw spec, in file order.
-
-    After a full pass, `checksum` is the blake2b of every source byte (for the manifest),
-    `rows` the rows delivered and `skipped` the malformed lines dropped (skip mode only).
-    """
+class RawReader(Reader):
+    """Streams `RawChunk`s from the files of a raw spec, in file order (a `Reader`)."""
 
     def __init__(self, spec: DataSpec, *, on_bytes: Callable[[int], None] = lambda n: None) -> None:
         if not spec.is_raw or spec.path is None:
             raise ConfigError("data.format", f"{spec.format!r} is not a raw format")
+        super().__init__(on_error=spec.on_error, on_bytes=on_bytes)
         self.spec, self.fmt = spec, raw_format(spec)
         self.files = source_files(Path(spec.path))
-        self._on_bytes = on_bytes
-        self._digest = hashlib.blake2b(digest_size=16)
-        self.rows = 0
-        self.skipped = 0
-
-    @property
-    def checksum(self) -> str:
-        return self._digest.hexdigest()
+        self.num_dense, self.tables, self.direct_tables = self.fmt.num_dense, self.fmt.tables, self.fmt.direct_tables
 
     def chunks(self) -> Iterator[RawChunk]:
         for path in self.files:
@@ -239,11 +209,10 @@ class RawReader:
                     raise self._field_count_error(path, lines_done, rejected, exc) from None
                 chunk = self._validate(path, batch, lines_done)
                 lines_done += batch.num_rows
-                self.rows += len(chunk.labels)
                 yield chunk
 
     def _open(self, path: Path, f: BinaryIO, rejected: list[str], header: int) -> pcsv.CSVStreamingReader:
-        stream: object = io.BufferedReader(_Tap(f, self._digest, self._on_bytes), 1 << 20)
+        stream: object = io.BufferedReader(_Tap(f, self.digest, self.on_bytes), 1 << 20)
         if path.suffix == ".gz":
             stream = gzip.GzipFile(fileobj=stream)  # type: ignore[arg-type]
 
@@ -291,20 +260,8 @@ class RawReader:
 
     def _validate(self, path: Path, batch: pa.RecordBatch, lines_done: int) -> RawChunk:
         parsed = self.fmt.parse(batch)
-        bad = np.zeros(batch.num_rows, dtype=bool)
-        for _, mask in parsed.bad:
-            bad |= mask
-        if not bad.any():
-            return parsed.chunk
-        if self.spec.on_error == "fail":
-            row = int(np.argmax(bad))
-            column = next(name for name, mask in parsed.bad if mask[row])
-            value = batch.column(batch.schema.get_field_index(column))[row].as_py()
-            raise MalformedData(path, lines_done + row + 1, f"bad {column} value {value!r}")
-        self.skipped += int(bad.sum())
-        keep = ~bad
-        c = parsed.chunk
-        return RawChunk(labels=c.labels[keep], dense=c.dense[keep], ids=c.ids[keep])
+        checks = [Check(column=name, mask=mask, values=batch.column(name)) for name, mask in parsed.bad]
+        return self.keep(parsed.chunk, checks, lambda i, c: MalformedData(path, lines_done + i + 1, c.describe(i)))
 
     def _field_count_error(
         self, path: Path, lines_done: int, rejected: list[str], exc: Exception
