@@ -28,7 +28,7 @@ import pyarrow.csv as pcsv
 
 from common.data.chunks import Check, MalformedData, RawChunk, Reader, natural_order
 from common.data.hashing import hash_strings, parse_hex8
-from common.data.spec import DataSpec
+from common.data.spec import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, DataSpec
 from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class _Parsed:
     bad: list[tuple[str, np.ndarray]]  # (column name, bad-row mask) per checked column
 
 
-CRITEO_COLUMNS = ("label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27)))
+CRITEO_COLUMNS = ("label", *CRITEO_DENSE_NAMES, *CRITEO_SPARSE_NAMES)
 AVAZU_COLUMNS = (
     "id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category",
     "app_id", "app_domain", "app_category", "device_id", "device_ip", "device_model",
