@@ -118,7 +118,7 @@ def parse_rows(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
     label, label_check = label_values("label", raw_labels, None, raw_labels)
     d = np.asarray(dense, dtype=np.float32)
     s = np.asarray(sparse)
-    ids, id_checks = id_values(CRITEO_SPARSE_NAMES, s.astype(np.int64), s == 0, s.T, sizes)
+    ids, id_checks = id_values(CRITEO_SPARSE_NAMES, s.astype(np.int64, copy=False), s == 0, s.T, sizes)
     checks = [label_check, *column_checks(CRITEO_DENSE_NAMES, ~np.isfinite(d), d.T, "must be finite"), *id_checks]
     return RawChunk(labels=label, dense=d, ids=ids), checks
 

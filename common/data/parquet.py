@@ -79,9 +79,10 @@ def check_schema(path: Path, spec: DataSpec) -> None:
 
 def _filled(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     """(values with nulls as 0, null mask or None when there are none)."""
-    missing = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
+    if not col.null_count:
+        return col.to_numpy(zero_copy_only=False), None
     zero = pa.scalar(0, pa.int8()).cast(col.type)  # a plain 0 does not convert to a boolean column
-    return pc.fill_null(col, zero).to_numpy(zero_copy_only=False), missing
+    return pc.fill_null(col, zero).to_numpy(zero_copy_only=False), col.is_null().to_numpy(zero_copy_only=False)
 
 
 class ParquetReader(Reader):
@@ -121,9 +122,13 @@ class ParquetReader(Reader):
         labels, label_check = label_values(spec.label_column, values, missing, label_col)
         dense, dense_checks = self._dense([batch.column(n) for n in spec.dense_columns], batch.num_rows)
         id_cols = [batch.column(n) for n in spec.sparse_columns]
-        filled = [_filled(c) for c in id_cols]
-        ids = np.stack([v.astype(np.int64) for v, _ in filled], axis=1)
-        missing_ids = np.stack([m if m is not None else np.zeros(batch.num_rows, bool) for _, m in filled], axis=1)
+        ids = np.empty((batch.num_rows, len(id_cols)), dtype=np.int64)
+        missing_ids = np.zeros(ids.shape, dtype=bool)
+        for j, col in enumerate(id_cols):
+            values, absent = _filled(col)
+            ids[:, j] = values  # a uint64 id past 2**63 wraps negative here and is refused as such
+            if absent is not None:
+                missing_ids[:, j] = absent
         value_ids, id_checks = id_values(spec.sparse_columns, ids, missing_ids, id_cols, self._sizes)
         return RawChunk(labels=labels, dense=dense, ids=value_ids), [label_check, *dense_checks, *id_checks]
 
