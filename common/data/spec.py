@@ -20,8 +20,6 @@ FORMATS: tuple[str, ...] = (
 RAW_FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu")  # text click logs
 # Formats whose categorical values are integers that may already be rows (hashing = "none").
 ID_FORMATS: tuple[str, ...] = ("criteo-npy", "parquet")
-# Formats read by a reader and converted once into the preprocessed cache.
-SOURCE_FORMATS: tuple[str, ...] = RAW_FORMATS + ID_FORMATS
 Hashing = Literal["hash", "dictionary", "none"]
 OnError = Literal["fail", "skip"]
 DenseTransform = Literal["none", "log1p"]
@@ -162,11 +160,6 @@ class DataSpec:
     def is_raw(self) -> bool:
         """A text click log (criteo, criteo-terabyte, avazu)."""
         return self.format in RAW_FORMATS
-
-    @property
-    def is_source(self) -> bool:
-        """Read by a reader and converted once into the preprocessed cache."""
-        return self.format in SOURCE_FORMATS
 
 
 def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
