@@ -11,7 +11,7 @@ from common.data import npy
 from common.data.__main__ import main
 from common.data.chunks import MalformedData
 from common.data.convert import convert
-from common.data.dataset import open_dataset
+from common.data.dataset import cache_path, open_dataset
 from common.data.hashing import MISSING
 from common.data.npy import NpyDaysReader
 from common.data.raw import RawReader
@@ -168,3 +168,14 @@ def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     np.save(tmp_path / "days" / "day_0_labels.npy", np.full((30, 1), 3, np.int32))
     assert main([*args, str(tmp_path / "p")]) == 2
     assert "day_0_labels.npy: row 0: bad label value 3" in capsys.readouterr().err
+
+
+def test_cache_is_reused_then_refreshed(tmp_path: Path) -> None:
+    f = kaggle_fields(60)
+    torchrec_day(tmp_path / "days", 0, f.rows(0, 40))
+    spec = DataSpec(format="criteo-npy", path=str(tmp_path / "days"))
+    assert open_dataset(spec).num_rows == 40
+    stamp = (cache_path(spec) / "manifest.json").stat().st_mtime_ns
+    assert open_dataset(spec).num_rows == 40 and (cache_path(spec) / "manifest.json").stat().st_mtime_ns == stamp
+    torchrec_day(tmp_path / "days", 1, f.rows(40, 60))  # a day added: converted again
+    assert open_dataset(spec).num_rows == 60 and cache_path(spec).parent == tmp_path / "days.bagpipe"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.data import parquet
+from common.data.__main__ import main
 from common.data.chunks import MalformedData
 from common.data.convert import convert
 from common.data.dataset import open_dataset
@@ -118,3 +120,14 @@ def test_not_parquet_and_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "x.parquet").unlink()
     with pytest.raises(ConfigError, match="holds no .parquet files"):
         ParquetReader(DataSpec(format="parquet", path=str(tmp_path)))
+
+
+def test_cli_convert_with_column_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pq.write_table(small_table(), tmp_path / "t.parquet")
+    code = main(["convert", "--format", "parquet", "--path", str(tmp_path / "t.parquet"), "--label-column", "click",
+                 "--dense-columns", "price,age", "--sparse-columns", "user,item,shop", "--hashing", "none",
+                 "--table-sizes", "50,50,50", "--dense-transform", "log1p", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert code == 0 and "40 rows, 3 tables, 2 dense" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["config"]["sparse_columns"] == ["user", "item", "shop"]
+    assert manifest["config"]["dense_transform"] == "log1p" and len(manifest["source"]["blake2b"]) == 32
