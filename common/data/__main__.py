@@ -12,10 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.data.convert import convert
+from common.data.convert import convert, table_names
 from common.data.dataset import open_dataset
 from common.data.preprocessed import Manifest, Writer
-from common.data.raw import raw_format
 from common.data.spec import FORMATS, DataSpec, parse_data_spec
 from common.data.stats import format_table, plot_coverage, skew_stats, write_json
 from common.data.synthetic import CHUNK_ROWS, GENERATOR_VERSION, SyntheticGenerator
@@ -27,6 +26,8 @@ _KEYS = {
     "min_frequency": "min_frequency", "table_sizes": "table_sizes", "on_error": "on_error",
     "rows": "rows", "seed": "seed", "top1_share": "top1_share", "drift": "drift",
     "click_rate": "click_rate", "num_dense": "num_dense", "num_tables": "num_tables",
+    "sparse_path": "sparse_path", "label_column": "label_column", "dense_columns": "dense_columns",
+    "sparse_columns": "sparse_columns", "dense_transform": "dense_transform",
 }  # fmt: skip
 
 
@@ -34,14 +35,25 @@ def _sizes(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
 def _data_options(p: argparse.ArgumentParser, *, synthetic: bool) -> None:
     p.add_argument("--spec", type=Path, help="TOML file whose [data] section is the base; flags override it")
     if not synthetic:
         p.add_argument("--format", choices=FORMATS)
-        p.add_argument("--path", help="raw file or folder of files (or a preprocessed directory)")
-        p.add_argument("--hashing", choices=("hash", "dictionary"))
+        p.add_argument("--path", help="raw file or folder of files, folder of npy days, parquet file or folder "
+                       "(or a preprocessed directory)")
+        p.add_argument("--hashing", choices=("hash", "dictionary", "none"), help="none: integer ids are rows")
         p.add_argument("--min-frequency", type=int, help="dictionary: rarer values share row 1")
         p.add_argument("--on-error", choices=("fail", "skip"), help="malformed lines: stop (default) or skip")
+        p.add_argument("--sparse-path", help="criteo-npy: folder of the day_N_sparse*.npy files (default --path)")
+        p.add_argument("--label-column", help="parquet: the label column (label)")
+        p.add_argument("--dense-columns", type=_names, help="parquet: comma-separated dense columns (I1..I13)")
+        p.add_argument("--sparse-columns", type=_names, help="parquet: comma-separated id columns (C1..C26)")
+        p.add_argument("--dense-transform", choices=("none", "log1p"), help="parquet: dense values as they are "
+                       "(none) or raw counts (log1p)")
     p.add_argument("--table-sizes", type=_sizes, help="comma-separated rows per table")
     if synthetic:
         p.add_argument("--rows", type=int)
@@ -57,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m common.data", description="Bagpipe data tools.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="raw click logs → preprocessed directory")
+    c = sub.add_parser("convert", help="raw click logs, npy days or parquet → preprocessed directory")
     _data_options(c, synthetic=False)
     c.add_argument("--out", type=Path, required=True, help="preprocessed directory to write")
     s = sub.add_parser("stats", help="skew statistics of a data set (table, JSON, PNG)")
@@ -83,7 +95,7 @@ def spec_from_args(args: argparse.Namespace, *, synthetic: bool = False) -> Data
     for dest, key in _KEYS.items():
         value = getattr(args, dest, None)
         if value is not None and not (dest == "rows" and not synthetic):
-            section[key] = str(Path(value).resolve()) if dest in ("path", "cache_dir") else value
+            section[key] = str(Path(value).resolve()) if dest in ("path", "cache_dir", "sparse_path") else value
     if synthetic:
         section["format"] = "synthetic"
     return parse_data_spec(section, base_dir=base)
@@ -101,8 +113,7 @@ def _stats(args: argparse.Namespace) -> None:
     data = open_dataset(spec, progress=True)
     stop = min(args.rows or data.num_rows, data.num_rows)
     chunks = (data.rows(i, min(i + CHUNK_ROWS, stop)).sparse for i in range(0, stop, CHUNK_ROWS))
-    names = raw_format(spec).tables if spec.is_raw else None
-    report = skew_stats(chunks, data.table_sizes, args.batch_size, names)
+    report = skew_stats(chunks, data.table_sizes, args.batch_size, table_names(spec))
     print(format_table(report))
     if args.json:
         write_json(report, args.json)

@@ -2,11 +2,16 @@
 
 `open_dataset(spec)` gives the same interface for every format:
 
-* raw formats (criteo, criteo-terabyte, avazu) are converted once into the preprocessed
-  format, cached in ``<path>.bagpipe/<format>-<hashing>-<config hash>/`` (or under
-  `cache_dir` when the spec sets it; under ``~/.cache/bagpipe/data/`` when the source's
-  folder is read-only). The cache is reused while the conversion settings and the source
-  files' sizes and mtimes match, and rebuilt otherwise.
+* source formats (raw criteo, criteo-terabyte, avazu; TorchRec's criteo-npy days; parquet)
+  are converted once into the preprocessed format, cached in
+  ``<path>.bagpipe/<format>-<hashing>-<config hash>/`` (or under `cache_dir` when the spec
+  sets it; under ``~/.cache/bagpipe/data/`` when the source's folder is read-only). The
+  cache is reused while the conversion settings and the source files' sizes and mtimes
+  match, and rebuilt otherwise. npy days and parquet go through the same conversion as raw
+  logs, although both could be read in place: one checked pass at start-up finds a bad row
+  before training rather than at iteration 10^6, the same code maps ids to rows (hash,
+  dictionary, or as they are) for every format, and every role reads one layout (int32
+  rows, float32 labels) instead of converting each batch.
 * "preprocessed" opens a directory made by ``python -m common.data convert|synth``; a
   manifest that does not match the spec, or truncated arrays, are refused (ConfigError).
 * "synthetic" generates rows on the fly from the seed.

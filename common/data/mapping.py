@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from common.data.hashing import MISSING, direct_rows, hash_rows
-from common.data.raw import RawChunk
+from common.data.chunks import RawChunk
 
 MISSING_ROW = 0
 RARE_ROW = 1
@@ -83,6 +83,7 @@ class RowMapper:
     sizes: tuple[int, ...]
     direct_tables: tuple[int, ...] = ()
     vocabularies: tuple[Vocabulary, ...] | None = None  # None: hash mode
+    ids_are_rows: bool = False  # hashing = "none": the reader has checked ids against sizes
 
     @classmethod
     def for_dictionary(cls, vocabularies: list[Vocabulary], caps: tuple[int, ...]) -> RowMapper:
@@ -91,6 +92,8 @@ class RowMapper:
         return cls(sizes=sizes, vocabularies=tuple(vocabularies))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
+        if self.ids_are_rows:
+            return np.where(ids == MISSING, MISSING_ROW, ids).astype(np.int64)
         out = np.empty(ids.shape, dtype=np.int64)
         for t, size in enumerate(self.sizes):
             if self.vocabularies is not None:

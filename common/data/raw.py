@@ -16,45 +16,25 @@ import gzip
 import hashlib
 import io
 import logging
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
-from common.data.hashing import MISSING, hash_strings, parse_hex8
-from common.data.spec import DataSpec
-from common.errors import BagpipeError, ConfigError
+from common.data.chunks import Check, MalformedData, RawChunk, Reader, natural_order
+from common.data.hashing import hash_strings, parse_hex8
+from common.data.spec import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, DataSpec
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 BLOCK_BYTES = 8 << 20
 _INT_RE = r"^-?[0-9]{1,18}$"
 _HOUR_RE = r"^[0-9]{8}$"
-
-
-class MalformedData(BagpipeError):
-    """A raw data line that cannot be parsed; names the file and 1-based line number."""
-
-    code = "bad_data"
-
-    def __init__(self, path: Path, line: int | None, message: str) -> None:
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {message}", file=str(path), line=line)
-        self.path, self.line = path, line
-
-
-@dataclass(frozen=True, kw_only=True)
-class RawChunk:
-    """Parsed rows of one block: labels float32 [n], dense float32 [n, D], ids uint64 [n, F]."""
-
-    labels: np.ndarray
-    dense: np.ndarray
-    ids: np.ndarray
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +43,7 @@ class _Parsed:
     bad: list[tuple[str, np.ndarray]]  # (column name, bad-row mask) per checked column
 
 
-CRITEO_COLUMNS = ("label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27)))
+CRITEO_COLUMNS = ("label", *CRITEO_DENSE_NAMES, *CRITEO_SPARSE_NAMES)
 AVAZU_COLUMNS = (
     "id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category",
     "app_id", "app_domain", "app_category", "device_id", "device_ip", "device_model",
@@ -143,7 +123,8 @@ class RawFormat:
     name: str
     columns: tuple[str, ...]
     delimiter: str
-    header: bool
+    header: bool  # files normally start with a header line (one may be missing: see RawReader)
+    label: str  # the label column, which tells a data line from a header
     num_dense: int
     tables: tuple[str, ...]
     direct_tables: tuple[int, ...]  # tables whose value ids are small integers (hash mode)
@@ -151,11 +132,11 @@ class RawFormat:
 
 
 CRITEO = RawFormat(
-    name="criteo", columns=CRITEO_COLUMNS, delimiter="\t", header=False, num_dense=13,
+    name="criteo", columns=CRITEO_COLUMNS, delimiter="\t", header=False, label="label", num_dense=13,
     tables=CRITEO_COLUMNS[14:], direct_tables=(), parse=_parse_criteo,
 )  # fmt: skip
 AVAZU = RawFormat(
-    name="avazu", columns=AVAZU_COLUMNS, delimiter=",", header=True, num_dense=0,
+    name="avazu", columns=AVAZU_COLUMNS, delimiter=",", header=True, label="click", num_dense=0,
     tables=AVAZU_TABLES, direct_tables=(0, 1), parse=_parse_avazu,
 )  # fmt: skip
 
@@ -174,7 +155,7 @@ def source_files(path: Path) -> list[Path]:
     files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
     if not files:
         raise ConfigError("data.path", f"{path} holds no data files")
-    return sorted(files, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    return natural_order(files)
 
 
 class _Tap(io.RawIOBase):
@@ -195,26 +176,16 @@ class _Tap(io.RawIOBase):
         return n or 0
 
 
-class RawReader:
-    """Streams `RawChunk`s from the files of a raw spec, in file order.
-
-    After a full pass, `checksum` is the blake2b of every source byte (for the manifest),
-    `rows` the rows delivered and `skipped` the malformed lines dropped (skip mode only).
-    """
+class RawReader(Reader):
+    """Streams `RawChunk`s from the files of a raw spec, in file order (a `Reader`)."""
 
     def __init__(self, spec: DataSpec, *, on_bytes: Callable[[int], None] = lambda n: None) -> None:
         if not spec.is_raw or spec.path is None:
             raise ConfigError("data.format", f"{spec.format!r} is not a raw format")
+        super().__init__(on_error=spec.on_error, on_bytes=on_bytes)
         self.spec, self.fmt = spec, raw_format(spec)
         self.files = source_files(Path(spec.path))
-        self._on_bytes = on_bytes
-        self._digest = hashlib.blake2b(digest_size=16)
-        self.rows = 0
-        self.skipped = 0
-
-    @property
-    def checksum(self) -> str:
-        return self._digest.hexdigest()
+        self.num_dense, self.tables, self.direct_tables = self.fmt.num_dense, self.fmt.tables, self.fmt.direct_tables
 
     def chunks(self) -> Iterator[RawChunk]:
         for path in self.files:
@@ -224,12 +195,13 @@ class RawReader:
 
     def _file_chunks(self, path: Path) -> Iterator[RawChunk]:
         rejected: list[str] = []
-        lines_done = 1 if self.fmt.header else 0  # lines before the current block, exact in fail mode
+        header = self._header_lines(path)
+        lines_done = header  # lines before the current block, exact in fail mode
         with path.open("rb") as f:
             source: pcsv.CSVStreamingReader | None = None
             while True:
                 try:  # opening parses the first block, so it can fail like any read
-                    source = source or self._open(path, f, rejected)
+                    source = source or self._open(path, f, rejected, header)
                     batch = source.read_next_batch()
                 except StopIteration:
                     return
@@ -237,15 +209,12 @@ class RawReader:
                     raise self._field_count_error(path, lines_done, rejected, exc) from None
                 chunk = self._validate(path, batch, lines_done)
                 lines_done += batch.num_rows
-                self.rows += len(chunk.labels)
                 yield chunk
 
-    def _open(self, path: Path, f: BinaryIO, rejected: list[str]) -> pcsv.CSVStreamingReader:
-        stream: object = io.BufferedReader(_Tap(f, self._digest, self._on_bytes), 1 << 20)
+    def _open(self, path: Path, f: BinaryIO, rejected: list[str], header: int) -> pcsv.CSVStreamingReader:
+        stream: object = io.BufferedReader(_Tap(f, self.digest, self.on_bytes), 1 << 20)
         if path.suffix == ".gz":
             stream = gzip.GzipFile(fileobj=stream)  # type: ignore[arg-type]
-        if self.fmt.header:
-            self._check_header(path, stream)  # type: ignore[arg-type]
 
         def on_invalid(row: pcsv.InvalidRow) -> str:
             rejected.append(row.text)
@@ -257,7 +226,7 @@ class RawReader:
         names = list(self.fmt.columns)
         return pcsv.open_csv(
             stream,
-            read_options=pcsv.ReadOptions(column_names=names, block_size=BLOCK_BYTES),
+            read_options=pcsv.ReadOptions(column_names=names, block_size=BLOCK_BYTES, skip_rows=header),
             parse_options=pcsv.ParseOptions(
                 delimiter=self.fmt.delimiter, quote_char=False, ignore_empty_lines=False,
                 invalid_row_handler=on_invalid,
@@ -268,27 +237,31 @@ class RawReader:
             ),
         )  # fmt: skip
 
-    def _check_header(self, path: Path, stream: BinaryIO) -> None:
-        header = stream.readline().decode("utf-8", "replace").rstrip("\r\n")
-        if header.split(self.fmt.delimiter) != list(self.fmt.columns):
-            raise MalformedData(path, 1, f"header is not the {self.fmt.name} header: {header[:200]!r}")
+    def _header_lines(self, path: Path) -> int:
+        """Header lines to skip: 1 when the file starts with the format's header, 0 when a
+        header-format file starts with a data line instead (split files made from Avazu's
+        train.csv often have none). Anything else is refused, saying what line 1 holds."""
+        if not self.fmt.header:
+            return 0
+        with _open_text(path) as f:
+            first = f.readline().rstrip("\r\n")
+        fields = first.split(self.fmt.delimiter)
+        if fields == list(self.fmt.columns):
+            return 1
+        label = self.fmt.columns.index(self.fmt.label)
+        if len(fields) == len(self.fmt.columns) and fields[label] in ("0", "1"):
+            log.warning("%s has no header line: read as headerless (line 1 is data)", path)
+            return 0
+        if fields == [c for c in self.fmt.columns if c != self.fmt.label]:
+            why = f"this is the header of an unlabelled test file (no {self.fmt.label} column): nothing to train on"
+        else:
+            why = f"header is not the {self.fmt.name} header, nor is line 1 a data line"
+        raise MalformedData(path, 1, f"{why}: {first[:200]!r}")
 
     def _validate(self, path: Path, batch: pa.RecordBatch, lines_done: int) -> RawChunk:
         parsed = self.fmt.parse(batch)
-        bad = np.zeros(batch.num_rows, dtype=bool)
-        for _, mask in parsed.bad:
-            bad |= mask
-        if not bad.any():
-            return parsed.chunk
-        if self.spec.on_error == "fail":
-            row = int(np.argmax(bad))
-            column = next(name for name, mask in parsed.bad if mask[row])
-            value = batch.column(batch.schema.get_field_index(column))[row].as_py()
-            raise MalformedData(path, lines_done + row + 1, f"bad {column} value {value!r}")
-        self.skipped += int(bad.sum())
-        keep = ~bad
-        c = parsed.chunk
-        return RawChunk(labels=c.labels[keep], dense=c.dense[keep], ids=c.ids[keep])
+        checks = [Check(column=name, mask=mask, values=batch.column(name)) for name, mask in parsed.bad]
+        return self.keep(parsed.chunk, checks, lambda i, c: MalformedData(path, lines_done + i + 1, c.describe(i)))
 
     def _field_count_error(
         self, path: Path, lines_done: int, rejected: list[str], exc: Exception
@@ -301,14 +274,15 @@ class RawReader:
         return MalformedData(path, line, f"expected {want} fields, got {got}: {rejected[0][:120]!r}")
 
 
+def _open_text(path: Path) -> TextIO:
+    opener = gzip.open if path.suffix == ".gz" else open
+    return opener(path, "rt", encoding="utf-8", errors="replace", newline="")  # type: ignore[operator, no-any-return]
+
+
 def _find_line(path: Path, after: int, text: str) -> int | None:
     """1-based number of the first line after line `after` equal to `text` (error path only)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:  # type: ignore[operator]
+    with _open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if number > after and line.rstrip("\r\n") == text:
                 return number
     return None
-
-
-

@@ -13,11 +13,21 @@ from typing import Any, Literal
 
 from common.errors import ConfigError
 
-Format = Literal["criteo", "criteo-terabyte", "avazu", "synthetic", "preprocessed"]
-FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu", "synthetic", "preprocessed")
-RAW_FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu")
-Hashing = Literal["hash", "dictionary"]
+Format = Literal["criteo", "criteo-terabyte", "avazu", "criteo-npy", "parquet", "synthetic", "preprocessed"]
+FORMATS: tuple[str, ...] = (
+    "criteo", "criteo-terabyte", "avazu", "criteo-npy", "parquet", "synthetic", "preprocessed",
+)  # fmt: skip
+RAW_FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu")  # text click logs
+# Formats whose categorical values are integers that may already be rows (hashing = "none").
+ID_FORMATS: tuple[str, ...] = ("criteo-npy", "parquet")
+Hashing = Literal["hash", "dictionary", "none"]
 OnError = Literal["fail", "skip"]
+DenseTransform = Literal["none", "log1p"]
+# Keys only one format takes (a key set for another format is refused, not ignored).
+FORMAT_KEYS: dict[str, str] = {
+    "sparse_path": "criteo-npy", "label_column": "parquet", "dense_columns": "parquet",
+    "sparse_columns": "parquet", "dense_transform": "parquet",
+}  # fmt: skip
 
 # Criteo Kaggle cardinalities after the usual dictionary encoding (shared/data/README.md).
 CRITEO_KAGGLE_SIZES: tuple[int, ...] = (
@@ -25,6 +35,8 @@ CRITEO_KAGGLE_SIZES: tuple[int, ...] = (
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )  # fmt: skip
 CRITEO_NUM_DENSE = 13
+CRITEO_DENSE_NAMES: tuple[str, ...] = tuple(f"I{i}" for i in range(1, 14))
+CRITEO_SPARSE_NAMES: tuple[str, ...] = tuple(f"C{i}" for i in range(1, 27))
 # Avazu: hour of day and weekday map directly (row 0 stays the missing row, as everywhere);
 # the 21 other columns hash into 2**20 rows each unless the spec says otherwise.
 AVAZU_DIRECT_SIZES: tuple[int, ...] = (25, 8)
@@ -39,6 +51,7 @@ class DataSpec:
     `table_sizes` is empty only where the data decides it: dictionary hashing without a
     cap, or a preprocessed directory (sizes come from its manifest). Otherwise it holds one
     size per table and every row id is in ``[0, size)``; row 0 is the missing-value row.
+    ``hashing = "none"`` (criteo-npy, parquet) takes integer ids as rows, as they are.
     """
 
     format: Format
@@ -56,13 +69,26 @@ class DataSpec:
     drift: float = 0.0
     click_rate: float = 0.25
     num_dense: int = CRITEO_NUM_DENSE
+    # criteo-npy only: the folder of the day_N_sparse*.npy files, when not `path`
+    sparse_path: str | None = None
+    # parquet only
+    label_column: str = "label"
+    dense_columns: tuple[str, ...] = CRITEO_DENSE_NAMES
+    sparse_columns: tuple[str, ...] = CRITEO_SPARSE_NAMES
+    dense_transform: DenseTransform = "none"
 
     def __post_init__(self) -> None:
         _check_choice("format", self.format, FORMATS)
-        _check_choice("hashing", self.hashing, ("hash", "dictionary"))
+        _check_choice("hashing", self.hashing, ("hash", "dictionary", "none"))
         _check_choice("on_error", self.on_error, ("fail", "skip"))
+        _check_choice("dense_transform", self.dense_transform, ("none", "log1p"))
         if self.format != "synthetic" and not self.path:
             raise ConfigError("data.path", f"is required for format {self.format!r}")
+        if self.hashing == "none" and self.format not in ID_FORMATS:
+            raise ConfigError("data.hashing", f"'none' takes integer ids as rows: only {', '.join(ID_FORMATS)} "
+                              "have them")  # fmt: skip
+        if self.format == "parquet":
+            self._check_columns()
         object.__setattr__(self, "table_sizes", self._default_sizes())
         for t, n in enumerate(self.table_sizes):
             if type(n) is not int or n < 1:
@@ -83,6 +109,14 @@ class DataSpec:
             raise ConfigError("data.drift", f"must be a finite number >= 0, got {self.drift}")
         if self.format == "avazu" and self.table_sizes:
             self._check_avazu_sizes()
+        if self.format in ID_FORMATS and self.table_sizes and len(self.table_sizes) != self.num_tables:
+            raise ConfigError("data.table_sizes", f"{self.format} data here has {self.num_tables} tables, "
+                              f"got {len(self.table_sizes)} sizes")  # fmt: skip
+
+    @property
+    def num_tables(self) -> int:
+        """Tables of an ID format (criteo-npy: Criteo's 26; parquet: one per sparse column)."""
+        return len(self.sparse_columns) if self.format == "parquet" else len(CRITEO_SPARSE_NAMES)
 
     def _default_sizes(self) -> tuple[int, ...]:
         """Explicit sizes, else the format's default; empty where the data decides."""
@@ -92,7 +126,27 @@ class DataSpec:
             return CRITEO_KAGGLE_SIZES
         if self.hashing == "dictionary" or self.format == "preprocessed":
             return ()
+        if self.hashing == "none":
+            raise ConfigError("data.table_sizes", "is required with hashing = 'none' (the ids are rows: "
+                              "say how many each table has)")  # fmt: skip
+        if self.format == "parquet" and len(self.sparse_columns) != len(CRITEO_KAGGLE_SIZES):
+            raise ConfigError("data.table_sizes", f"is required: only Criteo's 26 tables have default sizes, "
+                              f"sparse_columns has {len(self.sparse_columns)}")  # fmt: skip
         return AVAZU_SIZES if self.format == "avazu" else CRITEO_KAGGLE_SIZES
+
+    def _check_columns(self) -> None:
+        groups = {"label_column": (self.label_column,), "dense_columns": self.dense_columns,
+                  "sparse_columns": self.sparse_columns}  # fmt: skip
+        seen: set[str] = set()
+        for key, names in groups.items():
+            if key == "sparse_columns" and not names:
+                raise ConfigError("data.sparse_columns", "must name at least one column")
+            for name in names:
+                if type(name) is not str or not name:
+                    raise ConfigError(f"data.{key}", f"column names must be non-empty strings, got {name!r}")
+                if name in seen:
+                    raise ConfigError(f"data.{key}", f"column {name!r} is named twice")
+                seen.add(name)
 
     def _check_avazu_sizes(self) -> None:
         if len(self.table_sizes) != len(AVAZU_SIZES):
@@ -104,6 +158,7 @@ class DataSpec:
 
     @property
     def is_raw(self) -> bool:
+        """A text click log (criteo, criteo-terabyte, avazu)."""
         return self.format in RAW_FORMATS
 
 
@@ -121,7 +176,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "path": (str,), "cache_dir": (str,), "table_sizes": (list, tuple),
     "hashing": (str,), "min_frequency": (int,), "eval_fraction": (float, int), "seed": (int,),
     "on_error": (str,), "rows": (int,), "top1_share": (float, int), "drift": (float, int),
-    "click_rate": (float, int), "num_dense": (int,), "num_tables": (int,),
+    "click_rate": (float, int), "num_dense": (int,), "num_tables": (int,), "sparse_path": (str,),
+    "label_column": (str,), "dense_columns": (list, tuple), "sparse_columns": (list, tuple),
+    "dense_transform": (str,),
 }  # fmt: skip
 
 
@@ -139,11 +196,16 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
             raise ConfigError(f"data.{key}", "unknown key")
         if not isinstance(value, _TYPES[key]) or isinstance(value, bool):
             raise ConfigError(f"data.{key}", f"has the wrong type ({type(value).__name__})")
+        if key in FORMAT_KEYS and section.get("format") != FORMAT_KEYS[key]:
+            raise ConfigError(f"data.{key}", f"only format {FORMAT_KEYS[key]!r} takes it")
     fields = dict(section)
     fields.pop("num_tables", None)
-    for key in ("path", "cache_dir"):
+    for key in ("path", "cache_dir", "sparse_path"):
         if key in fields:
             fields[key] = str((base_dir / fields[key]).resolve())
+    for key in ("dense_columns", "sparse_columns"):
+        if key in fields:
+            fields[key] = tuple(fields[key])
     for key in ("eval_fraction", "top1_share", "drift", "click_rate"):
         if key in fields:
             fields[key] = float(fields[key])

@@ -158,3 +158,31 @@ def test_avazu_bad_header_and_hour(tmp_path: Path) -> None:
     with pytest.raises(MalformedData) as info:
         read_all(DataSpec(format="avazu", path=str(tmp_path / "d.csv")))
     assert info.value.line == 5 and "hour" in str(info.value)
+
+
+def test_avazu_headerless_split_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Split files cut from Avazu's train.csv often lack the header: read line 1 as data."""
+    lines = AVAZU.read_text().splitlines()
+    (tmp_path / "dev.csv").write_text("\n".join(lines[1:]) + "\n")
+    want_labels, _, want_ids, _ = read_all(DataSpec(format="avazu", path=str(AVAZU)))
+    with caplog.at_level("WARNING", logger="common.data.raw"):
+        labels, _, ids, reader = read_all(DataSpec(format="avazu", path=str(tmp_path / "dev.csv")))
+    assert reader.rows == 100 and "dev.csv has no header line: read as headerless" in caplog.text
+    np.testing.assert_array_equal(labels, want_labels)
+    np.testing.assert_array_equal(ids, want_ids)
+    bad = lines[1:]
+    bad[3] = bad[3].replace(",14102100,", ",14023100,", 1)  # 31 February, on line 4 of this file
+    (tmp_path / "bad.csv").write_text("\n".join(bad) + "\n")
+    with pytest.raises(MalformedData) as info:
+        read_all(DataSpec(format="avazu", path=str(tmp_path / "bad.csv")))
+    assert info.value.line == 4 and "hour" in str(info.value)
+
+
+def test_avazu_unlabelled_test_header_is_named(tmp_path: Path) -> None:
+    """Avazu's own test.csv has a header without the click column (and no labels)."""
+    lines = AVAZU.read_text().splitlines()
+    drop = lambda line: ",".join(f for i, f in enumerate(line.split(",")) if i != 1)  # noqa: E731
+    (tmp_path / "test.csv").write_text("\n".join(drop(x) for x in lines[:5]) + "\n")
+    with pytest.raises(MalformedData, match="unlabelled test file \\(no click column\\)") as info:
+        read_all(DataSpec(format="avazu", path=str(tmp_path / "test.csv")))
+    assert info.value.line == 1

@@ -16,12 +16,17 @@ def test_defaults_per_format(tmp_path: Path) -> None:
     assert parse_data_spec({"format": "criteo", "path": "a", "hashing": "dictionary"}, base_dir=tmp_path).table_sizes == ()
     synth = parse_data_spec({"format": "synthetic", "num_tables": 3, "rows": 10}, base_dir=tmp_path)
     assert synth.table_sizes == CRITEO_KAGGLE_SIZES[:3] and synth.num_dense == 13
+    npy = parse_data_spec({"format": "criteo-npy", "path": "days", "sparse_path": "contig"}, base_dir=tmp_path)
+    assert npy.table_sizes == CRITEO_KAGGLE_SIZES and npy.sparse_path == str(tmp_path / "contig")
+    pq = parse_data_spec({"format": "parquet", "path": "p", "sparse_columns": ["u", "i"], "hashing": "none",
+                          "table_sizes": [5, 7], "dense_columns": []}, base_dir=tmp_path)  # fmt: skip
+    assert pq.sparse_columns == ("u", "i") and pq.dense_columns == () and pq.table_sizes == (5, 7)
 
 
 @pytest.mark.parametrize(
     ("section", "field"),
     [
-        ({"format": "parquet", "path": "a"}, "data.format"),
+        ({"format": "orc", "path": "a"}, "data.format"),
         ({"format": "criteo"}, "data.path"),
         ({"format": "criteo", "path": "a", "hashing": "md5"}, "data.hashing"),
         ({"format": "criteo", "path": "a", "eval_fraction": 1.0}, "data.eval_fraction"),
@@ -34,6 +39,18 @@ def test_defaults_per_format(tmp_path: Path) -> None:
         ({"format": "synthetic", "top1_share": 1.5}, "data.top1_share"),
         ({"format": "synthetic", "num_tables": 27}, "data.num_tables"),
         ({"format": "avazu", "path": "a", "table_sizes": [10] * 23}, "data.table_sizes"),
+        ({"format": "criteo", "path": "a", "sparse_path": "b"}, "data.sparse_path"),
+        ({"format": "criteo-npy", "path": "a", "label_column": "y"}, "data.label_column"),
+        ({"format": "criteo", "path": "a", "hashing": "none", "table_sizes": [9] * 26}, "data.hashing"),
+        ({"format": "criteo-npy", "path": "a", "hashing": "none"}, "data.table_sizes"),
+        ({"format": "criteo-npy", "path": "a", "table_sizes": [9] * 3}, "data.table_sizes"),
+        ({"format": "parquet", "path": "a", "sparse_columns": ["a", "b"]}, "data.table_sizes"),
+        ({"format": "parquet", "path": "a", "sparse_columns": ["a", "b"], "table_sizes": [9]}, "data.table_sizes"),
+        ({"format": "parquet", "path": "a", "sparse_columns": []}, "data.sparse_columns"),
+        ({"format": "parquet", "path": "a", "dense_columns": ["I1", 2]}, "data.dense_columns"),
+        ({"format": "parquet", "path": "a", "dense_columns": ["C1"]}, "data.sparse_columns"),
+        ({"format": "parquet", "path": "a", "label_column": "I3"}, "data.dense_columns"),
+        ({"format": "parquet", "path": "a", "dense_transform": "log"}, "data.dense_transform"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, section: dict, field: str) -> None:
