@@ -76,6 +76,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     world = spec.trainers.count
     torch.set_num_threads(spec.trainers.threads)
     device = select_device(spec.trainers.device, rank)
+    model = seeded_model(job, device)  # before the rendezvous: a bad `[model] factory` fails alone
     backend = spec.trainers.backend if spec.trainers.backend != "auto" else ("nccl" if device.is_cuda else "gloo")
     comm = init_collectives(backend, peers.rendezvous, rank, world, spec.cluster.request_timeout_s * 4)
     io = IoThread()
@@ -100,7 +101,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
         checkpoints = Checkpointer(job, rank, io, ps_client, records)
         rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
-        engine = build_engine(job, device, comm, rows, seeded_model(job, device), on_checkpoint_written=checkpoints.report)
+        engine = build_engine(job, device, comm, rows, model, on_checkpoint_written=checkpoints.report)
         start = _resume_point(job, engine, resumed_from) if resume else 0
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
