@@ -148,7 +148,7 @@ class LocalCluster:
         if name == "oracle":
             assert self.oracle_address is not None
             args = ["--role", "oracle", "--oracle-address", str(self.oracle_address),
-                    "--first-iteration", str(self.first_iteration)]
+                    "--first-iteration", str(self.first_iteration), "--admin-port", "0"]
             prefix: tuple[str, ...] = ()
         else:
             index = name.removeprefix("ps-")
