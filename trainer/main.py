@@ -30,6 +30,7 @@ from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, close_collectives, init_collectives
 from trainer.device import Device, select_device
 from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
+from trainer.exporter import TrainerMetrics, serve
 from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
@@ -81,9 +82,13 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     comm = init_collectives(backend, peers.rendezvous, rank, world, spec.cluster.request_timeout_s * 4)
     io = IoThread()
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
+    metrics = TrainerMetrics(rank)
     ps_client = None
     watcher: concurrent.futures.Future | None = None
+    scrapes = None
     try:
+        scrapes = io.run(serve(metrics, spec, token))
+        records.write({"kind": "metrics", "time": time.time(), "url": scrapes.url})
         # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
         resumed_from = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         local = spec.oracle.mode == "local"
@@ -108,7 +113,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
             timeout_s=spec.cluster.fetch_timeout_s,
         )
-        iterations = _train(job, engine, stream, comm, records, checkpoints)
+        iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
         engine.drain()
         stream.close()
         checkpoints.wait()
@@ -117,6 +122,9 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         # Leave together: trainers that left while rank 0 still saved the final model aborted
         # in gloo at exit in 2 of 32 T = 4 runs (see also launch.py on how a trainer exits).
         comm.barrier()
+        metrics.finish()
+        if spec.trainers.metrics_linger_s and not metrics.wait_final_read(spec.trainers.metrics_linger_s):
+            log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.trainers.metrics_linger_s)
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
@@ -125,6 +133,9 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         if ps_client is not None:
             with contextlib.suppress(Exception):
                 io.run(ps_client.close(), timeout=5)
+        if scrapes is not None:
+            with contextlib.suppress(Exception):
+                io.run(scrapes.server.stop(), timeout=5)
         io.close()
         records.close()
         close_collectives()
@@ -163,7 +174,8 @@ def build_engine(
 
 
 def _train(
-    job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter, checkpoints: Checkpointer
+    job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter,
+    checkpoints: Checkpointer, metrics: TrainerMetrics,
 ) -> int:
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
@@ -175,7 +187,9 @@ def _train(
         stats = engine.step(step.directive, step.labels, step.dense)
         if step.directive.checkpoint:
             checkpoints.save_dense(stats.iteration, engine)
-        records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim))
+        record = _iteration_record(stats, engine, row_bytes, 4 * job.dim)
+        records.write(record)
+        metrics.record(record)
         done = stats.iteration + 1
         if spec.train.eval_every:  # without it the predictions are never scored: keep none
             progressive.add(stats.labels, stats.probs)
