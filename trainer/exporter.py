@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import ConfigError
 from common.metrics import Registry
 from common.runtime import connection_limits
 from common.spec import ClusterSpec
@@ -140,7 +141,10 @@ async def serve(metrics: TrainerMetrics, spec: ClusterSpec, token: str) -> Scrap
         metrics.router(), host=endpoint.host, port=endpoint.port, token=token,
         max_body_bytes=MAX_BODY_BYTES, limits=connection_limits(spec.cluster),
     )
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:  # another trainer or service on this host holds the port, say
+        raise ConfigError("trainers.metrics_address", f"trainer {metrics.rank} cannot listen on {endpoint}: {exc}") from exc
     url = f"http://{endpoint.host}:{server.port}/metrics"
     log.info("trainer %d: Prometheus metrics on %s", metrics.rank, url)
     return ScrapeTarget(server, url)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from common.errors import ConfigError
 from common.spec import Endpoint, load_spec
 from tests.cluster_helpers import write_spec
 from tests.prometheus_text import Scrape, parse
@@ -98,3 +99,14 @@ def test_trainer_j_listens_on_the_spec_port_plus_j(tmp_path: Path) -> None:
     assert spec.trainers.metrics_endpoint(2) == Endpoint(host="0.0.0.0", port=9402)
     default = load_spec(write_spec(tmp_path, "default", {}))
     assert default.trainers.metrics_endpoint(1) == Endpoint(host="127.0.0.1", port=0)
+
+
+def test_a_taken_port_is_a_config_error_naming_the_field(io: IoThread, tmp_path: Path) -> None:
+    first = serving(io, tmp_path, TrainerMetrics(rank=0))
+    try:
+        taken = int(first.url.rsplit(":", 1)[1].split("/")[0])
+        spec = load_spec(write_spec(tmp_path, "taken", {"trainers": {"metrics_address": f"127.0.0.1:{taken - 1}"}}))
+        with pytest.raises(ConfigError, match=f"trainers.metrics_address: trainer 1 cannot listen on 127.0.0.1:{taken}"):
+            io.run(serve(TrainerMetrics(rank=1), spec, "secret"))
+    finally:
+        io.run(first.server.stop())

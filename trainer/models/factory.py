@@ -3,8 +3,8 @@
 The factory has the built-in models' interface (`trainer.models.build_model`): it is called
 as ``factory(spec, num_dense, num_tables)`` and returns an `nn.Module` whose
 ``forward(dense, emb)`` maps ``(B, num_dense)`` and ``(B, num_tables, embedding_dim)``
-float32 tensors to ``(B,)`` float32 logits. A built-in class fits it too
-(``"trainer.models.dlrm:DLRM"``).
+float32 tensors to ``(B,)`` float32 logits. The model is built on the CPU (the trainer
+moves it to its device). A built-in class fits it too (``"trainer.models.dlrm:DLRM"``).
 
 `build_from_factory` imports it and checks the model once, on a probe batch of two samples,
 so a mistake fails at start-up naming `model.factory` instead of deep inside DDP or the
