@@ -85,7 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     alone.add_argument("--fresh", action="store_true",
                        help="PS: start a new run, deleting this shard's snapshots (without --resume or "
                             "--rejoin, a PS refuses to start empty over snapshots of a run that may go on)")
-    alone.add_argument("--admin-port", type=int, help="PS: port of its HTTP/1.1 listener (default: port + 1)")
+    alone.add_argument("--admin-port", type=int,
+                       help="PS or oracle: port of its HTTP/1.1 listener (default: port + 1, any free one for port 0)")
     return parser.parse_args(argv)
 
 
@@ -167,7 +168,7 @@ def run_role(args: argparse.Namespace) -> int:
         from oracle.main import run_oracle
 
         run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume,
-                       first_iteration=args.first_iteration))
+                       first_iteration=args.first_iteration, admin_port=args.admin_port))
     else:
         from trainer.collectives import Rendezvous
         from trainer.main import Peers, run_trainer

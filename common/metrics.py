@@ -2,10 +2,16 @@
 
 Counters and gauges keyed by name and label set; summaries keep sum and count. A service
 owns one `Registry` and passes it to what it instruments: no module-level globals.
+
+A registry is not thread-safe: one thread (a service's event loop) records into it and
+renders it. What another thread counts (the oracle's planner, a trainer's training loop)
+it keeps in its own plain fields, and the scrape handler copies them in (`set_total`,
+`set`) just before `render`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -52,6 +58,10 @@ class Registry:
         cell = self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])
         cell[0] += amount
 
+    def set_total(self, name: str, total: float, labels: dict[str, str] | None = None, help: str = "") -> None:
+        """A counter whose running total is kept elsewhere: set it to `total`."""
+        self._family(name, "counter", help).values[_labels(labels)] = [float(total)]
+
     def set(self, name: str, value: float, labels: dict[str, str] | None = None, help: str = "") -> None:
         self._family(name, "gauge", help).values[_labels(labels)] = [float(value)]
 
@@ -77,5 +87,14 @@ class Registry:
                     lines.append(f"{fam.name}_sum{_fmt_labels(labels)} {cell[0]:.9g}")
                     lines.append(f"{fam.name}_count{_fmt_labels(labels)} {int(cell[1])}")
                 else:
-                    lines.append(f"{fam.name}{_fmt_labels(labels)} {cell[0]:.17g}")
+                    lines.append(f"{fam.name}{_fmt_labels(labels)} {_fmt_value(cell[0])}")
         return "\n".join(lines) + "\n"
+
+
+def _fmt_value(value: float) -> str:
+    # The exposition format spells the special values NaN, +Inf and -Inf.
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{value:.17g}"

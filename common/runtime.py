@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from common.files import write_atomically
-from common.spec import ClusterSection
+from common.spec import ClusterSection, Endpoint
 from common.transport import ConnectionLimits, H2Server, Http1Server, Router
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,26 @@ def make_server(
     return cls(
         router, host=host, port=port, token=token, max_body_bytes=max_body_bytes, limits=limits
     )
+
+
+def make_servers(
+    cluster: ClusterSection, router: Router, address: Endpoint, *, token: str, admin_port: int | None
+) -> list[H2Server | Http1Server]:
+    """A service's servers (not started): `router` on `address` in the spec's transport
+    and, when that is h2, the same routes over HTTP/1.1 for tools that speak only that
+    (Prometheus, browsers) on `admin_port`: by default the address's port + 1, or any free
+    port when that is 0. The last server is the HTTP/1.1 one."""
+    limits = connection_limits(cluster)
+    servers = [
+        make_server(cluster.transport, router, host=address.host, port=address.port,
+                    token=token, max_body_bytes=cluster.max_body_bytes, limits=limits)
+    ]
+    if cluster.transport == "h2":
+        if admin_port is None:
+            admin_port = address.port + 1 if address.port else 0
+        servers.append(make_server("http1", router, host=address.host, port=admin_port,
+                                   token=token, max_body_bytes=cluster.max_body_bytes, limits=limits))
+    return servers
 
 
 async def wait_for_stop_signal() -> None:

@@ -98,6 +98,21 @@ class TrainersSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     rendezvous: Endpoint
     threads: int = 1
+    metrics_address: Endpoint = Endpoint(host="127.0.0.1", port=0)
+    metrics_linger_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.metrics_linger_s >= 0:
+            raise ConfigError("trainers.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
+        # Trainer j serves its metrics on port + j, so trainers sharing a host never clash.
+        last = self.metrics_address.port + self.count - 1
+        if self.metrics_address.port and last > 65535:
+            raise ConfigError("trainers.metrics_address", f"port + count - 1 = {last} is above 65535")
+
+    def metrics_endpoint(self, rank: int) -> Endpoint:
+        """Where trainer `rank` serves its metrics: port + rank, or any free port for 0."""
+        address = self.metrics_address
+        return Endpoint(host=address.host, port=address.port + rank if address.port else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +255,8 @@ def _trainers(s: _Section) -> TrainersSection:
         backend=s.choice("backend", ("auto", "gloo", "nccl"), "auto"),
         rendezvous=s.endpoint("rendezvous", "127.0.0.1:0"),
         threads=s.int("threads", 1, low=1),
+        metrics_address=s.endpoint("metrics_address", "127.0.0.1:0"),
+        metrics_linger_s=s.float("metrics_linger_s", 0.0, positive=False),
     )
 
 

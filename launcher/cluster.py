@@ -148,7 +148,7 @@ class LocalCluster:
         if name == "oracle":
             assert self.oracle_address is not None
             args = ["--role", "oracle", "--oracle-address", str(self.oracle_address),
-                    "--first-iteration", str(self.first_iteration)]
+                    "--first-iteration", str(self.first_iteration), "--admin-port", "0"]
             prefix: tuple[str, ...] = ()
         else:
             index = name.removeprefix("ps-")
@@ -308,6 +308,10 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     configure_logging("launch")
     spec = load_spec(spec_path)
     job = build_job(spec)
+    if job.model.factory is not None:  # a bad model of one's own fails here, not in every trainer
+        from trainer.models import build_model
+
+        build_model(job.model, job.num_dense, job.layout.num_tables)
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
     open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)

@@ -9,7 +9,8 @@ Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jso
 * ``{"kind": "checkpoint", "iteration", "time", "bytes", "seconds"}`` from trainer 0 when a
   checkpoint is complete (bytes of PS snapshots and dense model; seconds from its last
   write-back being sent to its manifest);
-* ``{"kind": "final", "time", "iterations"}`` when the trainer is done.
+* ``{"kind": "final", "time", "iterations"}`` when the trainer is done;
+* ``{"kind": "metrics", "time", "url"}`` once its Prometheus scrape target listens.
 
 Layers, from pure to I/O: `iteration_series` and `summarise` turn records into numbers;
 `format_summary` and `compare_modes` turn numbers into text; `read_records`, `RecordTail`,

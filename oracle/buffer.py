@@ -26,8 +26,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from dataclasses import dataclass
 
 from common.errors import BagpipeError, Conflict
+
+
+@dataclass(frozen=True, kw_only=True)
+class Depths:
+    """How full the buffer is, at one moment (for the oracle's metrics)."""
+
+    produced: int  # the next iteration the planner will put
+    positions: tuple[int, ...]  # each trainer's position (module docstring)
+    held: int  # steps kept: not yet sent to every trainer, or kept for a resume
 
 
 class StepBuffer:
@@ -136,6 +146,11 @@ class StepBuffer:
         Conflict (409) if the iteration is no longer held."""
         with self._lock:
             self._check_streamable(iteration)
+
+    def depths(self) -> Depths:
+        with self._lock:
+            positions = tuple(self._position(j) for j in range(self.num_trainers))
+            return Depths(produced=self._produced, positions=positions, held=len(self._steps))
 
     def _position(self, trainer: int) -> int:
         # caller holds self._lock

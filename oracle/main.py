@@ -13,7 +13,7 @@ from common.checkpoints import latest_complete
 from common.data.dataset import open_dataset
 from common.errors import ConfigError
 from common.job import Job
-from common.runtime import connection_limits, first_of, make_server, wait_for_stop_signal, write_ready_file
+from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
 from oracle.config import PlannerConfig, capacity_bound, check_batch_size, hottest_keys, required_capacity
 from oracle.coordinator import Coordinator
@@ -78,11 +78,14 @@ def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
 
 
 async def run_oracle(
-    job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None
+    job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None,
+    admin_port: int | None = None,
 ) -> None:
     """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator`),
     until every trainer has finished (then it exits by itself, so a batch job completes) or
-    SIGTERM; with `resume`, from the iteration after the latest complete checkpoint.
+    SIGTERM; with `resume`, from the iteration after the latest complete checkpoint. Over
+    h2, the routes are also served over HTTP/1.1 on `admin_port`
+    (`common.runtime.make_servers`), for Prometheus.
 
     An oracle restarted alone is given `first_iteration`, where the running trainers started:
     the plan is a pure function of the data from there, so replanning from it gives the
@@ -101,17 +104,15 @@ async def run_oracle(
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host))
     router = service.router()
     coordinator.add_routes(router)
-    server = make_server(
-        spec.cluster.transport, router, host=address.host, port=address.port,
-        token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=connection_limits(spec.cluster),
-    )
-    await server.start()
+    servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port)
+    for server in servers:
+        await server.start()
     service.start()
-    log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d",
+    log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d (HTTP/1.1 on port %d)",
              config.mode, config.lookahead, config.prefetch_lead, config.capacity,
-             workload.num_iterations, address.host, server.port)
-    write_ready_file(ready_file, {"role": "oracle", "host": address.host, "port": server.port,
-                                  "iterations": workload.num_iterations})
+             workload.num_iterations, address.host, servers[0].port, servers[-1].port)
+    write_ready_file(ready_file, {"role": "oracle", "host": address.host, "port": servers[0].port,
+                                  "http1_port": servers[-1].port, "iterations": workload.num_iterations})
     try:
         assert service.failed is not None
         await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait())
@@ -121,7 +122,8 @@ async def run_oracle(
             log.info("every trainer has finished: the oracle exits")
     finally:
         service.stop()
-        await server.stop()
+        for server in servers:
+            await server.stop()
 
 
 def trainer_store(host: str) -> tuple[object, Endpoint]:

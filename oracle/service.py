@@ -16,15 +16,19 @@ Routes:
   starts at or before that position (`oracle.buffer`). What the oracle cannot tell apart it
   cannot protect: a reader that starts at or before a trainer's position while the
   trainer itself has no stream open reads in its stead.
-* ``GET /v1/health``, ``GET /metrics`` (public).
+* ``GET /v1/health``, ``GET /metrics`` (public): Prometheus text of the planner's progress
+  and rate, each trainer's position and the steps held ahead of it, and the open streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +81,26 @@ class Workload:
             yield self.layout.to_keys(batch.sparse), batch.labels, batch.dense
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlannerProgress:
+    """What the planning thread has done so far. It publishes a new one after each step (one
+    reference swap), so the event loop always reads a consistent set of totals."""
+
+    iterations: int = 0  # iterations whose directives are final
+    key_uses: int = 0  # key uses fed to the planner (batch x tables per iteration read)
+    planning_s: float = 0.0  # inside the planner: its own work, not waiting for data or trainers
+    waited_s: float = 0.0  # blocked because the trainers were max_ahead behind (back-pressure)
+    waiting_since: float | None = None  # perf_counter() when the current wait began
+
+    @property
+    def key_uses_per_s(self) -> float:
+        return self.key_uses / self.planning_s if self.planning_s > 0 else math.nan
+
+    def waiting_s(self, now: float) -> float:
+        """Seconds blocked by back-pressure up to `now`, the wait going on included."""
+        return self.waited_s + (0.0 if self.waiting_since is None else now - self.waiting_since)
+
+
 class OracleService:
     """Plans `workload` with `config` in a thread and serves the per-trainer streams.
 
@@ -105,6 +129,8 @@ class OracleService:
         self.max_ahead = max_ahead
         self.restarted_alone = restarted_alone
         self.metrics = registry or Registry()
+        self.progress = PlannerProgress()
+        self.streams_open = [0] * config.num_trainers  # every open stream, counted or not
         self.buffer: StepBuffer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -147,8 +173,8 @@ class OracleService:
                 if self._stop.is_set():
                     return
                 batches[x] = (labels, dense)
-                self._publish(planner.push(keys), batches)
-            self._publish(planner.finish(), batches)
+                self._publish(self._timed(lambda: planner.push(keys), keys.size), batches)
+            self._publish(self._timed(planner.finish, 0), batches)
             self.buffer.finish(self.workload.num_iterations)
             log.info("planned all %d iterations", self.workload.num_iterations)
         except Exception as exc:
@@ -157,13 +183,27 @@ class OracleService:
             assert self.failed is not None
             self.failed.get_loop().call_soon_threadsafe(_set_once, self.failed, exc)
 
+    def _timed(self, plan: Callable[[], list], key_uses: int) -> list:
+        started = time.perf_counter()
+        final = plan()
+        p = self.progress
+        self.progress = dataclasses.replace(
+            p, key_uses=p.key_uses + key_uses, planning_s=p.planning_s + time.perf_counter() - started
+        )
+        return final
+
     def _publish(self, final: list, batches: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         assert self.buffer is not None
         for directives in final:
             x = directives[0].iteration
             steps = trainer_steps(directives, *batches.pop(x))
-            self.buffer.put(x, [encode_message(s.encode_batch()) + encode_message(s.directive.to_wire()) for s in steps])
-            self.metrics.inc("iterations_planned_total", help="Iterations whose directives are final")
+            messages = [encode_message(s.encode_batch()) + encode_message(s.directive.to_wire()) for s in steps]
+            self.progress = dataclasses.replace(self.progress, waiting_since=time.perf_counter())
+            self.buffer.put(x, messages)
+            p = self.progress
+            self.progress = dataclasses.replace(
+                p, iterations=p.iterations + 1, waiting_since=None, waited_s=p.waiting_s(time.perf_counter())
+            )
 
     # -- routes --------------------------------------------------------------------------
 
@@ -180,6 +220,7 @@ class OracleService:
         # Opened here, not in `stream`: the server closes this generator however the stream
         # ends, but only once it has started.
         stream = self.buffer.open_stream(trainer, start)
+        self.streams_open[trainer] += 1
         try:
             x = start
             while (message := await self.buffer.get(trainer, x)) is not None:
@@ -190,6 +231,7 @@ class OracleService:
                 x += 1
             yield encode_message(EndOfStream(iterations=x).encode())
         finally:
+            self.streams_open[trainer] -= 1
             self.buffer.close_stream(trainer, stream)
 
     async def health(self, request: Request) -> Response:
@@ -199,12 +241,38 @@ class OracleService:
                 "mode": self.config.mode,
                 "trainers": self.config.num_trainers,
                 "iterations": self.workload.num_iterations,
-                "planned": int(self.metrics.value("iterations_planned_total")),
+                "planned": self.progress.iterations,
             }
         )
 
     async def render_metrics(self, request: Request) -> Response:
+        self._copy_progress()
         return Response(body=self.metrics.render().encode(), content_type="text/plain; version=0.0.4")
+
+    def _copy_progress(self) -> None:
+        """Copy what the planning thread and the buffer hold into the registry (which only
+        this event loop touches)."""
+        p, m = self.progress, self.metrics
+        m.set("run_iterations", self.workload.num_iterations, help="Iterations of the whole run")
+        m.set_total("iterations_planned_total", p.iterations, help="Iterations whose directives are final")
+        m.set_total("planner_key_uses_total", p.key_uses, help="Key uses fed to the planner")
+        m.set_total("planner_seconds_total", p.planning_s, help="Seconds the planner worked")
+        m.set("planner_key_uses_per_second", p.key_uses_per_s,
+              help="Planning rate: key uses per second of the planner's own work")
+        m.set_total("planner_waiting_seconds_total", p.waiting_s(time.perf_counter()),
+                    help="Seconds the planner waited because the slowest trainer was max_ahead behind")
+        m.set("planner_waiting", int(p.waiting_since is not None),
+              help="1 while the planner waits for the slowest trainer (back-pressure)")
+        if self.buffer is None:
+            return
+        depths = self.buffer.depths()
+        m.set("steps_held", depths.held, help="Steps kept in memory (not yet sent, or kept for a resume)")
+        for trainer, position in enumerate(depths.positions):
+            labels = {"trainer": str(trainer)}
+            m.set("trainer_position", position, labels, help="The next iteration trainer J's stream sends")
+            m.set("steps_ahead", depths.produced - position, labels,
+                  help="Final steps planned beyond trainer J's position, not yet sent")
+            m.set("streams_open", self.streams_open[trainer], labels, help="Open directive streams of trainer J")
 
 
 def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None:

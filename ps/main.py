@@ -9,8 +9,8 @@ from common.checkpoints import latest_complete, ps_dir
 from common.errors import ConfigError, Conflict
 from common.coordinator import CoordinatorClient, free_port, serve_address
 from common.job import Job
+from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
-from common.runtime import configure_logging, connection_limits, first_of, make_server, wait_for_stop_signal, write_ready_file
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -86,21 +86,7 @@ async def run_ps(
     else:
         start_fresh(service, index, delete=fresh)
     address = address or spec.ps.addresses[index]
-    limits = connection_limits(spec.cluster)
-    servers = [
-        make_server(
-            spec.cluster.transport, service.router(), host=address.host, port=address.port,
-            token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=limits,
-        )
-    ]
-    if spec.cluster.transport == "h2":
-        # The same routes over HTTP/1.1 for tools that speak only that (Prometheus, browsers).
-        if admin_port is None:
-            admin_port = address.port + 1 if address.port else 0
-        servers.append(
-            make_server("http1", service.router(), host=address.host, port=admin_port,
-                        token=token, max_body_bytes=spec.cluster.max_body_bytes, limits=limits)
-        )
+    servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port)
     for server in servers:
         await server.start()
     info = {

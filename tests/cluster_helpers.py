@@ -35,13 +35,18 @@ BASE: dict[str, dict[str, Any]] = {
 }
 
 
-def write_spec(directory: Path, name: str, overrides: dict[str, dict[str, Any]], seed: int = 7, *, data: dict[str, Any] | None = None) -> Path:
-    """A spec of BASE with `overrides` merged into its sections; `data` replaces `[data]`."""
+def write_spec(
+    directory: Path, name: str, overrides: dict[str, dict[str, Any]], seed: int = 7, *,
+    data: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+) -> Path:
+    """A spec of BASE with `overrides` merged into its sections; `data` replaces `[data]`,
+    `model` replaces `[model]`."""
     sections = {key: dict(value) for key, value in BASE.items()}
     for key, value in overrides.items():
         sections.setdefault(key, {}).update(value)
-    if data is not None:
-        sections["data"] = dict(data)
+    for key, replacement in (("data", data), ("model", model)):
+        if replacement is not None:
+            sections[key] = dict(replacement)
     sections["checkpoint"] = {"dir": str(directory / "checkpoints"), **sections.get("checkpoint", {})}
     path = directory / f"{name}.toml"
     path.write_text(spec_toml(name, seed, sections))

@@ -303,6 +303,21 @@ def test_a_bad_spec_is_refused_before_any_role_starts(tmp_path: Path, role: list
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("role", [[], ["--role", "trainer", "--index", "0"]], ids=["cluster", "trainer"])
+def test_a_bad_model_factory_is_refused_before_any_role_starts(tmp_path: Path, role: list[str]) -> None:
+    model = {"factory": "tests.trainer.test_factory:column_logits", "embedding_dim": 8}
+    spec = write_spec(tmp_path, "bad-model", {"cluster": {"token": "t"}}, model=model)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(LAUNCH), str(spec), "--quiet", "--run-dir", str(run_dir), *role],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "model.factory: forward(dense (2, 4), emb (2, 4, 8)) returned" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (run_dir / "logs").exists(), "roles were started"
+
+
 def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")

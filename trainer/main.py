@@ -35,6 +35,7 @@ from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
 from trainer.device import Device, select_device
 from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
+from trainer.exporter import TrainerMetrics, serve
 from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
@@ -82,13 +83,18 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     world = spec.trainers.count
     torch.set_num_threads(spec.trainers.threads)
     device = select_device(spec.trainers.device, rank)
+    model = seeded_model(job, device)  # before the rendezvous: a bad `[model] factory` fails alone
     backend = spec.trainers.backend if spec.trainers.backend != "auto" else ("nccl" if device.is_cuda else "gloo")
     comm = init_collectives(backend, peers.rendezvous, rank, world, spec.cluster.request_timeout_s * 4)
     io = IoThread()
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
+    metrics = TrainerMetrics(rank)
     ps_client = None
     watcher: concurrent.futures.Future | None = None
+    scrapes = None
     try:
+        scrapes = io.run(serve(metrics, spec, token))
+        records.write({"kind": "metrics", "time": time.time(), "url": scrapes.url})
         # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
         resumed_from = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         local = spec.oracle.mode == "local"
@@ -106,14 +112,14 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
         checkpoints = Checkpointer(job, rank, io, ps_client, records)
         rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
-        engine = build_engine(job, device, comm, rows, seeded_model(job, device), on_checkpoint_written=checkpoints.report)
+        engine = build_engine(job, device, comm, rows, model, on_checkpoint_written=checkpoints.report)
         start = _resume_point(job, engine, resumed_from) if resume else 0
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
             timeout_s=spec.cluster.fetch_timeout_s,
         )
-        iterations = _train(job, engine, stream, comm, records, checkpoints)
+        iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
         engine.drain()
         stream.close()
         checkpoints.wait()
@@ -124,6 +130,9 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         # Leave together: trainers that left while rank 0 still saved the final model aborted
         # in gloo at exit in 2 of 32 T = 4 runs (see also launch.py on how a trainer exits).
         comm.barrier()
+        metrics.finish()
+        if spec.trainers.metrics_linger_s and not metrics.wait_final_read(spec.trainers.metrics_linger_s):
+            log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.trainers.metrics_linger_s)
         report_finished(io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
                         timeout_s=spec.cluster.request_timeout_s)
     finally:
@@ -134,6 +143,9 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         if ps_client is not None:
             with contextlib.suppress(Exception):
                 io.run(ps_client.close(), timeout=5)
+        if scrapes is not None:
+            with contextlib.suppress(Exception):
+                io.run(scrapes.server.stop(), timeout=5)
         io.close()
         records.close()
         close_collectives()
@@ -207,7 +219,8 @@ def build_engine(
 
 
 def _train(
-    job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter, checkpoints: Checkpointer
+    job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter,
+    checkpoints: Checkpointer, metrics: TrainerMetrics,
 ) -> int:
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
@@ -219,7 +232,9 @@ def _train(
         stats = engine.step(step.directive, step.labels, step.dense)
         if step.directive.checkpoint:
             checkpoints.save_dense(stats.iteration, engine)
-        records.write(_iteration_record(stats, engine, row_bytes, 4 * job.dim))
+        record = _iteration_record(stats, engine, row_bytes, 4 * job.dim)
+        records.write(record)
+        metrics.record(record)
         done = stats.iteration + 1
         if spec.train.eval_every:  # without it the predictions are never scored: keep none
             progressive.add(stats.labels, stats.probs)

@@ -45,3 +45,16 @@ def test_bearer_check() -> None:
         with pytest.raises(Unauthorized):
             check.check(headers)
     TokenCheck(None).check({})
+
+
+def test_totals_kept_elsewhere_are_counters_and_special_values_are_spelled_out() -> None:
+    reg = Registry()
+    reg.set_total("rows_total", 5, help="Rows")
+    reg.set_total("rows_total", 7)  # a later copy replaces the earlier one
+    reg.set("rate", float("nan"))
+    reg.set("up", float("inf"), labels={"side": "up"})
+    reg.set("up", float("-inf"), labels={"side": "down"})
+    text = reg.render()
+    assert "# TYPE bagpipe_rows_total counter\nbagpipe_rows_total 7\n" in text
+    assert "bagpipe_rate NaN\n" in text
+    assert 'bagpipe_up{side="up"} +Inf\nbagpipe_up{side="down"} -Inf\n' in text

@@ -30,6 +30,13 @@ def test_parse_turns_lists_into_tuples() -> None:
         ({"name": "dlrm", "top_mlp": [512, -1]}, "model.top_mlp[1]"),
         ({"name": "deepfm", "deep_mlp": ["400"]}, "model.deep_mlp[0]"),
         ({"name": "dcn", "cross_layers": -1}, "model.cross_layers"),
+        ({"factory": "my_models.build"}, "model.factory"),
+        ({"factory": "my_models:"}, "model.factory"),
+        ({"factory": ":build"}, "model.factory"),
+        ({"factory": "my-models:build"}, "model.factory"),
+        ({"factory": "my_models:build()"}, "model.factory"),
+        ({"factory": 3}, "model.factory"),
+        ({"factory": "my_models:build", "name": "dlrm"}, "model.factory"),
     ],
 )
 def test_bad_fields_raise_config_error_naming_them(section: dict[str, object], field: str) -> None:
@@ -40,3 +47,9 @@ def test_bad_fields_raise_config_error_naming_them(section: dict[str, object], f
 
 def test_bottom_mlp_is_only_checked_against_the_dimension_for_dlrm() -> None:
     assert parse_model_spec({"name": "deepfm", "embedding_dim": 32}).embedding_dim == 32
+
+
+def test_a_factory_stands_for_the_name() -> None:
+    spec = parse_model_spec({"factory": "my_pkg.models:Tower.build", "deep_mlp": [32]})
+    assert spec == ModelSpec(factory="my_pkg.models:Tower.build", deep_mlp=(32,))
+    assert spec.name is None

@@ -94,7 +94,7 @@ def run_fuzz(kind: str, examples: int) -> Counter[str]:
         runner.run(start())
         client = connect_client(kind, "127.0.0.1", server.port, token=None, timeout=HANG_S)  # type: ignore[arg-type]
         # The planner compiles on first use (seconds on a cold cache): fuzz a planned run.
-        runner.run(settled(lambda: service.metrics.value("iterations_planned_total"), N, deadline_s=120))
+        runner.run(settled(lambda: service.progress.iterations, N, deadline_s=120))
 
         @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow])

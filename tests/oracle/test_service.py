@@ -23,6 +23,7 @@ from common.steps import decode_batch, decode_end, kind_of
 from common.transport import H2Client, H2Server, read_messages
 from oracle.planner import Planner, PlannerConfig
 from oracle.service import OracleService, Workload
+from tests.prometheus_text import Scrape, parse
 from trainer.io_thread import IoThread
 from trainer.remote import DirectiveStream
 
@@ -155,7 +156,7 @@ async def test_each_trainer_streams_the_planners_directives_and_its_rows() -> No
     for j, got in enumerate(streams):
         check_stream(got, j)
     assert [ds[0].iteration for ds in planned_directly() if ds[0].checkpoint] == [4, 9, 14, 19, 24, 29]
-    assert service.metrics.value("iterations_planned_total") == N
+    assert service.progress.iterations == N
 
 
 async def test_two_services_send_identical_bytes() -> None:
@@ -171,13 +172,48 @@ async def test_a_trainer_that_reads_nothing_holds_the_planner_max_ahead_ahead() 
     service = OracleService(config(), workload(), max_ahead=4)
     async with serving(service) as client:
         eager = asyncio.create_task(read(client, 0, 0))  # trainer 1 has not read anything yet
-        planned = await settled(lambda: service.metrics.value("iterations_planned_total"), 4)
+        planned = await settled(lambda: service.progress.iterations, 4)
         assert planned == 4
         assert not eager.done()
         late = await read(client, 1, 0)  # trainer 1 reads: everything flows again
         early = await asyncio.wait_for(eager, 10)
     check_stream(early, 0)
     check_stream(late, 1)
+
+
+async def scrape(client: H2Client) -> Scrape:
+    answer = await client.request("GET", "/metrics")
+    assert answer.status == 200
+    return parse(answer.body.decode())
+
+
+async def test_metrics_show_the_planner_held_back_by_the_slowest_trainer() -> None:
+    service = OracleService(config(), workload(), max_ahead=4)
+    async with serving(service) as client:
+        eager = asyncio.create_task(read(client, 0, 0))  # trainer 1 reads nothing yet
+        assert await settled(lambda: service.progress.iterations, 4) == 4
+        held = await scrape(client)
+        assert held.by_label("bagpipe_steps_ahead", "trainer") == {"0": 0, "1": 4}
+        assert held.by_label("bagpipe_trainer_position", "trainer") == {"0": 4, "1": 0}
+        assert held.by_label("bagpipe_streams_open", "trainer") == {"0": 1, "1": 0}
+        assert held.value("bagpipe_planner_waiting") == 1
+        assert held.value("bagpipe_steps_held") == 4 and held.value("bagpipe_run_iterations") == N
+        waited = held.value("bagpipe_planner_waiting_seconds_total")
+        assert waited > 0 and (await scrape(client)).value("bagpipe_planner_waiting_seconds_total") > waited
+        await read(client, 1, 0)
+        await eager
+        assert await settled(lambda: sum(service.streams_open), 0) == 0
+        done = await scrape(client)
+    uses = N * BATCH * LAYOUT.num_tables
+    assert done.value("bagpipe_iterations_planned_total") == N
+    assert done.value("bagpipe_planner_key_uses_total") == uses
+    seconds = done.value("bagpipe_planner_seconds_total")
+    assert done.value("bagpipe_planner_key_uses_per_second") == pytest.approx(uses / seconds)
+    assert done.by_label("bagpipe_steps_ahead", "trainer") == {"0": 0, "1": 0}
+    assert done.by_label("bagpipe_trainer_position", "trainer") == {"0": N, "1": N}
+    assert done.by_label("bagpipe_streams_open", "trainer") == {"0": 0, "1": 0}
+    assert done.by_label("bagpipe_steps_sent_total", "trainer") == {"0": N, "1": N}
+    assert done.value("bagpipe_planner_waiting") == 0
 
 
 # --------------------------------------------------------------------------- resuming
@@ -233,7 +269,7 @@ async def test_a_stray_reader_past_a_trainer_cannot_make_the_oracle_drop_its_ste
         first = await read(client, 0, 0, limit=4)  # all the planner may make before trainer 1 reads
         stray = asyncio.create_task(read(client, 0, N))
         other = asyncio.create_task(read(client, 1, 0))
-        assert await settled(lambda: service.metrics.value("iterations_planned_total"), 8) == 8
+        assert await settled(lambda: service.progress.iterations, 8) == 8
         assert not stray.done() and not other.done()
         rest = await read(client, 0, 4)
         strayed, late = await asyncio.wait_for(asyncio.gather(stray, other), 10)
@@ -250,7 +286,7 @@ async def test_a_second_reader_cannot_take_a_trainers_steps_before_its_first_str
     async with serving(service) as client:
         stray = asyncio.create_task(read(client, 0, N))
         other = asyncio.create_task(read(client, 1, 0))
-        assert await settled(lambda: service.metrics.value("iterations_planned_total"), 4) == 4
+        assert await settled(lambda: service.progress.iterations, 4) == 4
         real = await read(client, 0, 0)
         strayed, late = await asyncio.wait_for(asyncio.gather(stray, other), 10)
     check_stream(real, 0)
@@ -321,7 +357,7 @@ async def test_streams_need_the_token_and_health_and_metrics_do_not() -> None:
         }
         metrics = await anonymous.request("GET", "/metrics")
         assert metrics.status == 200 and metrics.headers["content-type"].startswith("text/plain")
-        await settled(lambda: service.metrics.value("iterations_planned_total"), N)
+        await settled(lambda: service.progress.iterations, N)
         again = await anonymous.request("GET", "/metrics")
         assert f"bagpipe_iterations_planned_total {N}" in again.body.decode()
 
