@@ -180,7 +180,10 @@ def join_and_run_trainer(
         rendezvous = Rendezvous(store=store, torchrun=True)
     else:
         assert joined.store is not None
-        rendezvous = Rendezvous(store=joined.store, prefix=f"bagpipe/{joined.generation}/")
+        # The store listens beside the coordinator, wherever it bound: reach it as we reach the
+        # coordinator (its own name for its host may be a wildcard such as 0.0.0.0).
+        store = Endpoint(host=coordinator.endpoint.host, port=joined.store.port)
+        rendezvous = Rendezvous(store=store, prefix=f"bagpipe/{joined.generation}/")
     peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous)
     run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
                 resume=resume)
