@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -69,7 +70,9 @@ class Row:
 
 
 # -- the server -----------------------------------------------------------------------------
-def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event) -> None:
+def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event, cpus: set[int] | None) -> None:
+    _pin(cpus)
+
     async def main() -> None:
         config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((TABLE_ROWS,)), dim=DIM,
                              state_width=0)
@@ -86,6 +89,20 @@ def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event) -> None:
             await server.stop()
 
     run(main())
+
+
+def _pin(cpus: set[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(the attacker's CPUs, the server's and fetching client's): the last CPU for the
+    attacker, as a remote attacker has a machine of its own, so that the figures show what
+    the abuse costs the server rather than what the attacker's own work takes from it.
+    None on one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return None if len(cpus) < 2 else ({cpus[-1]}, set(cpus[:-1]))
 
 
 def _rss_mb(pid: int) -> float:
@@ -274,7 +291,8 @@ Attack = Callable[[int, str, dict[str, int], asyncio.Event], Awaitable[None]]
 
 
 def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Event,
-            results: mp.Queue) -> None:
+            results: mp.Queue, cpus: set[int] | None) -> None:
+    _pin(cpus)
     attacks: dict[str, Attack] = {
         "rapid_reset": _rapid_reset,
         "held_connections": lambda *a: _held_connections(*a, count=held),
@@ -334,14 +352,19 @@ async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
 
 def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
             abuses: tuple[str, ...] = ABUSES, report: Callable[[Row], None] | None = None,
-            ) -> list[Row]:
+            isolate: bool = True) -> list[Row]:
     """Every (protocol, abuse) pair against one server process; `report` sees each row.
-    `held_connections` opens `held_extra` more than the server's cap."""
+    `held_connections` opens `held_extra` more than the server's cap. With `isolate`, the
+    attacker runs on CPUs of its own (`split_cpus`)."""
     ctx = mp.get_context("spawn")
+    split = split_cpus() if isolate else None
+    attacker_cpus, server_cpus = split or (None, None)
     ports_queue, stop_server = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server), daemon=True)
+    server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server, server_cpus), daemon=True)
     server.start()
     rows = []
+    own_cpus = os.sched_getaffinity(0)
+    _pin(server_cpus)  # the fetching client
     try:
         ports = ports_queue.get(timeout=120)
         assert server.pid is not None
@@ -350,10 +373,11 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
                 if abuse == "rapid_reset" and kind == "http1":
                     continue
                 rows.append(_scenario(ctx, kind, abuse, ports[kind], server.pid, seconds,
-                                      limits.max_connections + held_extra))
+                                      limits.max_connections + held_extra, attacker_cpus))
                 if report is not None:
                     report(rows[-1])
     finally:
+        os.sched_setaffinity(0, own_cpus)
         stop_server.set()
         server.join(30)
         if server.is_alive():
@@ -362,10 +386,10 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
 
 
 def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: float,
-              held: int) -> Row:
+              held: int, attacker_cpus: set[int] | None) -> Row:
     before = _rss_mb(pid)
     stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Event()
-    attacker = ctx.Process(target=_attack, args=(abuse, kind, port, held, ready, stop, results),
+    attacker = ctx.Process(target=_attack, args=(abuse, kind, port, held, ready, stop, results, attacker_cpus),
                            daemon=True)
 
     def start_attack() -> None:
@@ -409,16 +433,21 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="short runs (under a minute)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--seconds", type=float, help="fetch loop per scenario (default 10, quick 2)")
+    parser.add_argument("--shared-cpus", action="store_true",
+                        help="let the attacker share the server's CPUs (default: the last CPU is its own)")
     parser.add_argument("--max-connections", type=int, default=ConnectionLimits().max_connections,
                         help="the server's connection cap (held_connections opens 16 more)")
     args = parser.parse_args()
     seconds = args.seconds or (2.0 if args.quick else 10.0)
     limits = ConnectionLimits(max_connections=args.max_connections)
+    split = None if args.shared_cpus else split_cpus()
+    if split is not None:
+        print(f"attacker on CPU {sorted(split[0])}, server and fetching client on CPUs {sorted(split[1])}")
     print(f"PS fetch of {FETCH_ROWS} rows x d {DIM}, one client, {seconds:g} s per scenario; "
           f"server RSS in MB; limits {limits}")
     print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
           f"{'before':>7} {'peak':>7} {'after':>7} | attacker")
-    rows = measure(seconds=seconds, limits=limits, report=_print_row)
+    rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2))
