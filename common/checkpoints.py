@@ -74,21 +74,26 @@ def write_manifest(directory: Path, checkpoint_id: int, num_shards: int, extra: 
 
 
 def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:
+    """The manifest and dense state are here, and so is the snapshot of every shard whose
+    folder is here. The manifest is written only once every shard has saved its snapshot;
+    a shard on another machine keeps its snapshots there, and checks for its own when it
+    resumes (`ps.main`)."""
     parts = [manifest_path(directory, checkpoint_id), dense_path(directory, checkpoint_id)]
-    parts += [ps_dir(directory, s) / checkpoint_name(checkpoint_id) / "meta.json" for s in range(num_shards)]
+    parts += [ps_dir(directory, s) / checkpoint_name(checkpoint_id) / "meta.json" for s in range(num_shards)
+              if ps_dir(directory, s).is_dir()]
     return all(p.is_file() for p in parts)
 
 
 def latest_complete(directory: Path, num_shards: int) -> int | None:
     """The newest complete checkpoint's iteration, or None."""
-    return next(iter(_complete(directory, num_shards)), None)
+    return next(iter(complete_checkpoints(directory, num_shards)), None)
 
 
 def prune(directory: Path, num_shards: int, keep: int) -> list[int]:
     """Delete every checkpoint, complete or not, older than the `keep` newest complete ones
     (0 keeps all); returns their ids. The manifest goes first, so no checkpoint is ever seen
     complete with a part missing."""
-    complete = _complete(directory, num_shards)
+    complete = complete_checkpoints(directory, num_shards)
     if keep <= 0 or len(complete) <= keep:
         return []
     oldest_kept = complete[keep - 1]
@@ -110,7 +115,7 @@ def remove_all(directory: Path) -> None:
             child.unlink()
 
 
-def _complete(directory: Path, num_shards: int) -> list[int]:
+def complete_checkpoints(directory: Path, num_shards: int) -> list[int]:
     """Ids of the complete checkpoints, newest first."""
     if not directory.is_dir():
         return []

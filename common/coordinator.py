@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import orjson
 
 from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable, WireError
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, parse_spec
 from common.transport import TransportKind, connect_client
+from common.wire import decode, encode, require
 from common.transport.retry import RetryBudget
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,31 @@ class Registration:
         return cls(role=role, index=index, address=address, fingerprint=fp)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DenseCheckpoint:
+    """Trainer 0's part of checkpoint `checkpoint`, sent once every shard saved its snapshot
+    (``POST /v1/checkpoint``): the dense state as `torch.save` wrote it, and the figures the
+    manifest records."""
+
+    checkpoint: int
+    dense: bytes
+    nbytes: int  # the whole checkpoint: every snapshot and the dense state
+    seconds: float
+
+    def encode(self) -> bytes:
+        meta = {"checkpoint": self.checkpoint, "bytes": self.nbytes, "seconds": self.seconds}
+        return encode(meta, {"dense": np.frombuffer(self.dense, dtype=np.uint8)})
+
+    @classmethod
+    def decode(cls, body: bytes) -> DenseCheckpoint:
+        meta, arrays = decode(body)
+        c, nbytes, seconds = meta.get("checkpoint"), meta.get("bytes"), meta.get("seconds")
+        if type(c) is not int or c < 0 or type(nbytes) is not int or not isinstance(seconds, int | float):
+            raise WireError("a dense checkpoint needs an integer checkpoint >= 0, bytes and seconds")
+        dense = require(arrays, "dense", "|u1", 1)
+        return cls(checkpoint=c, dense=dense.tobytes(), nbytes=nbytes, seconds=float(seconds))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Joined:
     """The coordinator's answer: who this role is and everything it needs to run."""
@@ -91,12 +118,13 @@ class Joined:
     ps: tuple[Endpoint, ...]  # every shard, in index order (trainers); empty for a PS
     store: Endpoint | None  # the trainers' rendezvous store (trainers)
     generation: int  # how many times this index joined before: a restart's fresh group key
+    resumed_from: int | None = None  # the checkpoint this run resumed from (`--resume`)
 
     def to_json(self) -> bytes:
         return orjson.dumps({
             "index": self.index, "document": self.document, "facts": self.facts.to_json(),
             "ps": [str(e) for e in self.ps], "store": None if self.store is None else str(self.store),
-            "generation": self.generation,
+            "generation": self.generation, "resumed_from": self.resumed_from,
         })
 
     @classmethod
@@ -112,6 +140,7 @@ class Joined:
                 ps=tuple(Endpoint.parse(e, "ps") for e in raw["ps"]),
                 store=None if raw["store"] is None else Endpoint.parse(raw["store"], "store"),
                 generation=int(raw["generation"]),
+                resumed_from=None if raw.get("resumed_from") is None else int(raw["resumed_from"]),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise WireError(f"malformed answer from the coordinator: {exc!r}") from None
@@ -167,6 +196,20 @@ class CoordinatorClient:
                 if time.monotonic() - lost >= reconnect_s:
                     raise Unavailable(f"the coordinator at {self.endpoint} has been unreachable for "
                                       f"{reconnect_s:g} s (cluster.reconnect_s)") from None
+
+    async def complete_checkpoint(self, done: DenseCheckpoint) -> list[int]:
+        """Have the coordinator make checkpoint `done.checkpoint` complete; the complete
+        checkpoints it keeps."""
+        answer = orjson.loads(await self._client.call("POST", "/v1/checkpoint", body=done.encode()))
+        return [int(c) for c in answer["kept"]]
+
+    async def resumed_from(self) -> int | None:
+        """The checkpoint the coordinator's run resumed from, or None."""
+        answer = orjson.loads(await self._client.call("GET", "/v1/checkpoint"))
+        return None if answer["resumed_from"] is None else int(answer["resumed_from"])
+
+    async def dense_state(self, checkpoint: int) -> bytes:
+        return await self._client.call("GET", f"/v1/dense?checkpoint={checkpoint}")
 
     async def close(self) -> None:
         await self._client.close()

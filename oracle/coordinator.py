@@ -11,6 +11,13 @@ Routes (beside the directive streams of `oracle.service`):
   data.
 * ``POST /v1/finished`` ``{"trainer": J}``: trainer J is done; once every trainer is, the
   oracle stops by itself (`finished`), so a batch job completes.
+* Checkpoints (DESIGN §9) are made complete here, whatever machine each role is on: each PS
+  shard keeps its snapshots under its own ``[checkpoint] dir``; trainer 0 sends the dense
+  state and the figures of checkpoint c once every shard has saved c (``POST
+  /v1/checkpoint``), and the oracle writes them and the manifest under its own, then prunes
+  what `[checkpoint] keep` drops (answering which complete checkpoints are kept, so the
+  shards can prune theirs). ``GET /v1/checkpoint`` says which checkpoint this run resumed
+  from (null for none) and ``GET /v1/dense?checkpoint=c`` gives its dense state.
 
 `Registry` is the sans-IO bookkeeping; `Coordinator` the routes around it.
 """
@@ -23,8 +30,10 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 
-from common.coordinator import REGISTER_HOLD_S, Joined, Registration, fingerprint
-from common.errors import BadRequest, Conflict, Unavailable
+from common.coordinator import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
+from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
+from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable
+from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch
@@ -93,9 +102,11 @@ class Coordinator:
     """The coordinator's routes for `job`; `start_store` starts the store where the trainers'
     group meets (once, when the first trainer joins): the store and its address."""
 
-    def __init__(self, job: Job, *, start_store: Callable[[], tuple[object, Endpoint]]) -> None:
+    def __init__(self, job: Job, *, start_store: Callable[[], tuple[object, Endpoint]],
+                 resumed_from: int | None = None) -> None:
         spec = job.spec
         self.job = job
+        self.resumed_from = resumed_from
         self._start_store = start_store
         self._store: tuple[object, Endpoint] | None = None
         self._store_lock = asyncio.Lock()
@@ -109,6 +120,9 @@ class Coordinator:
         router.add("POST", "/v1/register", self.register)
         router.add("GET", "/v1/eval", self.eval)
         router.add("POST", "/v1/finished", self.trainer_finished)
+        router.add("POST", "/v1/checkpoint", self.checkpoint_complete)
+        router.add("GET", "/v1/checkpoint", self.resume_point)
+        router.add("GET", "/v1/dense", self.dense_state)
 
     async def register(self, request: Request) -> Response:
         reg = Registration.from_json(request.body)
@@ -124,7 +138,7 @@ class Coordinator:
         if not self.registry.missing_ps:
             self._ps_ready.set()
         joined = Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
-                        store=store, generation=generation)
+                        store=store, generation=generation, resumed_from=self.resumed_from)
         return Response(body=joined.to_json(), content_type="application/json")
 
     async def _wait_for_ps(self) -> tuple[Endpoint, ...]:
@@ -175,3 +189,48 @@ class Coordinator:
         if len(self._finished) == trainers:
             self.finished.set()
         return Response.json({"finished": len(self._finished)})
+
+    async def checkpoint_complete(self, request: Request) -> Response:
+        done = DenseCheckpoint.decode(request.body)
+        spec = self.job.spec
+        if not (is_checkpoint(done.checkpoint, spec.checkpoint.every) and done.checkpoint < self.job.iterations):
+            raise BadRequest(f"{done.checkpoint} is not a checkpoint of this run", field="checkpoint")
+        try:
+            kept = await asyncio.to_thread(self._complete, done)
+        except OSError as exc:
+            log.error("checkpoint %d is incomplete: it could not be written to %s: %s",
+                      done.checkpoint, spec.checkpoint.dir, exc)
+            raise StorageFailed(f"checkpoint {done.checkpoint} could not be written to "
+                                f"{spec.checkpoint.dir}: {exc}", checkpoint=done.checkpoint) from None
+        log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent",
+                 done.checkpoint, done.nbytes, done.seconds)
+        return Response.json({"checkpoint": done.checkpoint, "kept": kept})
+
+    def _complete(self, done: DenseCheckpoint) -> list[int]:
+        """Write the dense state, then the manifest that makes the checkpoint complete, then
+        prune; the complete checkpoints kept."""
+        spec = self.job.spec
+        directory, shards = spec.checkpoint.dir, spec.ps.num_shards
+        dense = dense_path(directory, done.checkpoint)
+        dense.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(dense, done.dense)
+        write_manifest(directory, done.checkpoint, shards, {"bytes": done.nbytes, "seconds": done.seconds})
+        try:
+            gone = prune(directory, shards, spec.checkpoint.keep)
+        except OSError as exc:  # costs only disk space
+            log.warning("old checkpoints in %s could not be deleted: %s", directory, exc)
+        else:
+            if gone:
+                log.info("deleted the checkpoints older than the %d kept: %s", spec.checkpoint.keep,
+                         ", ".join(map(str, gone)))
+        return complete_checkpoints(directory, shards)
+
+    async def resume_point(self, request: Request) -> Response:
+        return Response.json({"resumed_from": self.resumed_from})
+
+    async def dense_state(self, request: Request) -> Response:
+        spec = self.job.spec
+        c = int_param(request, "checkpoint", 0, self.job.iterations)
+        if not is_complete(spec.checkpoint.dir, c, spec.ps.num_shards):
+            raise NotFound(f"checkpoint {c} is not complete in {spec.checkpoint.dir}", checkpoint=c)
+        return Response(body=await asyncio.to_thread(dense_path(spec.checkpoint.dir, c).read_bytes))

@@ -101,7 +101,8 @@ async def run_oracle(
     config = planner_config(job, workload)
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
     address = spec.oracle.address
-    coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host))
+    coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
+                              resumed_from=first_iteration - 1 if first_iteration else None)
     router = service.router()
     coordinator.add_routes(router)
     servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port)

@@ -25,10 +25,11 @@ _ARRAYS = ("local", "rows", "state", "versions")
 def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dict) -> tuple[Path, int]:
     """Write `snap` atomically; returns the final path and the bytes written."""
     directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob(".tmp-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
     final = directory / checkpoint_name(checkpoint_id)
     tmp = directory / f".tmp-{checkpoint_name(checkpoint_id)}"
+    # Only this checkpoint's leftover: another checkpoint's may be being written right now
+    # (reports come off the critical path); a dead process's are `remove_leftovers`'.
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     written = 0
     try:
@@ -81,6 +82,20 @@ def remove_after(directory: Path, checkpoint_id: int) -> list[int]:
     gone = [c for c in list_checkpoints(directory) if c > checkpoint_id]
     for c in gone:
         shutil.rmtree(directory / checkpoint_name(c))
+    return gone
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Delete half-written snapshots of an earlier process (at start-up, before any write)."""
+    for leftover in directory.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_before(directory: Path, checkpoint_id: int) -> list[int]:
+    """Delete the checkpoints older than `checkpoint_id` (no longer kept); returns their ids."""
+    gone = [c for c in list_checkpoints(directory) if c < checkpoint_id]
+    for c in gone:
+        shutil.rmtree(directory / checkpoint_name(c), ignore_errors=True)
     return gone
 
 

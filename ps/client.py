@@ -161,11 +161,13 @@ class PsClient:
         await self._each_shard(keys, one)
 
     async def report_checkpoint(
-        self, checkpoint_id: int, trainer: int, trainers: int
+        self, checkpoint_id: int, trainer: int, trainers: int, prune_before: int = -1
     ) -> list[CheckpointSaved]:
         """Tell every shard that `trainer`'s writes up to `checkpoint_id` are acknowledged;
-        returns once each shard has written the checkpoint (all trainers reported)."""
-        report = CheckpointReport(checkpoint=checkpoint_id, trainer=trainer, trainers=trainers)
+        returns once each shard has written the checkpoint (all trainers reported). Shards
+        then delete their snapshots older than `prune_before` (if positive)."""
+        report = CheckpointReport(checkpoint=checkpoint_id, trainer=trainer, trainers=trainers,
+                                  prune_before=prune_before)
         answers = await self._all_shards(REPORT_CHECKPOINT, report, CheckpointSaved)
         for journal in self.journals or ():
             journal.forget_through(checkpoint_id)

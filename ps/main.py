@@ -11,7 +11,7 @@ from common.coordinator import CoordinatorClient, free_port, serve_address
 from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
-from ps.checkpoint import list_checkpoints, load_snapshot, remove_after
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -55,6 +55,7 @@ async def run_ps(
     admin_port: int | None = None,
     address: Endpoint | None = None,
     coordinator: CoordinatorClient | None = None,
+    resumed_from: int | None = None,
 ) -> None:
     """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
     is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
@@ -74,11 +75,13 @@ async def run_ps(
     if fresh and (resume or rejoin):
         raise ConfigError("--fresh", "starts a new run: it cannot be combined with --resume or --rejoin")
     service = build_service(job, index)
+    remove_leftovers(service.checkpoint_dir)
     if rejoin:
         restore_own_latest(service)
         log.info("restarted alone: the trainers replay what this snapshot lacks")
     elif resume:
-        start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
+        # Joined, the coordinator says where the run resumes: its manifests are on its machine.
+        start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if coordinator is None else resumed_from
         gone = remove_after(service.checkpoint_dir, -1 if start is None else start)
         if gone:
             log.warning("removed snapshots %s, newer than the latest complete checkpoint %s", gone, start)
@@ -125,8 +128,11 @@ async def join_and_run_ps(
     joined = await coordinator.join("ps", index, address)
     configure_logging(f"ps[{joined.index}]")
     job = joined.job(coordinator.endpoint)
+    # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
+    resume = resume or (joined.resumed_from is not None and not rejoin)
     await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
-                 fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator)
+                 fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
+                 resumed_from=joined.resumed_from)
 
 
 def start_fresh(service: PsService, index: int, *, delete: bool) -> None:
@@ -163,6 +169,12 @@ def _restore(service: PsService, checkpoint_id: int | None) -> None:
     if checkpoint_id is None:
         log.info("no complete checkpoint in %s: starting empty", service.checkpoint_dir.parent)
         return
+    if checkpoint_id not in list_checkpoints(service.checkpoint_dir):
+        raise Conflict(
+            f"PS shard {service.store.config.shard} has no snapshot of checkpoint {checkpoint_id} in "
+            f"{service.checkpoint_dir}: resume it on the machine, and from the working directory, "
+            "that took it (or share [checkpoint] dir between the machines)", checkpoint=checkpoint_id,
+        )
     snap, _ = load_snapshot(service.checkpoint_dir, checkpoint_id)
     service.restore_snapshot(snap, checkpoint_id)
     log.info("restored checkpoint %d (%d rows)", checkpoint_id, len(snap.local))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, Protocol, Self
 
 import numpy as np
@@ -247,7 +247,7 @@ class _JsonMessage:
             raise WireError("body must be a JSON object")
         names = [f.name for f in fields(cls)]
         _only(payload, set(names), "fields")
-        _present(payload, names, "body")
+        _present(payload, [f.name for f in fields(cls) if f.default is MISSING], "body")
         return cls(**payload)
 
 
@@ -282,9 +282,11 @@ class CheckpointReport(_JsonMessage):
     checkpoint: int
     trainer: int
     trainers: int
+    prune_before: int = -1  # the oldest complete checkpoint still kept: older snapshots may go
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "checkpoint", "trainer", "trainers")
+        _check_types(self, prune_before=int)
         below = self.trainer < self.trainers
         _check(self, below, f"trainer {self.trainer} is not below trainers = {self.trainers}")
 

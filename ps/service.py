@@ -21,7 +21,7 @@ import numpy as np
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
 from common.metrics import Registry
 from common.transport import Handler, Request, Response, Router
-from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot, saved_checkpoint
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
     FETCH,
     HEALTH,
@@ -153,7 +153,21 @@ class PsService:
         reported.add(message.trainer)
         if len(reported) == message.trainers and not done.done():
             self._finish_checkpoint(c, done)
-        return await asyncio.shield(done)
+        saved = await asyncio.shield(done)
+        if message.prune_before > 0:
+            await asyncio.to_thread(self._prune, min(message.prune_before, c))
+        return saved
+
+    def _prune(self, oldest_kept: int) -> None:
+        """Delete this shard's snapshots older than the oldest complete checkpoint kept (the
+        trainers learn it from the coordinator): on a machine of its own, nobody else does."""
+        try:
+            gone = remove_before(self.checkpoint_dir, oldest_kept)
+        except OSError as exc:  # costs only disk space
+            log.warning("old snapshots in %s could not be deleted: %s", self.checkpoint_dir, exc)
+            return
+        if gone:
+            log.info("deleted snapshots %s, older than the oldest complete checkpoint kept (%d)", gone, oldest_kept)
 
     async def snapshot(self, message: SnapshotRequest, request: Request) -> CheckpointSaved:
         checkpoint = self.store.check_version(message.checkpoint, "checkpoint")

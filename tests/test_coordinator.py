@@ -69,9 +69,9 @@ class Roles:
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
-    def oracle(self, spec: Path) -> str:
+    def oracle(self, spec: Path, *flags: str) -> str:
         ready = self.tmp_path / "oracle.ready"
-        process = self.start("oracle", str(spec), "--role", "oracle", "--ready-file", str(ready),
+        process = self.start("oracle", str(spec), "--role", "oracle", "--ready-file", str(ready), *flags,
                              cwd=spec.parent)
         wait_for(lambda: ready.exists() or process.poll() is not None, 120, "the oracle's ready file")
         assert process.poll() is None, self.log("oracle")
@@ -138,3 +138,50 @@ def test_a_ps_whose_coordinator_is_gone_exits_naming_it(oracle_host: Path, roles
     assert shard.wait(timeout=job.spec.cluster.reconnect_s + 30) != 0
     log = roles.log("ps-0")
     assert f"the coordinator at {coordinator} has been unreachable for 3 s" in log, log
+
+
+def test_a_run_across_folders_resumes_from_the_coordinators_checkpoint(
+    oracle_host: Path, roles: Roles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No folder is shared: `[checkpoint] dir` is relative, so each role writes under its own
+    working folder; each PS keeps its snapshots there, trainer 0 sends the dense state to the
+    oracle, which keeps it with the manifests. A run is made to have died after checkpoint 11
+    (the later manifests deleted: a run this short ends before a kill could land), then every
+    role is started again, the oracle with --resume and the others as before, following it:
+    the run ends bit-identical to an uninterrupted one."""
+    data = {"format": "criteo", "path": "clicks.tsv", "eval_fraction": 0.1}
+    spec = write_spec(oracle_host, "apart", {**OVERRIDES, "checkpoint": {"every": 4, "keep": 0}}, data=data)
+    spec.write_text(spec.read_text().replace(f'dir = "{oracle_host / "checkpoints"}"', 'dir = "ckpt"'))
+    (tmp_path / "launcher-host").mkdir()
+    monkeypatch.chdir(tmp_path / "launcher-host")  # where the launched run's "ckpt" is
+    job, _ = run_spec(spec, tmp_path / "launched")
+    want = final_model(job, tmp_path / "launched")
+    run_dir = tmp_path / "apart-run"
+
+    def run_roles(*oracle_flags: str) -> None:
+        coordinator = roles.oracle(spec, *oracle_flags)
+        for i in range(2):
+            roles.start(f"ps-{i}", "--role", "ps", "--coordinator", coordinator, "--index", str(i))
+        for j in range(2):
+            roles.start(f"trainer-{j}", "--role", "trainer", "--coordinator", coordinator, "--index", str(j),
+                        "--run-dir", str(run_dir))
+        for process in roles.processes:
+            assert process.wait(timeout=180) == 0, [roles.log(n) for n in ("oracle", "ps-0", "trainer-0")]
+        roles.processes.clear()
+        (tmp_path / "oracle.ready").unlink()
+
+    run_roles()
+    assert (tmp_path / "ps-1" / "ckpt" / "ps-1" / "ckpt-0000000011").is_dir(), "no snapshot in the PS's folder"
+    assert (oracle_host / "ckpt" / "trainer" / "dense-0000000011.pt").is_file()
+    assert not (oracle_host / "ckpt" / "ps-0").exists(), "a snapshot in the oracle's folder"
+    for c in (15, 19):
+        (oracle_host / "ckpt" / f"ckpt-{c:010d}.json").unlink()
+
+    run_roles("--resume")
+    assert "resuming after checkpoint 11" in roles.log("trainer-1")
+    assert "restored checkpoint 11" in roles.log("ps-0")
+    # The final snapshots are in each shard's folder: gather them where final_model looks.
+    for i in range(2):
+        shutil.copytree(tmp_path / f"ps-{i}" / "ckpt" / f"ps-{i}", job.spec.checkpoint.dir / f"ps-{i}",
+                        dirs_exist_ok=True)
+    assert differing_elements(final_model(job, run_dir), want) == {}

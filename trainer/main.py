@@ -20,10 +20,8 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.checkpoints import dense_path, latest_complete, prune, write_manifest
-from common.coordinator import CoordinatorClient, Joined, address_towards
+from common.coordinator import CoordinatorClient, DenseCheckpoint, Joined, address_towards
 from common.errors import BagpipeError, ConfigError
-from common.files import write_atomically
 from common.init import initial_rows
 from common.job import Job
 from common.runtime import configure_logging
@@ -40,7 +38,7 @@ from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
-from trainer.remote import DirectiveStream, RemoteRows, eval_batches, report_finished
+from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
 from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -95,8 +93,11 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     try:
         scrapes = io.run(serve(metrics, spec, token))
         records.write({"kind": "metrics", "time": time.time(), "url": scrapes.url})
+        # The coordinator holds checkpoints' dense state and manifests, wherever this runs.
+        coordinator = CoordinatorClient(peers.oracle, token=token, transport=spec.cluster.transport,
+                                        reconnect_s=spec.cluster.reconnect_s)
         # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
-        resumed_from = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
+        resumed_from = io.run(coordinator.resumed_from()) if resume else None
         local = spec.oracle.mode == "local"
         if not local:
             # The journal lets a PS shard restart alone (from its snapshot) while this trainer
@@ -110,22 +111,24 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
-        checkpoints = Checkpointer(job, rank, io, ps_client, records)
+        checkpoints = Checkpointer(job, rank, io, ps_client, coordinator, records)
         rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
         engine = build_engine(job, device, comm, rows, model, on_checkpoint_written=checkpoints.report)
-        start = _resume_point(job, engine, resumed_from) if resume else 0
+        start = _resume_point(job, engine, io, coordinator, resumed_from) if resume else 0
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
             timeout_s=spec.cluster.fetch_timeout_s,
         )
+        oracle = OracleLink(endpoint=peers.oracle, token=token, transport=spec.cluster.transport,
+                            timeout_s=spec.cluster.request_timeout_s, retries=spec.cluster.retries,
+                            reconnect_s=spec.cluster.reconnect_s)
         iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
         engine.drain()
         stream.close()
         checkpoints.wait()
         comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
-        held_out = eval_batches(io, peers.oracle, token=token, transport=spec.cluster.transport,
-                                trainer=rank, timeout_s=spec.cluster.request_timeout_s)
+        held_out = eval_batches(io, oracle, rank)
         _finish(job, rank, engine, comm, io, ps_client, records, run_dir, iterations, held_out)
         # Leave together: trainers that left while rank 0 still saved the final model aborted
         # in gloo at exit in 2 of 32 T = 4 runs (see also launch.py on how a trainer exits).
@@ -133,8 +136,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         metrics.finish()
         if spec.trainers.metrics_linger_s and not metrics.wait_final_read(spec.trainers.metrics_linger_s):
             log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.trainers.metrics_linger_s)
-        report_finished(io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
-                        timeout_s=spec.cluster.request_timeout_s)
+        report_finished(io, oracle, rank)
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
@@ -185,8 +187,9 @@ def join_and_run_trainer(
         store = Endpoint(host=coordinator.endpoint.host, port=joined.store.port)
         rendezvous = Rendezvous(store=store, prefix=f"bagpipe/{joined.generation}/")
     peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous)
+    # A trainer follows the coordinator: it resumes when the run does.
     run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
-                resume=resume)
+                resume=resume or joined.resumed_from is not None)
 
 
 def seeded_model(job: Job, device: Device) -> torch.nn.Module:
@@ -252,34 +255,29 @@ def _train(
 
 
 class Checkpointer:
-    """This trainer's part of checkpoint c (DESIGN §9): rank 0 saves the dense model and
-    optimizer after iteration c; once the PS acknowledged every write of versions <= c
+    """This trainer's part of checkpoint c (DESIGN §9): rank 0 keeps the dense model and
+    optimizer as of iteration c; once the PS acknowledged every write of versions <= c
     (flushes included), the trainer reports c to every shard, off the critical path; the
-    shards snapshot when all trainers reported; rank 0 then writes the manifest that makes
-    the checkpoint complete. A failure is logged and training goes on: the previous
-    complete checkpoint still holds."""
+    shards snapshot when all trainers reported; rank 0 then sends the dense state to the
+    coordinator, which writes it and the manifest that makes the checkpoint complete
+    (`oracle.coordinator`). A failure is logged and training goes on: the previous complete
+    checkpoint still holds."""
 
-    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None, records: RecordWriter) -> None:
+    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None,
+                 coordinator: CoordinatorClient, records: RecordWriter) -> None:
         self.job, self.rank, self.io, self.ps, self.records = job, rank, io, ps, records
-        self.directory = job.spec.checkpoint.dir
-        self._dense_bytes: dict[int, int] = {}  # checkpoint -> size of its saved dense state
+        self.coordinator = coordinator
+        self._dense: dict[int, bytes] = {}  # checkpoint -> its dense state, until complete
         self._reports: list[concurrent.futures.Future] = []
+        self._oldest_kept = -1  # the oldest complete checkpoint kept: the shards prune below it
 
     def save_dense(self, c: int, engine: Engine) -> None:
         if self.rank != 0:
             return
-        path = dense_path(self.directory, c)
-        # Serialised in memory first: torch.save to a file reports a full disk as a
-        # RuntimeError from its C++ writer, an OSError here.
         buffer = BytesIO()
         torch.save({"model": engine.model.module.state_dict(),
                     "optimizer": engine.dense_optimizer.state_dict(), "iteration": c}, buffer)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, buffer.getvalue())
-            self._dense_bytes[c] = buffer.getbuffer().nbytes
-        except OSError as exc:
-            log.error("checkpoint %d: could not save the dense model to %s: %s", c, path, exc)
+        self._dense[c] = buffer.getvalue()
 
     def report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
         if self.ps is not None:
@@ -291,32 +289,24 @@ class Checkpointer:
         try:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in writes))
             assert self.ps is not None
-            answers = await self.ps.report_checkpoint(c, self.rank, spec.trainers.count)
+            answers = await self.ps.report_checkpoint(c, self.rank, spec.trainers.count, self._oldest_kept)
         except BagpipeError as exc:
             log.error("checkpoint %d is incomplete: %s", c, exc.message)
             return
-        if self.rank == 0 and c in self._dense_bytes:
-            nbytes = sum(a.nbytes for a in answers) + self._dense_bytes[c]
-            seconds = time.perf_counter() - started
-            try:
-                await asyncio.to_thread(write_manifest, self.directory, c, spec.ps.num_shards, {"bytes": nbytes, "seconds": seconds})
-            except OSError as exc:
-                log.error("checkpoint %d is incomplete: its manifest could not be written to %s: %s", c, self.directory, exc)
-                return
-            self.records.write({"kind": "checkpoint", "iteration": c, "time": time.time(), "bytes": nbytes, "seconds": seconds})
-            log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent", c, nbytes, seconds)
-            await asyncio.to_thread(self._prune)
-
-    def _prune(self) -> None:
-        """Delete what `[checkpoint] keep` no longer keeps; a failure costs only disk space."""
-        spec = self.job.spec
-        try:
-            gone = prune(self.directory, spec.ps.num_shards, spec.checkpoint.keep)
-        except OSError as exc:
-            log.warning("old checkpoints in %s could not be deleted: %s", self.directory, exc)
+        dense = self._dense.pop(c, None)
+        if dense is None:
             return
-        if gone:
-            log.info("deleted the checkpoints older than the %d kept: %s", spec.checkpoint.keep, ", ".join(map(str, gone)))
+        nbytes = sum(a.nbytes for a in answers) + len(dense)
+        seconds = time.perf_counter() - started
+        done = DenseCheckpoint(checkpoint=c, dense=dense, nbytes=nbytes, seconds=seconds)
+        try:
+            kept = await self.coordinator.complete_checkpoint(done)
+        except BagpipeError as exc:
+            log.error("checkpoint %d is incomplete: the coordinator did not record it: %s", c, exc.message)
+            return
+        self._oldest_kept = min(kept, default=-1)
+        self.records.write({"kind": "checkpoint", "iteration": c, "time": time.time(), "bytes": nbytes, "seconds": seconds})
+        log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent", c, nbytes, seconds)
 
     def wait(self) -> None:
         """Block until every report finished (their failures are logged, not raised)."""
@@ -324,13 +314,13 @@ class Checkpointer:
             future.result()
 
 
-def _resume_point(job: Job, engine: Engine, c: int | None) -> int:
-    """Load checkpoint `c`'s dense state (None: start afresh); the first iteration to run."""
-    spec = job.spec
+def _resume_point(job: Job, engine: Engine, io: IoThread, coordinator: CoordinatorClient, c: int | None) -> int:
+    """Load checkpoint `c`'s dense state from the coordinator (None: start afresh); the first
+    iteration to run."""
     if c is None:
-        log.info("no complete checkpoint in %s: starting from iteration 0", spec.checkpoint.dir)
+        log.info("no complete checkpoint to resume from: starting from iteration 0")
         return 0
-    saved = torch.load(dense_path(spec.checkpoint.dir, c), map_location=engine.device)
+    saved = torch.load(BytesIO(io.run(coordinator.dense_state(c))), map_location=engine.device)
     engine.model.module.load_state_dict(saved["model"])
     engine.dense_optimizer.load_state_dict(saved["optimizer"])
     log.info("resuming after checkpoint %d", c)

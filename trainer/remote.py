@@ -15,7 +15,7 @@ from common.directive import Directive
 from common.errors import BagpipeError, Unavailable, WireError
 from common.spec import Endpoint, Transport
 from common.steps import EvalBatch, Step, decode_batch, decode_end, kind_of
-from common.transport import connect_client, read_messages
+from common.transport import Client, connect_client, read_messages
 from common.transport.retry import RetryBudget
 from ps.client import PsClient
 from trainer.io_thread import IoThread
@@ -157,19 +157,59 @@ class DirectiveStream:
         return type(exc)(f"oracle at {self.endpoint}: {exc.message}", **exc.fields)
 
 
-def eval_batches(io: IoThread, endpoint: Endpoint, *, token: str, transport: Transport, trainer: int,
-                 timeout_s: float) -> Iterator[EvalBatch]:
+@dataclass(frozen=True, kw_only=True)
+class OracleLink:
+    """How a trainer reaches the oracle for its one-off requests, and how long it keeps
+    trying: an oracle restarted alone is back within `reconnect_s` (`RetryBudget`)."""
+
+    endpoint: Endpoint
+    token: str
+    transport: Transport
+    timeout_s: float
+    retries: int
+    reconnect_s: float
+
+    def client(self) -> Client:
+        e = self.endpoint
+        return connect_client(self.transport, e.host, e.port, token=self.token, timeout=self.timeout_s)
+
+    def budget(self) -> RetryBudget:
+        return RetryBudget(self.retries, self.reconnect_s, first_delay_s=0.2)
+
+    def named(self, what: str, exc: BagpipeError) -> BagpipeError:
+        return type(exc)(f"{what} from the oracle at {self.endpoint}: {exc.message}", **exc.fields)
+
+
+def eval_batches(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[EvalBatch]:
     """This trainer's share of the held-out rows from the oracle (``GET /v1/eval``), one batch
-    at a time: the trainer never reads the data, and holds one batch of it at a time."""
-    client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
-    chunks = client.stream("GET", f"/v1/eval?trainer={trainer}", timeout=timeout_s)
-    messages = read_messages(chunks)
+    at a time: the trainer never reads the data, and holds one batch of it at a time. A
+    broken stream is read again from its start, skipping the batches already given."""
+    given = 0
+    budget = oracle.budget()
+    while True:
+        try:
+            for i, batch in enumerate(_eval_stream(io, oracle, trainer)):
+                if i >= given:
+                    given += 1
+                    yield batch
+            return
+        except Unavailable as exc:
+            if not budget.allows_retry():
+                raise oracle.named("held-out batches", exc) from None
+            log.warning("held-out stream from %s broke (%s); reading it again in %.1f s",
+                        oracle.endpoint, exc.message, budget.delay)
+            io.run(budget.wait())
+
+
+def _eval_stream(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[EvalBatch]:
+    client = oracle.client()
+    messages = read_messages(client.stream("GET", f"/v1/eval?trainer={trainer}", timeout=oracle.timeout_s))
     try:
         while True:
             try:
                 message = io.run(_next(messages))
             except StopAsyncIteration:
-                raise Unavailable(f"held-out stream from the oracle at {endpoint} closed before its end") from None
+                raise Unavailable("held-out stream closed before its end") from None
             if kind_of(message) == "end":
                 return
             yield EvalBatch.decode(message)
@@ -182,14 +222,21 @@ async def _next(messages: AsyncIterator[bytes]) -> bytes:
     return await anext(messages)
 
 
-def report_finished(io: IoThread, endpoint: Endpoint, *, token: str, transport: Transport, trainer: int,
-                    timeout_s: float) -> None:
+def report_finished(io: IoThread, oracle: OracleLink, trainer: int) -> None:
     """Tell the oracle this trainer is done (``POST /v1/finished``): once all are, it stops."""
 
     async def call() -> None:
-        client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+        budget = oracle.budget()
+        client = oracle.client()
         try:
-            await client.call("POST", "/v1/finished", body=orjson.dumps({"trainer": trainer}))
+            while True:
+                try:
+                    await client.call("POST", "/v1/finished", body=orjson.dumps({"trainer": trainer}))
+                    return
+                except Unavailable as exc:
+                    if not budget.allows_retry():
+                        raise oracle.named("finishing", exc) from None
+                    await budget.wait()
         finally:
             await client.close()
 

@@ -12,7 +12,7 @@ import pytest
 from common.errors import BadRequest, Conflict, NotFound
 from common.init import initial_rows
 from common.keys import TableLayout
-from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_leftovers, save_snapshot
 from ps.store import DEFAULT_VERSION_LIMIT, ShardConfig, ShardStore
 from tests.ps.conftest import raw_state, same_state
 
@@ -119,8 +119,19 @@ def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         load_snapshot(tmp_path, 3)
     save_snapshot(tmp_path, 4, store.snapshot(), {})
+    assert list_checkpoints(tmp_path) == [1, 4]
+    remove_leftovers(tmp_path)  # at a process's start
     assert not (tmp_path / ".tmp-ckpt-0000000002").exists()
     assert list_checkpoints(tmp_path) == [1, 4]
+
+
+def test_a_snapshot_being_written_survives_the_next_checkpoints_save(tmp_path: Path) -> None:
+    """Reports come off the critical path: checkpoint c + every may be saved while c is."""
+    store = make_store()
+    (tmp_path / ".tmp-ckpt-0000000002").mkdir()  # checkpoint 2, half written
+    (tmp_path / ".tmp-ckpt-0000000002" / "rows.npy").write_bytes(b"in progress")
+    save_snapshot(tmp_path, 7, store.snapshot(), {})
+    assert (tmp_path / ".tmp-ckpt-0000000002" / "rows.npy").read_bytes() == b"in progress"
 
 
 def test_restore_refuses_a_snapshot_of_another_shape() -> None:
