@@ -71,6 +71,7 @@ def bagpipe(
     memMB: int = 4096,
     gpu: int = 0,
     env: Optional[Dict[str, str]] = None,
+    mounts: Optional[List[str]] = None,
 ) -> "AppDef":
     """
     A Bagpipe job: one oracle (the coordinator, the only role that reads the spec and the
@@ -92,23 +93,26 @@ def bagpipe(
         memMB: memory per replica, in MB
         gpu: GPUs per trainer
         env: more environment variables for every role (e.g. GLOO_SOCKET_IFNAME=eth0,BAGPIPE_LOG=DEBUG)
+        mounts: volumes for every role (Kubernetes), e.g. type=volume,src=CLAIM,dst=/shared (data, checkpoints)
     """
     from torchx import specs
 
     if ps < 1 or trainers < 1:
         raise ValueError(f"a job needs at least one PS shard and one trainer, got ps={ps}, trainers={trainers}")
     role_env = {**(env or {}), BAGPIPE_TOKEN_ENV: token or secrets.token_urlsafe(24)}
+    volumes = specs.parse_mounts(mounts) if mounts else []
 
     def joined(role: str, replicas: int, gpus: int) -> "specs.Role":
         argv = joined_argv(role, BAGPIPE_COORDINATOR_MARK, specs.macros.replica_id, transport=transport,
                            run_dir=run_dir)
         line = joined_shell_line(python, argv, host_env=specs.macros.rank0_env, port=port)
         return specs.Role(name=role, image=image, entrypoint="bash", args=["-c", line], env=dict(role_env),
-                          num_replicas=replicas, resource=specs.resource(cpu=cpu, gpu=gpus, memMB=memMB))
+                          num_replicas=replicas, resource=specs.resource(cpu=cpu, gpu=gpus, memMB=memMB),
+                          mounts=list(volumes))
 
     oracle = specs.Role(
         name="oracle", image=image, entrypoint=python, args=oracle_argv(spec, port), env=dict(role_env),
-        num_replicas=1, resource=specs.resource(cpu=cpu, memMB=memMB),
+        num_replicas=1, resource=specs.resource(cpu=cpu, memMB=memMB), mounts=list(volumes),
         port_map={"coordinator": port, "admin": port + 1},
     )
     # The oracle first: its host is the scheduler's rank 0 host, which every replica can read.

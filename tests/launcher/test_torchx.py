@@ -114,7 +114,8 @@ def test_the_app_has_the_oracle_first_then_the_shards_and_the_trainers(runner: A
 
 def test_kubernetes_dryrun_finds_the_oracle_through_volcano(runner: Any, echo_python: Path) -> None:
     pytest.importorskip("kubernetes", reason=NO_TORCHX)
-    info = runner.dryrun(app(), "kubernetes", cfg={"queue": "default", "namespace": "ml"})
+    mounts = ["type=volume", "src=bagpipe-shared", "dst=/shared"]
+    info = runner.dryrun(app(mounts=mounts), "kubernetes", cfg={"queue": "default", "namespace": "ml"})
     job = info.request.resource
     app_id = job["metadata"]["name"]
     assert job["spec"]["schedulerName"] == "volcano" and "svc" in job["spec"]["plugins"]
@@ -123,6 +124,10 @@ def test_kubernetes_dryrun_finds_the_oracle_through_volcano(runner: Any, echo_py
     containers = {name: pod.spec.containers[0] for name, pod in tasks.items()}
     assert {c.image for c in containers.values()} == {"registry/bagpipe:1"}
     assert all({e.name: e.value for e in c.env}["BAGPIPE_TOKEN"] == TOKEN for c in containers.values())
+    for pod in tasks.values():  # the shared volume (data, checkpoints) in every pod
+        claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.spec.volumes if v.persistent_volume_claim}
+        paths = {m.name: m.mount_path for m in pod.spec.containers[0].volume_mounts}
+        assert [paths[name] for name, claim in claims.items() if claim == "bagpipe-shared"] == ["/shared"]
 
     oracle = containers["oracle-0"]
     assert oracle.command == ["python", *oracle_argv("examples/job.toml", 29400)]
