@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 from collections.abc import Iterator
 
+from bench.topology import parse_rate, tbf_burst_bytes
+from common.errors import ConfigError
 from launcher.cluster import PsHost
 
 NAMESPACE = "bagpipe-ps"
@@ -27,12 +28,10 @@ def _run(*argv: str) -> None:
 
 
 def _burst_bytes(rate: str) -> int:
-    """10 ms at `rate` (tbf needs a bucket of at least rate / HZ), and at least 64 KiB."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    if not m:
-        raise SystemExit(f"--shaped: rate must look like 1gbit, 500mbit or 100kbit, got {rate!r}")
-    bits = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    return max(64 << 10, int(bits / 8 / 100))
+    try:
+        return tbf_burst_bytes(parse_rate(rate))
+    except ConfigError as exc:
+        raise SystemExit(f"--shaped: {exc}") from None
 
 
 def _cleanup() -> None:

@@ -29,11 +29,17 @@ overlap the ids' all-to-all with the previous iteration's compute.
 
 torchrec is optional (`bench/requirements-torchrec.txt`); `unavailable()` says why it cannot
 be imported, and only the spawned ranks import it.
+
+`run` spawns every rank here; one rank alone, for ranks on different hosts (`bench/cluster.py`):
+
+    python -m bench.torchrec_baseline SPEC --rank R --run-dir DIR --init-method tcp://HOST:PORT
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,12 +107,13 @@ def run(spec_path: Path, run_dir: Path, *, warmup: int) -> RunSummary:
                      warmup=warmup, trainers=world)
 
 
-def _rank_main(rank: int, spec_path: Path, run_dir: Path) -> None:
+def _rank_main(rank: int, spec_path: Path, run_dir: Path, init_method: str | None = None) -> None:
+    """One rank, to its end; `init_method` (default: a file store in `run_dir`, for ranks on
+    one machine: no port to pick and race for) is where the ranks meet."""
     job = build_job(load_spec(spec_path))
     world = job.spec.trainers.count
     torch.set_num_threads(job.spec.trainers.threads)
-    # A file store: no port to pick and race for.
-    rendezvous = (run_dir / "rendezvous").as_uri()
+    rendezvous = init_method or (run_dir / "rendezvous").as_uri()
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
     try:
@@ -220,3 +227,21 @@ def _train(
                        "samples": len(labels), "loss": float(loss.detach()), "time": time.time(),
                        "phases": timer.end_iteration()})
     records.write({"kind": "final", "time": time.time(), "iterations": len(batches)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank as a process of its own; the caller starts every rank and empties `--run-dir`
+    of an earlier run's records (they append)."""
+    parser = argparse.ArgumentParser(description="one TorchRec baseline rank")
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True, help="where trainer-RANK.jsonl goes")
+    parser.add_argument("--init-method", required=True, help="torch.distributed's, e.g. tcp://HOST:PORT")
+    args = parser.parse_args(argv)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    _rank_main(args.rank, args.spec, args.run_dir, args.init_method)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""The modes and TorchRec across five hosts on one machine, each host's link shaped. Root.
+
+`bench/topology.py` builds the hosts oracle, ps0, ps1, tr0 and tr1 (network namespaces on one
+switch), every host's link shaped by tbf to the rate, in both directions. Each role is started
+on its host with the command a cluster across machines uses (`launch.py SPEC --role R --index
+I` and the addresses: `start_roles`, the one place that says how); TorchRec's two ranks run on
+tr0 and tr1 (`start_torchrec`). The job is `bench/e2e.py`'s (T = 2, S = 2, DLRM, synthetic
+Criteo-like data, a cache far below the tables). Per rate it prints samples/s, ms per phase
+(both from each run's report.json) and MB each host's link carried per iteration, counted on
+the links from the end of the warm-up to the last iteration.
+
+Unlike `bench/e2e.py` on loopback, every byte between roles crosses two shaped links (sender
+and receiver), trainer to trainer too: the trainers' and TorchRec's collectives are shaped.
+All hosts still share this machine's cores.
+
+The per-iteration link figures count from the end of the warm-up to the last iteration.
+Bagpipe prefetches up to `prefetch_lead` (8) iterations ahead, so the rows of the first
+measured iterations crossed before the window opened: in a 40-iteration run its PS links
+show about a quarter less per iteration than the trainers' own fetch counters (a few
+percent in 300 iterations).
+
+`--hide-data DIR` hides DIR from every host but the oracle's. It is meant for file data once
+the PS and trainers need none; today they open the data themselves (the synthetic data here
+is generated from its seed, in every role, so hiding a folder changes nothing for them).
+
+    python bench/cluster.py --quick
+    python bench/cluster.py --rates 1gbit,100mbit --modes bagpipe,no-cache,local --json runs/bench/cluster.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import STDOUT, Popen
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import e2e, torchrec_baseline  # noqa: E402
+from bench.topology import (  # noqa: E402
+    HostSpec, Snapshot, Terminated, Topology, Traffic, parse_rate, stop_processes,
+)
+from common.errors import BagpipeError, ConfigError  # noqa: E402
+from common.spec import MODES, TOKEN_ENV, spec_toml  # noqa: E402
+from launcher.report import RunSummary, RunTail, compare_modes, read_run, summarise, write_report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = ("oracle", "ps0", "ps1", "tr0", "tr1")
+TOKEN = "cluster-bench"
+START_TIMEOUT_S = 300.0
+MODES_RUN = ("bagpipe", "no-cache", "local")  # by default; --modes adds static-cache
+
+
+class RunFailed(BagpipeError):
+    code = "run_failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Role:
+    """A role's process on its host; `ready_file` for the services, which write it once they listen."""
+
+    name: str
+    process: Popen[bytes]
+    log_path: Path
+    ready_file: Path | None = None
+
+    def failure(self) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()[-15:] if self.log_path.exists() else []
+        body = "\n".join(f"    {line}" for line in lines) or "    (empty log)"
+        return f"{self.name} exited with code {self.process.returncode}; the end of {self.log_path}:\n{body}"
+
+
+def start_roles(net: Topology, spec: Path, run_dir: Path, *, port: int) -> list[Role]:
+    """Start every bagpipe role on its host, as a cluster across machines starts them, and
+    wait until the services listen. Services listen at `port` of their host (PS admin:
+    port + 1), the trainers meet at port + 2 on tr0. The trainers need GLOO_SOCKET_IFNAME:
+    their hostname resolves to loopback, which gloo would otherwise pick."""
+    shards = [h for h in HOSTS if h.startswith("ps")]
+    trainers = [h for h in HOSTS if h.startswith("tr")]
+    peers = ["--oracle-address", f"{net['oracle'].address}:{port}",
+             "--ps-addresses", ",".join(f"{net[h].address}:{port}" for h in shards),
+             "--rendezvous", f"{net[trainers[0]].address}:{port + 2}", "--run-dir", str(run_dir)]
+    launch = [sys.executable, str(ROOT / "launch.py"), str(spec)]
+    roles = []
+    for i, host in enumerate(shards):
+        argv = [*launch, "--role", "ps", "--index", str(i), *peers]
+        roles.append(_start(net, host, f"ps-{i}", argv, run_dir, ready=True))
+    _wait_ready(roles)
+    roles.append(_start(net, "oracle", "oracle", [*launch, "--role", "oracle", *peers], run_dir, ready=True))
+    _wait_ready(roles)
+    for j, host in enumerate(trainers):
+        roles.append(_start(net, host, f"trainer-{j}", [*launch, "--role", "trainer", "--index", str(j), *peers],
+                            run_dir, env={"GLOO_SOCKET_IFNAME": net[host].interface}))
+    return roles
+
+
+def start_torchrec(net: Topology, spec: Path, run_dir: Path, *, port: int) -> list[Role]:
+    """TorchRec's ranks on the trainer hosts, meeting at `port` on the first."""
+    trainers = [h for h in HOSTS if h.startswith("tr")]
+    meet = f"tcp://{net[trainers[0]].address}:{port}"
+    return [_start(net, host, f"trainer-{r}", [sys.executable, "-m", "bench.torchrec_baseline", str(spec),
+                                               "--rank", str(r), "--run-dir", str(run_dir), "--init-method", meet],
+                   run_dir, env={"GLOO_SOCKET_IFNAME": net[host].interface})
+            for r, host in enumerate(trainers)]
+
+
+def _start(net: Topology, host: str, name: str, argv: list[str], run_dir: Path, *,
+           ready: bool = False, env: Mapping[str, str] | None = None) -> Role:
+    log_path = run_dir / "logs" / f"{name}.log"
+    ready_file = run_dir / f".{name}.ready" if ready else None
+    if ready_file is not None:
+        argv = [*argv, "--ready-file", str(ready_file)]
+    full_env = {**os.environ, TOKEN_ENV: TOKEN, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "ab") as out:
+        process = net[host].popen(argv, env=full_env, cwd=ROOT, stdout=out, stderr=STDOUT)
+    return Role(name=name, process=process, log_path=log_path, ready_file=ready_file)
+
+
+def _wait_ready(roles: Sequence[Role]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not all(r.ready_file is None or r.ready_file.exists() for r in roles):
+        _check(roles)
+        if time.monotonic() > deadline:
+            raise RunFailed(f"services not listening within {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _check(roles: Sequence[Role]) -> bool:
+    """True once every trainer exited cleanly; RunFailed naming the first role that died."""
+    for role in roles:
+        code = role.process.poll()
+        if code is not None and not (code == 0 and role.name.startswith("trainer-")):
+            raise RunFailed(role.failure(), role=role.name)
+    return all(r.process.poll() == 0 for r in roles if r.name.startswith("trainer-"))
+
+
+class LinkWindow:
+    """Link counters of one run: read at its start, once every trainer's records show the
+    warm-up done, once they show the last iteration done, and at its end."""
+
+    def __init__(self, net: Topology, run_dir: Path, *, trainers: int, warmup: int, iterations: int) -> None:
+        self.net = net
+        self.tail = RunTail(run_dir, trainers)
+        self.done = [0] * trainers  # iterations each trainer has finished
+        self.marks = (warmup, iterations)
+        self.snapshots: list[tuple[Snapshot, int]] = []
+        self.started = net.snapshot()
+
+    def poll(self) -> None:
+        for j, records in self.tail.poll().items():
+            finished = [r["iteration"] + 1 for r in records if r.get("kind") == "iter"]
+            self.done[j] = max([self.done[j], *finished])
+        done = min(self.done)
+        while len(self.snapshots) < 2 and done >= self.marks[len(self.snapshots)]:
+            self.snapshots.append((self.net.snapshot(), done))
+
+    def figures(self) -> dict[str, dict[str, dict[str, float]]]:
+        """MB each host sent and received: per measured iteration ("per_iteration", between
+        the middle two readings) and over the whole run ("run", start-up included)."""
+        (before, first), (after, last) = self.snapshots
+        whole = self.net.snapshot() - self.started
+        return {"per_iteration": _mb(after - before, last - first), "run": _mb(whole, 1)}
+
+
+def _mb(traffic: Traffic, per: int) -> dict[str, dict[str, float]]:
+    return {h: {"sent": b.sent / 1e6 / per, "received": b.received / 1e6 / per} for h, b in traffic.links.items()}
+
+
+Starter = Callable[[Topology, Path, Path], list[Role]]
+
+
+def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> tuple[RunSummary, dict]:
+    """One run of `base` with the roles `start` starts: its summary as read back from its
+    report.json, and the MB each host's link carried (`LinkWindow.figures`)."""
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # records append, a PS refuses old snapshots
+    (run_dir / "logs").mkdir(parents=True)
+    spec = run_dir / "spec.toml"
+    sections = {**base, "checkpoint": {"dir": str(run_dir / "checkpoints")}}
+    if name != torchrec_baseline.MODE:
+        sections["oracle"] = {**base["oracle"], "mode": name}
+    spec.write_text(spec_toml(f"cluster-{name}", e2e.SEED, sections))
+    iterations = base["train"]["max_iterations"]
+    window = LinkWindow(net, run_dir, trainers=2, warmup=e2e.warmup_of(iterations), iterations=iterations)
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    roles: list[Role] = []
+    try:
+        roles = start(net, spec, run_dir)
+        while not _check(roles):
+            window.poll()
+            time.sleep(0.1)
+        window.poll()
+    finally:
+        stop_processes([r.process for r in reversed(roles)])
+    summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
+                        warmup=e2e.warmup_of(iterations), trainers=2)
+    links = window.figures()
+    report = write_report(run_dir, summary, {"spec": str(spec), "link_mb": links})
+    return RunSummary.from_json(orjson.loads(report.read_bytes())["summary"]), links
+
+
+def link_table(links: Mapping[str, Mapping[str, Mapping[str, Mapping[str, float]]]], span: str) -> str:
+    """MB each host's link carried over `span` ("per_iteration" or "run"), sent / received
+    by the host, by run."""
+    head = f"{'mode':<14}" + "".join(f"{h:>16}" for h in HOSTS)
+    lines = [head, "-" * len(head)]
+    for name, figures in links.items():
+        cells = (f"{figures[span][h]['sent']:.2f} / {figures[span][h]['received']:.2f}" for h in HOSTS)
+        lines.append(f"{name:<14}" + "".join(f"{c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path | None) -> dict[str, Any]:
+    """Every run in `names` on a fresh topology whose links are shaped to `rate`."""
+    hosts = [HostSpec(name=h, rate=rate, hide_data=(hide,) if hide and h != "oracle" else ()) for h in HOSTS]
+    summaries: dict[str, RunSummary] = {}
+    links: dict[str, dict] = {}
+    with Topology(hosts) as net:
+        for k, name in enumerate(names):
+            port = 7000 + 10 * k  # a fresh port per run: the last run's sockets may linger
+            start = start_torchrec if name == torchrec_baseline.MODE else start_roles
+            starter = functools.partial(start, port=port)
+            summaries[name], links[name] = run_one(net, name, base, out / rate, starter)
+    return {"summaries": summaries, "links": links}
+
+
+def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
+    """The tables of one rate's runs."""
+    train, cache_rows = base["train"], base["oracle"]["cache_rows"]
+    print(f"\n== every host's link at {rate} (tbf, both directions): {train['max_iterations']} iterations "
+          f"per run (first {e2e.warmup_of(train['max_iterations'])} excluded), global batch "
+          f"{train['batch_size']}, C = {cache_rows} rows per trainer")
+    print(compare_modes(result["summaries"]))
+    print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
+    print(e2e.phase_table(result["summaries"]))
+    print("\nMB per measured iteration on each host's link, sent / received by the host")
+    print(link_table(result["links"], "per_iteration"))
+    print("\nMB over the whole run (from before the roles start to after they stopped), sent / received")
+    print(link_table(result["links"], "run"), flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="40 iterations of batch 2048 (else 300 of 4096)")
+    parser.add_argument("--iterations", type=int, help="iterations per run (default 40 quick, 300 full)")
+    parser.add_argument("--rates", default="1gbit,100mbit", help="comma-separated tc rates of every host's link")
+    parser.add_argument("--modes", default=",".join(MODES_RUN), help="comma-separated modes")
+    parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
+                        help="add the TorchRec baseline (default: when torchrec is importable)")
+    parser.add_argument("--hide-data", type=Path, help="a folder to hide from every host but the oracle's")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/cluster"), help="specs, logs and records")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("needs root: network namespaces, veth and tc")
+    args.modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(args.modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}")
+    args.rates = [r for r in args.rates.split(",") if r]
+    for rate in args.rates:
+        try:
+            parse_rate(rate)
+        except ConfigError as exc:
+            parser.error(f"--rates: {exc}")
+    args.with_torchrec, args.torchrec_skipped = e2e.torchrec_choice(parser, args.torchrec)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    iterations, batch, cache_rows = (40, 2048, 32768) if args.quick else (300, 4096, 65536)
+    base = e2e.sections(args.iterations or iterations, batch, cache_rows)
+    names = [*args.modes, *([torchrec_baseline.MODE] if args.with_torchrec else [])]
+    hide = args.hide_data.resolve() if args.hide_data else None
+    results = {}
+    try:
+        for rate in args.rates:
+            results[rate] = run_rate(rate, names, base, args.out.resolve(), hide)
+            print_rate(rate, results[rate], base)
+    except BagpipeError as exc:
+        print(f"cluster.py: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Terminated as exc:
+        return 128 + exc.signum
+    if args.torchrec_skipped:
+        print(f"(TorchRec skipped: {args.torchrec_skipped})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        body = {rate: {name: {"summary": s.to_json(), "link_mb": r["links"][name]}
+                       for name, s in r["summaries"].items()} for rate, r in results.items()}
+        args.json.write_bytes(orjson.dumps({"spec": base, "runs": body},
+                                           option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
