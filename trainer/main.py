@@ -18,7 +18,7 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.checkpoints import dense_path, latest_complete, prune, write_manifest
+from common.checkpoints import dense_path, final_paths, latest_complete, prune, write_manifest
 from common.data.dataset import open_dataset
 from common.errors import BagpipeError
 from common.files import write_atomically
@@ -31,7 +31,7 @@ from trainer.collectives import Collectives, close_collectives, init_collectives
 from trainer.device import Device, select_device
 from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
 from trainer.io_thread import IoThread
-from trainer.metrics import MetricAccumulator, evaluate
+from trainer.metrics import MetricAccumulator, evaluate, held_out_share
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
 from trainer.remote import DirectiveStream, RemoteRows
@@ -314,18 +314,18 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
     """Held-out evaluation and the final model: dense state (rank 0) and the tables."""
     _record_eval(records, comm, _held_out(job, rank, engine, io, ps), iterations, split="held-out")
     if rank == 0:
-        final = run_dir / "final"
-        final.mkdir(parents=True, exist_ok=True)
-        torch.save(engine.model.module.state_dict(), final / "dense.pt")
+        final = final_paths(run_dir)
+        final.dense.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(engine.model.module.state_dict(), final.dense)
         if ps is None:
-            np.save(final / "table.npy", engine.cache.rows.cpu().numpy())
-            np.save(final / "state.npy", engine.cache.state.cpu().numpy())
+            np.save(final.table, engine.cache.rows.cpu().numpy())
+            np.save(final.state, engine.cache.state.cpu().numpy())
         else:
             try:
                 io.run(ps.snapshot(iterations))
             except BagpipeError as exc:  # training is done; say clearly that its tables were not saved
                 log.error("the final tables could not be saved: %s", exc.message)
-        (final / "final.json").write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
+        final.info.write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
     records.write({"kind": "final", "time": time.time(), "iterations": iterations})
 
 
@@ -336,9 +336,8 @@ def _held_out(job: Job, rank: int, engine: Engine, io: IoThread, ps: PsClient | 
     model = engine.model.module
     model.eval()
     with torch.no_grad():
-        for i, batch in enumerate(dataset.eval_batches(job.spec.train.batch_size)):
-            if i % job.spec.trainers.count != rank:
-                continue
+        batches = dataset.eval_batches(job.spec.train.batch_size)
+        for batch in held_out_share(batches, rank, job.spec.trainers.count):
             keys = job.layout.to_keys(batch.sparse)
             emb = _rows_of(keys, engine, io, ps)
             dense = torch.from_numpy(np.ascontiguousarray(batch.dense)).to(engine.device)

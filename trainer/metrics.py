@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
 ArrayLike = np.ndarray | torch.Tensor
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +49,13 @@ def evaluate(labels: ArrayLike, probs: ArrayLike) -> EvalResult:
     auc = float(roc_auc_score(y, p)) if 0 < positives < count else math.nan
     loss = float(log_loss(y, p, labels=[0.0, 1.0]))
     return EvalResult(auc=auc, log_loss=loss, count=count, positives=positives)
+
+
+def held_out_share(batches: Iterable[T], rank: int, world: int) -> Iterator[T]:
+    """Trainer `rank`'s share of the held-out batches: batches rank, rank + world, ... Rank 0
+    scores the predictions gathered rank by rank, so a re-scoring that wants the run's log
+    loss to the last bit (a sum depends on its order) concatenates the shares in that order."""
+    return itertools.islice(batches, rank, None, world)
 
 
 class MetricAccumulator:
