@@ -95,7 +95,7 @@ def _manifest(trained: TrainedModel, torchrec: bool) -> ExportManifest:
     return ExportManifest(
         model=job.model, num_dense=job.num_dense, table_sizes=job.layout.sizes, optimizer=job.optimizer,
         data=job.data, seed=job.spec.seed, batch_size=job.spec.train.batch_size,
-        trainers=job.spec.trainers.count, threads=job.spec.trainers.threads, origin=trained.origin,
+        trainers=job.spec.trainers.count, origin=trained.origin,
         held_out=trained.held_out, torchrec=torchrec,
     )  # fmt: skip
 

@@ -55,7 +55,6 @@ class ExportManifest:
     seed: int
     batch_size: int  # the global batch: the held-out evaluation scored batches of this size,
     trainers: int  # split over this many trainers (the order its log loss was summed in)
-    threads: int  # torch threads per trainer
     origin: Origin
     held_out: RunEval | None
     torchrec: bool  # whether TORCHREC_FILE was written
@@ -87,7 +86,7 @@ def _from_json(path: Path, body: dict[str, Any]) -> ExportManifest:
             model=ModelSpec(**_tuples(body["model"])), num_dense=body["num_dense"],
             table_sizes=tuple(body["table_sizes"]), optimizer=OptimizerSpec(**body["optimizer"]),
             data=DataSpec(**_tuples(body["data"])), seed=body["seed"], batch_size=body["batch_size"],
-            trainers=body["trainers"], threads=body["threads"], origin=Origin(**body["origin"]),
+            trainers=body["trainers"], origin=Origin(**body["origin"]),
             held_out=None if held_out is None else RunEval.from_json(held_out), torchrec=body["torchrec"],
         )  # fmt: skip
     except (KeyError, TypeError) as exc:

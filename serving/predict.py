@@ -43,7 +43,7 @@ class ExportedModel:
     def probabilities(self, batch: Batch) -> np.ndarray:
         """Click probabilities (float32) of the batch's samples."""
         emb = np.stack([table[batch.sparse[:, t]] for t, table in enumerate(self.tables)], axis=1)  # (B, F, d)
-        dense = torch.from_numpy(np.ascontiguousarray(batch.dense))
+        dense = torch.from_numpy(np.array(batch.dense))  # a copy: batches may be read-only views
         with torch.no_grad():
             return torch.sigmoid(self.model(dense, torch.from_numpy(emb))).numpy()
 

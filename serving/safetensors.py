@@ -142,8 +142,10 @@ class SafetensorsFile:
     def array(self, name: str) -> np.ndarray:
         """Tensor `name`, mapped read-only: only the pages that are read come into memory."""
         e = self._entry(name)
-        if e.end == e.begin:
-            return np.zeros(e.shape, e.dtype)  # nothing to map
+        if e.end == e.begin:  # nothing to map
+            empty = np.zeros(e.shape, e.dtype)
+            empty.flags.writeable = False
+            return empty
         mapped = np.memmap(self.path, dtype=e.dtype, mode="r", offset=self.data_start + e.begin,
                            shape=math.prod(e.shape))
         return mapped.reshape(e.shape)

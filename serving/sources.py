@@ -183,7 +183,7 @@ class NpyFile:
         out = np.empty((stop - start, *self.shape[1:]), self.dtype)
         with open(self.path, "rb") as fh:
             fh.seek(self.offset + start * self.row_bytes)
-            got = fh.readinto(memoryview(out).cast("B"))
+            got = fh.readinto(out.reshape(-1).view(np.uint8))
         if got != out.nbytes:
             raise FormatError(f"{self.path}: rows {start}..{stop} are cut short")
         return out
