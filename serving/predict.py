@@ -38,11 +38,11 @@ from trainer.models import build_model
 class ExportedModel:
     manifest: ExportManifest
     model: nn.Module  # in eval mode
-    tables: tuple[np.ndarray, ...]  # read-only memmaps [rows_t, d]: a lookup reads its rows' pages only
+    tables: tuple[np.ndarray, ...]  # [rows_t, d], mapped read-only: a lookup reads its rows' pages
 
     def probabilities(self, batch: Batch) -> np.ndarray:
         """Click probabilities (float32) of the batch's samples."""
-        emb = np.stack([table[batch.sparse[:, t]] for t, table in enumerate(self.tables)], axis=1)  # (B, F, d)
+        emb = np.stack([table[batch.sparse[:, t]] for t, table in enumerate(self.tables)], axis=1)  # (B,F,d)
         dense = torch.from_numpy(np.array(batch.dense))  # a copy: batches may be read-only views
         with torch.no_grad():
             return torch.sigmoid(self.model(dense, torch.from_numpy(emb))).numpy()
@@ -57,7 +57,7 @@ def load_export(directory: Path) -> ExportedModel:
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise FormatError(f"{weights.path}: the dense parameters do not fit {directory / 'model.json'}: {exc}") from None
+        raise FormatError(f"{weights.path}: the dense parameters do not fit the manifest: {exc}") from None
     model.eval()
     tables = tuple(weights.array(embedding_key(t)) for t in range(len(manifest.table_sizes)))
     for t, (table, rows) in enumerate(zip(tables, manifest.table_sizes, strict=True)):
@@ -87,12 +87,14 @@ def open_data(manifest: ExportManifest, path: Path | None, fmt: str | None) -> D
         raise ConfigError("--format", "applies to --data only")
     if path is not None:
         if spec.hashing == "dictionary":
-            raise ConfigError("--data", "the run mapped categorical values through a dictionary built from its "
-                              "own data, which is not exported: another file's values would land on other rows")
+            raise ConfigError("--data", "the run mapped categorical values through a dictionary built "
+                              "from its own data, which is not exported: another file's values would land "
+                              "on other rows")
         fmt = fmt or spec.format
         if fmt not in (*RAW_FORMATS, "preprocessed"):
-            raise ConfigError("--format", f"{path} needs a file format ({', '.join(RAW_FORMATS)} or preprocessed)")
-        # Its own conversion cache (beside the file): a shared cache_dir holds one source per settings.
+            raise ConfigError("--format", f"{path} needs a file format ({', '.join(RAW_FORMATS)} or "
+                              "preprocessed)")
+        # Its own conversion cache, beside it: a cache_dir holds one source per data settings.
         spec = dataclasses.replace(spec, format=fmt, path=str(path.resolve()), cache_dir=None)
     dataset = open_dataset(spec, progress=path is not None)
     if tuple(dataset.table_sizes) != manifest.table_sizes or dataset.num_dense != manifest.num_dense:
@@ -112,8 +114,8 @@ def every_batch(dataset: Dataset, batch_size: int) -> Iterator[Batch]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="launch.py predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path, help="a folder written by `launch.py export`")
-    parser.add_argument("--data", type=Path, help="score every row of this file or folder instead of the run's "
-                        "held-out rows")
+    parser.add_argument("--data", type=Path,
+                        help="score every row of this file or folder instead of the run's held-out rows")
     parser.add_argument("--format", help="the format of --data (default: the run's)")
     parser.add_argument("--json", type=Path, help="also write the result to this file as JSON")
     return parser.parse_args(argv)
@@ -133,8 +135,8 @@ def main(argv: list[str]) -> int:
         what = f"{result.count} rows of {args.data}"
     print(format_result(what, result, manifest if args.data is None else None))
     if args.json is not None:
-        body = {"data": str(args.data or manifest.data.path), "rows": "all" if args.data else "held-out",
-                **dataclasses.asdict(result)}
+        data = str(args.data) if args.data else manifest.data.path  # None: synthetic
+        body = {"data": data, "rows": "all" if args.data else "held-out", **dataclasses.asdict(result)}
         write_atomically(args.json, orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
     return 0
 
@@ -145,8 +147,8 @@ def format_result(what: str, result: EvalResult, run: ExportManifest | None) -> 
     recorded = run.held_out if run is not None else None
     if recorded is not None:
         same = _same(recorded.auc, result.auc) and recorded.log_loss == result.log_loss
-        lines.append(f"  the run's own held-out evaluation (iteration {recorded.iteration}): AUC {recorded.auc!r}, "
-                     f"log loss {recorded.log_loss!r}: {'identical' if same else 'DIFFERENT'}")
+        lines.append(f"  the run's own held-out evaluation (iteration {recorded.iteration}): "
+                     f"AUC {recorded.auc!r}, log loss {recorded.log_loss!r}: {'identical' if same else 'differs'}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@ read-only memmaps, so a lookup of a few rows of a large table reads only their p
 from __future__ import annotations
 
 import math
+import mmap
+import shutil
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -32,7 +34,9 @@ DTYPES: dict[str, np.dtype] = {
     for code, name in (("F64", "<f8"), ("F32", "<f4"), ("F16", "<f2"), ("I64", "<i8"), ("I32", "<i4"),
                        ("I16", "<i2"), ("I8", "i1"), ("U8", "u1"), ("BOOL", "?"))
 }
+DTYPES_BY_TYPE = {dtype: code for code, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the library's own limit: a larger length is a corrupt file
+COPY_BYTES = 4 << 20
 _METADATA = "__metadata__"
 
 
@@ -59,10 +63,9 @@ class StreamedTensor:
 
 def dtype_code(dtype: np.dtype) -> str:
     """The safetensors code of a numpy dtype; ValueError for one the format lacks."""
-    for code, known in DTYPES.items():
-        if known == dtype:
-            return code
-    raise ValueError(f"safetensors has no dtype for {dtype}")
+    if dtype not in DTYPES_BY_TYPE:
+        raise ValueError(f"safetensors has no dtype for {dtype}")
+    return DTYPES_BY_TYPE[dtype]
 
 
 def write_safetensors(path: Path, tensors: Sequence[StreamedTensor], metadata: dict[str, str]) -> int:
@@ -79,13 +82,38 @@ def write_safetensors(path: Path, tensors: Sequence[StreamedTensor], metadata: d
     return len(head) + sum(t.nbytes for t in tensors)
 
 
+def write_renamed(source: SafetensorsFile, path: Path, names: dict[str, str], metadata: dict[str, str]) -> int:
+    """Write to `path` atomically the tensors of `source` under new names (``names[old]``, for
+    every one of them): a new header, then the data copied byte for byte, `COPY_BYTES` at a
+    time; returns the file's size."""
+    if sorted(names) != sorted(source.names) or len(set(names.values())) != len(names):
+        raise ValueError(f"{source.path}: the new names must cover every tensor once: {names}")
+    entries = {names[name]: source._entries[name] for name in source.names}
+    head = _encode(metadata, {new: (DTYPES_BY_TYPE[e.dtype], e.shape, e.begin, e.end)
+                              for new, e in entries.items()})
+    with atomic_file(path) as out, open(source.path, "rb") as src:
+        out.write(head)
+        src.seek(source.data_start)
+        shutil.copyfileobj(src, out, COPY_BYTES)
+    return path.stat().st_size
+
+
 def _header(tensors: Sequence[StreamedTensor], metadata: dict[str, str]) -> bytes:
-    entries: dict[str, object] = {_METADATA: metadata}
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     offset = 0
     for t in tensors:
-        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        entries[t.name] = (t.dtype, t.shape, offset, offset + t.nbytes)
         offset += t.nbytes
-    body = orjson.dumps(entries)
+    return _encode(metadata, entries)
+
+
+def _encode(metadata: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...], int, int]]) -> bytes:
+    """The header: `entries` maps a name to its (dtype code, shape, begin, end)."""
+    body = orjson.dumps({
+        _METADATA: metadata,
+        **{name: {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
+           for name, (code, shape, begin, end) in entries.items()},
+    })  # fmt: skip
     body += b" " * (-len(body) % 8)  # the format's padding: the data starts 8-byte aligned
     return struct.pack("<Q", len(body)) + body
 
@@ -130,6 +158,7 @@ class SafetensorsFile:
             raise FormatError(f"{path}: the safetensors header is not JSON: {exc}") from None
         self.data_start = 8 + length
         self.metadata, self._entries = _parse_header(path, header, size - self.data_start)
+        self._map: mmap.mmap | None = None  # the whole file, mapped on first use
 
     @property
     def names(self) -> list[str]:
@@ -146,9 +175,14 @@ class SafetensorsFile:
             empty = np.zeros(e.shape, e.dtype)
             empty.flags.writeable = False
             return empty
-        mapped = np.memmap(self.path, dtype=e.dtype, mode="r", offset=self.data_start + e.begin,
-                           shape=math.prod(e.shape))
-        return mapped.reshape(e.shape)
+        if self._map is None:
+            with open(self.path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            # Rows are looked up here and there: without this the kernel reads ahead around
+            # every faulting row, and a few thousand lookups map most of a large table.
+            self._map.madvise(mmap.MADV_RANDOM)
+        flat = np.frombuffer(self._map, e.dtype, math.prod(e.shape), self.data_start + e.begin)
+        return flat.reshape(e.shape)
 
     def _entry(self, name: str) -> _Entry:
         if name not in self._entries:

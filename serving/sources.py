@@ -66,6 +66,9 @@ class RunEval:
                    count=int(record["count"]))
 
 
+StateDict = dict[str, torch.Tensor]
+
+
 class TableSource(Protocol):
     def chunks(self, table: int, chunk_rows: int) -> Iterator[np.ndarray]:
         """Table `table`'s rows in order, as float32 ``[<= chunk_rows, d]`` arrays."""
@@ -75,7 +78,7 @@ class TableSource(Protocol):
 @dataclass(frozen=True, kw_only=True)
 class TrainedModel:
     job: Job  # the spec the run was trained with
-    dense: dict[str, torch.Tensor]  # the model's state_dict, checked against the spec's model
+    dense: StateDict  # the model's, checked against the spec's model
     tables: TableSource
     origin: Origin
     held_out: RunEval | None  # None for a checkpoint, or a run that recorded none
@@ -106,7 +109,7 @@ def open_checkpoint(job: Job, checkpoint: int | None) -> TrainedModel:
         if checkpoint is None:
             raise NotFound(f"no complete checkpoint in {directory}")
     missing = missing_parts(directory, checkpoint, shards)
-    if len(missing) == shards + 2:
+    if len(missing) == shards + 2:  # the manifest, the dense state and every snapshot: none at all
         raise NotFound(f"there is no checkpoint {checkpoint} in {directory} (the latest complete one: "
                        f"{latest_complete(directory, shards)})", missing=[str(p) for p in missing])
     if missing:
@@ -114,11 +117,12 @@ def open_checkpoint(job: Job, checkpoint: int | None) -> TrainedModel:
                        f"{', '.join(map(str, missing))}", missing=[str(p) for p in missing])
     dense = _dense_state(job, dense_path(directory, checkpoint), lambda saved: saved["model"])
     tables = ShardSnapshots.open(job, checkpoint)
-    origin = Origin(kind="checkpoint", path=str(manifest_path(directory, checkpoint)), iterations=checkpoint + 1)
+    manifest = str(manifest_path(directory, checkpoint))
+    origin = Origin(kind="checkpoint", path=manifest, iterations=checkpoint + 1)
     return TrainedModel(job=job, dense=dense, tables=tables, origin=origin, held_out=None)
 
 
-def _dense_state(job: Job, path: Path, state_of: Callable[[Any], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _dense_state(job: Job, path: Path, state_of: Callable[[Any], StateDict]) -> StateDict:
     """The state_dict in `path` (`state_of` picks it out of what was saved), checked against
     the spec's model: a spec edited since the run fails here, naming what differs."""
     if not path.is_file():
@@ -191,7 +195,8 @@ class NpyFile:
     def expect(self, dtype: type, shape: tuple[int, ...]) -> NpyFile:
         """Itself if it holds `shape` of `dtype`, else FormatError."""
         if self.dtype != np.dtype(dtype) or self.shape != shape:
-            raise FormatError(f"{self.path} holds {self.shape} {self.dtype}, expected {shape} {np.dtype(dtype)}")
+            raise FormatError(f"{self.path} holds {self.shape} {self.dtype}, expected {shape} "
+                              f"{np.dtype(dtype)}")
         return self
 
 
@@ -203,28 +208,45 @@ class FullTable:
         self.table = table.expect(np.float32, (job.layout.total_rows, job.dim))
 
     def chunks(self, table: int, chunk_rows: int) -> Iterator[np.ndarray]:
-        for start, stop in _ranges(int(self.offsets[table]), int(self.offsets[table + 1]), chunk_rows):
+        first, end = int(self.offsets[table]), int(self.offsets[table + 1])
+        for start, stop in _ranges(first, end, chunk_rows):
             yield self.table.read(start, stop)
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Shard:
-    """One shard's snapshot: its written rows by ascending local index."""
+    """One shard's snapshot: the rows it wrote, by ascending local index (key // num_shards)."""
 
     index: int
+    num_shards: int
     local: NpyFile  # int64 [n], ascending
     rows: NpyFile  # float32 [n, d]
 
-    def first_at_or_after(self, local: int) -> int:
-        """Position of the first local index >= `local`: a binary search of a few reads."""
-        lo, hi = 0, self.local.shape[0]
+    def position_of(self, key: int) -> int:
+        """Where this shard's first row with a key >= `key` is: a binary search of a few reads."""
+        target, lo, hi = self.first_local(key), 0, self.local.shape[0]
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.local.read(mid, mid + 1)[0] < local:
+            if self.local.read(mid, mid + 1)[0] < target:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
+
+    def overlay(self, out: np.ndarray, position: int, start: int, stop: int) -> int:
+        """Write into `out` (the rows of keys [start, stop)) this shard's rows in that range,
+        which begin at `position`; returns the position after them."""
+        most = -(-(stop - start) // self.num_shards)  # the shard owns at most this many keys of the range
+        block = self.local.read(position, min(position + most, self.local.shape[0]))
+        local = block[: int(np.searchsorted(block, self.first_local(stop)))]
+        if len(local) and (local[0] < self.first_local(start) or np.any(np.diff(local) <= 0)):
+            raise FormatError(f"{self.local.path}: local indices are not strictly ascending")
+        out[local * self.num_shards + self.index - start] = self.rows.read(position, position + len(local))
+        return position + len(local)
+
+    def first_local(self, key: int) -> int:
+        """The smallest local index of this shard whose key is >= `key`."""
+        return -(-(key - self.index) // self.num_shards)
 
 
 class ShardSnapshots:
@@ -241,14 +263,14 @@ class ShardSnapshots:
         return cls(job, [_open_shard(job, s, num_shards, checkpoint) for s in range(num_shards)])
 
     def chunks(self, table: int, chunk_rows: int) -> Iterator[np.ndarray]:
-        layout, num_shards = self.job.layout, len(self.shards)
+        layout, seed, dim = self.job.layout, self.job.spec.seed, self.job.dim
         first, end = int(layout.offsets[table]), int(layout.offsets[table + 1])
         # Each shard's next unread position: chunks go up in key order, so do the shards' rows.
-        positions = [shard.first_at_or_after(_first_local(first, shard.index, num_shards)) for shard in self.shards]
+        positions = [shard.position_of(first) for shard in self.shards]
         for start, stop in _ranges(first, end, chunk_rows):
-            rows = initial_rows(layout, self.job.spec.seed, np.arange(start, stop, dtype=np.int64), self.job.dim)
-            for shard in self.shards:
-                positions[shard.index] = _overlay(rows, shard, positions[shard.index], start, stop, num_shards)
+            rows = initial_rows(layout, seed, np.arange(start, stop, dtype=np.int64), dim)
+            positions = [shard.overlay(rows, position, start, stop)
+                         for shard, position in zip(self.shards, positions, strict=True)]
             yield rows
 
 
@@ -259,8 +281,8 @@ def _open_shard(job: Job, shard: int, num_shards: int, checkpoint: int) -> _Shar
                        missing=[str(files["meta"])])
     meta = orjson.loads(files["meta"].read_bytes())
     if (meta.get("shard"), meta.get("num_shards")) != (shard, num_shards):
-        raise ConfigError("ps.shards", f"{files['meta']} is shard {meta.get('shard')} of {meta.get('num_shards')}, "
-                          f"the spec expects shard {shard} of {num_shards}")
+        raise ConfigError("ps.shards", f"{files['meta']} is shard {meta.get('shard')} of "
+                          f"{meta.get('num_shards')}, the spec expects shard {shard} of {num_shards}")
     local = NpyFile.open(files["local"])
     n = local.expect(np.int64, (local.shape[0],)).shape[0]
     rows = NpyFile.open(files["rows"]).expect(np.float32, (n, job.dim))
@@ -268,25 +290,7 @@ def _open_shard(job: Job, shard: int, num_shards: int, checkpoint: int) -> _Shar
     if n and not 0 <= local.read(n - 1, n)[0] < limit:
         raise FormatError(f"{files['local']}: indices go past this shard's {limit} rows: does the spec's "
                           "[data] match the run's?")
-    return _Shard(index=shard, local=local, rows=rows)
-
-
-def _overlay(out: np.ndarray, shard: _Shard, position: int, start: int, stop: int, num_shards: int) -> int:
-    """Write into `out` (the rows of keys [start, stop)) the shard's rows in that range, read
-    from `position` on; returns the position after them."""
-    most = -(-(stop - start) // num_shards)  # the shard owns at most this many keys of the range
-    block = shard.local.read(position, min(position + most, shard.local.shape[0]))
-    count = int(np.searchsorted(block, _first_local(stop, shard.index, num_shards)))
-    local = block[:count]
-    if count and (local[0] < _first_local(start, shard.index, num_shards) or np.any(np.diff(local) <= 0)):
-        raise FormatError(f"{shard.local.path}: local indices are not strictly ascending")
-    out[local * num_shards + shard.index - start] = shard.rows.read(position, position + count)
-    return position + count
-
-
-def _first_local(key: int, shard: int, num_shards: int) -> int:
-    """The smallest local index of `shard` whose key is >= `key`."""
-    return -(-(key - shard) // num_shards)
+    return _Shard(index=shard, num_shards=num_shards, local=local, rows=rows)
 
 
 def _ranges(start: int, stop: int, step: int) -> Iterator[tuple[int, int]]:

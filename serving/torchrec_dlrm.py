@@ -93,5 +93,5 @@ def keyed_features(sparse: np.ndarray) -> KeyedJaggedTensor:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     ids = np.ascontiguousarray(np.asarray(sparse, dtype=np.int64).T)  # (F, B): a KJT is feature-major
-    return KeyedJaggedTensor(keys=[feature_name(t) for t in range(ids.shape[0])], values=torch.from_numpy(ids).view(-1),
-                             lengths=torch.ones(ids.size, dtype=torch.int32))
+    return KeyedJaggedTensor(keys=[feature_name(t) for t in range(ids.shape[0])],
+                             values=torch.from_numpy(ids).view(-1), lengths=torch.ones(ids.size, dtype=torch.int32))

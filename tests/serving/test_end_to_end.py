@@ -30,7 +30,8 @@ ITERATIONS, EVERY = 20, 8  # checkpoints after iterations 7 and 15
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Path]:
     directory = tmp_path_factory.mktemp("cluster")
-    spec = write_spec(directory, "e2e", {"train": {"max_iterations": ITERATIONS}, "checkpoint": {"every": EVERY}})
+    overrides = {"train": {"max_iterations": ITERATIONS}, "checkpoint": {"every": EVERY}}
+    spec = write_spec(directory, "e2e", overrides)
     job, result = run_spec(spec, directory / "run")
     return job, result.run_dir
 
@@ -48,7 +49,8 @@ def exported(run: tuple[Job, Path], tmp_path_factory: pytest.TempPathFactory) ->
     """The run exported, 10 KiB at a time; the folder and what export printed."""
     job, run_dir = run
     out = tmp_path_factory.mktemp("export")
-    return out, launch("export", job.spec.source, "--run-dir", run_dir, "--out", out, "--chunk-mb", 0.01, "--torchrec")
+    printed = launch("export", job.spec.source, "--run-dir", run_dir, "--out", out, "--chunk-mb", 0.01, "--torchrec")
+    return out, printed
 
 
 def test_a_finished_run_exports_its_final_parameters(run: tuple[Job, Path], exported: tuple[Path, str]) -> None:
@@ -66,7 +68,8 @@ def test_predict_reproduces_the_runs_held_out_evaluation_exactly(
     got = orjson.loads((tmp_path / "scores.json").read_bytes())
     records = read_records(trainer_log_path(run_dir, 0))
     recorded = [r for r in records if r["kind"] == "eval" and r["split"] == "held-out"][-1]
-    assert (got["auc"], got["log_loss"], got["count"]) == (recorded["auc"], recorded["log_loss"], recorded["count"])
+    for key in ("auc", "log_loss", "count"):
+        assert got[key] == recorded[key], key
     assert recorded["count"] == job.data.rows // 10  # every held-out row
     assert printed.endswith(": identical\n"), printed
 
@@ -76,7 +79,8 @@ def test_the_runs_latest_checkpoint_exports(run: tuple[Job, Path], tmp_path: Pat
     latest = 2 * EVERY - 1
     launch("export", job.spec.source, "--checkpoint", "latest", "--out", tmp_path)
     manifest = ExportManifest.read(tmp_path)
-    assert (manifest.origin.kind, manifest.origin.iterations, manifest.held_out) == ("checkpoint", latest + 1, None)
+    origin = manifest.origin
+    assert (origin.kind, origin.iterations, manifest.held_out) == ("checkpoint", latest + 1, None)
     saved = torch.load(dense_path(job.spec.checkpoint.dir, latest))["model"]
     exported = load_file(tmp_path / MODEL_FILE)
     assert all((exported[f"dense.{key}"] == value.numpy()).all() for key, value in saved.items())

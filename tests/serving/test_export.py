@@ -25,7 +25,15 @@ from serving.export import export_model
 from serving.manifest import MANIFEST_FILE, MODEL_FILE, ExportManifest
 from serving.safetensors import FormatError
 from serving.sources import TrainedModel, open_checkpoint, open_final_run
-from tests.serving.conftest import CHECKPOINT, OVERRIDES, Layout, job_in, save_checkpoint, save_local_final, table_slices
+from tests.serving.conftest import (
+    CHECKPOINT,
+    OVERRIDES,
+    Layout,
+    job_in,
+    save_checkpoint,
+    save_local_final,
+    table_slices,
+)
 from trainer.models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +59,8 @@ def assert_holds(path: Path, job: Job, model: FinalModel) -> None:
 @pytest.fixture(params=["checkpoint", "local_run"])
 def either(request: pytest.FixtureRequest) -> tuple[Layout, str]:
     """A checkpoint, or a local-mode run's final model, and which."""
-    return request.getfixturevalue("checkpointed" if request.param == "checkpoint" else request.param), request.param
+    name = "checkpointed" if request.param == "checkpoint" else request.param
+    return request.getfixturevalue(name), request.param
 
 
 def test_an_export_holds_every_table_and_dense_parameter(tmp_path: Path, either: tuple[Layout, str]) -> None:
@@ -165,7 +174,9 @@ def test_a_spec_changed_since_the_run_is_refused(checkpointed: Layout) -> None:
         open_checkpoint(smaller, CHECKPOINT)
 
 
-def test_a_corrupt_snapshot_fails_the_export_and_leaves_no_torn_file(tmp_path: Path, checkpointed: Layout) -> None:
+def test_a_corrupt_snapshot_fails_the_export_and_leaves_no_torn_file(
+    tmp_path: Path, checkpointed: Layout
+) -> None:
     out = tmp_path / "out"
     export_model(open_checkpoint(checkpointed.job, CHECKPOINT), out, chunk_rows=37)
     before = (out / MODEL_FILE).read_bytes()

@@ -64,11 +64,13 @@ def test_predict_scores_every_row_of_another_file(exported: Path, local_run: Lay
     """The run's synthetic data written out as a preprocessed folder: every row scored."""
     folder = tmp_path / "rows"
     assert data_tool(["synth", "--spec", str(local_run.job.spec.source), "--out", str(folder)]) == 0
-    assert main([str(exported), "--data", str(folder), "--format", "preprocessed", "--json", str(tmp_path / "r.json")]) == 0
+    argv = [str(exported), "--data", str(folder), "--format", "preprocessed", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
     got = orjson.loads((tmp_path / "r.json").read_bytes())
     want = score(load_export(exported), every_batch(open_dataset(local_run.job.data), 32))
     assert want.count == local_run.job.data.rows
-    assert (got["auc"], got["log_loss"], got["count"], got["rows"]) == (want.auc, want.log_loss, want.count, "all")
+    assert (got["auc"], got["log_loss"], got["count"]) == (want.auc, want.log_loss, want.count)
+    assert got["rows"] == "all"
     assert f"scored {want.count} rows of {folder}" in capsys.readouterr().out
 
 
@@ -83,7 +85,8 @@ def test_a_folder_that_is_not_a_complete_export_is_refused(tmp_path: Path) -> No
 def test_an_export_missing_a_tensor_is_refused(exported: Path) -> None:
     weights = SafetensorsFile(exported / MODEL_FILE)
     kept = [StreamedTensor(name=n, dtype=dtype_code(weights.array(n).dtype), shape=weights.shape(n),
-                           chunks=lambda n=n: [weights.array(n)]) for n in weights.names if n != "dense.top.net.0.bias"]
+                           chunks=lambda n=n: [weights.array(n)])
+            for n in weights.names if n != "dense.top.net.0.bias"]
     write_safetensors(exported / MODEL_FILE, kept, {})
     with pytest.raises(NotFound, match="holds no tensor 'dense.top.net.0.bias'"):
         load_export(exported)
@@ -96,7 +99,8 @@ def test_data_that_does_not_fit_the_model_is_refused(exported: Path, tmp_path: P
     with pytest.raises(ConfigError, match="--format: .* needs a file format"):
         open_data(manifest, tmp_path, None)  # the run's data is synthetic: no format to read a file with
     other = tmp_path / "other"
-    assert data_tool(["synth", "--table-sizes", "10,10,10,10", "--num-dense", "4", "--rows", "50", "--out", str(other)]) == 0
+    assert data_tool(["synth", "--table-sizes", "10,10,10,10", "--num-dense", "4", "--rows", "50",
+                      "--out", str(other)]) == 0
     with pytest.raises(ConfigError, match=r"\(50, 200, 1000, 5000\) does not match \(10, 10, 10, 10\)"):
         open_data(manifest, other, "preprocessed")
     dictionary = dataclasses.replace(manifest, data=dataclasses.replace(manifest.data, hashing="dictionary"))

@@ -13,7 +13,14 @@ import orjson
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from serving.safetensors import FormatError, SafetensorsFile, StreamedTensor, dtype_code, write_safetensors
+from serving.safetensors import (
+    FormatError,
+    SafetensorsFile,
+    StreamedTensor,
+    dtype_code,
+    write_renamed,
+    write_safetensors,
+)
 
 ARRAYS = {
     "table": np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
@@ -80,6 +87,19 @@ def test_a_failing_source_keeps_the_previous_file(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="disk gone"):
         write_safetensors(path, [StreamedTensor(name="t", dtype="F32", shape=(70, 3), chunks=broken)], {})
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_a_renamed_copy_holds_the_same_tensors_under_the_new_names(tmp_path: Path) -> None:
+    source = tmp_path / "ours.safetensors"
+    write_safetensors(source, [streamed(n, a, rows=8) for n, a in ARRAYS.items()], {})
+    names = {name: f"renamed.{name}" for name in ARRAYS}
+    size = write_renamed(SafetensorsFile(source), tmp_path / "theirs.safetensors", names, {"format": "pt"})
+    loaded = load_file(tmp_path / "theirs.safetensors")
+    assert size == (tmp_path / "theirs.safetensors").stat().st_size and sorted(loaded) == sorted(names.values())
+    for name, array in ARRAYS.items():
+        assert np.array_equal(loaded[names[name]], array), name
+    with pytest.raises(ValueError, match="must cover every tensor once"):
+        write_renamed(SafetensorsFile(source), tmp_path / "x.safetensors", {"table": "t"}, {})
 
 
 def with_header(header: object, data: bytes = b"\0" * 12) -> bytes:

@@ -25,7 +25,9 @@ from tests.serving.conftest import Layout
 
 @pytest.fixture(scope="module")
 def torchrec() -> ModuleType:
-    return pytest.importorskip("torchrec", reason="torchrec is optional: pip install --no-deps -r bench/requirements-torchrec.txt")
+    return pytest.importorskip(
+        "torchrec", reason="torchrec is optional: pip install --no-deps -r bench/requirements-torchrec.txt"
+    )
 
 
 @pytest.fixture
@@ -50,7 +52,9 @@ def test_torchrecs_dlrm_loads_the_state_dict_strictly(torchrec: ModuleType, expo
     model.load_state_dict(state, strict=True)
 
 
-def test_torchrec_predicts_exactly_what_we_predict(torchrec: ModuleType, exported: Path, checkpointed: Layout) -> None:
+def test_torchrec_predicts_exactly_what_we_predict(
+    torchrec: ModuleType, exported: Path, checkpointed: Layout
+) -> None:
     ours = load_export(exported)
     theirs = load_torchrec_dlrm(exported)
     theirs.eval()
@@ -82,6 +86,7 @@ def test_a_model_torchrec_cannot_express_is_refused_before_anything_is_written(
 
 def test_a_dlrm_without_dense_features_has_no_torchrec_counterpart(exported: Path) -> None:
     manifest = ExportManifest.read(exported)
-    no_dense = dataclasses.replace(manifest, num_dense=0, model=ModelSpec(name="dlrm", embedding_dim=8, bottom_mlp=(8,)))
+    model = ModelSpec(name="dlrm", embedding_dim=8, bottom_mlp=(8,))
+    no_dense = dataclasses.replace(manifest, num_dense=0, model=model)
     with pytest.raises(ConfigError, match="needs dense features"):
         torchrec_dlrm_names(no_dense)
