@@ -82,8 +82,8 @@ def test_a_snapshot_holds_only_written_rows_and_the_rest_start_initial(checkpoin
     assert 0 < len(local) < job.layout.total_rows // 4
 
 
-# One table of 131,072 rows of 16 floats: 8 MiB, read 512 rows (32 KiB) at a time.
-BIG_ROWS, BIG_DIM, BIG_CHUNK = 131_072, 16, 512
+# One table of 65,536 rows of 16 floats: 4 MiB, read 256 rows (16 KiB) at a time.
+BIG_ROWS, BIG_DIM, BIG_CHUNK = 65_536, 16, 256
 BIG = {
     **OVERRIDES,
     "data": {"format": "synthetic", "rows": 100, "table_sizes": [BIG_ROWS], "num_dense": 4, "seed": 1},
@@ -199,6 +199,7 @@ def test_a_truncated_table_is_refused(local_run: Layout) -> None:
         open_final_run(local_run.job, local_run.run_dir)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds on a loaded machine
 def test_launch_py_export_reports_a_bad_argument_and_exits_2(checkpointed: Layout, tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "launch.py"), "export", str(checkpointed.job.spec.source),
                "--checkpoint", "oldest", "--out", str(tmp_path / "out")]
