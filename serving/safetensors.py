@@ -61,6 +61,16 @@ class StreamedTensor:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Entry:
+    """Where one tensor lies in the data, and what it holds."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
 def dtype_code(dtype: np.dtype) -> str:
     """The safetensors code of a numpy dtype; ValueError for one the format lacks."""
     if dtype not in DTYPES_BY_TYPE:
@@ -88,9 +98,7 @@ def write_renamed(source: SafetensorsFile, path: Path, names: dict[str, str], me
     time; returns the file's size."""
     if sorted(names) != sorted(source.names) or len(set(names.values())) != len(names):
         raise ValueError(f"{source.path}: the new names must cover every tensor once: {names}")
-    entries = {names[name]: source._entries[name] for name in source.names}
-    head = _encode(metadata, {new: (DTYPES_BY_TYPE[e.dtype], e.shape, e.begin, e.end)
-                              for new, e in entries.items()})
+    head = _encode(metadata, {names[name]: source._entries[name] for name in source.names})
     with atomic_file(path) as out, open(source.path, "rb") as src:
         out.write(head)
         src.seek(source.data_start)
@@ -99,20 +107,19 @@ def write_renamed(source: SafetensorsFile, path: Path, names: dict[str, str], me
 
 
 def _header(tensors: Sequence[StreamedTensor], metadata: dict[str, str]) -> bytes:
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    entries: dict[str, _Entry] = {}
     offset = 0
     for t in tensors:
-        entries[t.name] = (t.dtype, t.shape, offset, offset + t.nbytes)
+        entries[t.name] = _Entry(dtype=DTYPES[t.dtype], shape=t.shape, begin=offset, end=offset + t.nbytes)
         offset += t.nbytes
     return _encode(metadata, entries)
 
 
-def _encode(metadata: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...], int, int]]) -> bytes:
-    """The header: `entries` maps a name to its (dtype code, shape, begin, end)."""
+def _encode(metadata: dict[str, str], entries: dict[str, _Entry]) -> bytes:
     body = orjson.dumps({
         _METADATA: metadata,
-        **{name: {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
-           for name, (code, shape, begin, end) in entries.items()},
+        **{name: {"dtype": DTYPES_BY_TYPE[e.dtype], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+           for name, e in entries.items()},
     })  # fmt: skip
     body += b" " * (-len(body) % 8)  # the format's padding: the data starts 8-byte aligned
     return struct.pack("<Q", len(body)) + body
@@ -128,14 +135,6 @@ def _copy(fh: BinaryIO, tensor: StreamedTensor) -> None:
         written += chunk.nbytes
     if written != tensor.nbytes:
         raise ValueError(f"{tensor.name}: its chunks hold {written} bytes, its shape {tensor.nbytes}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Entry:
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
 
 
 class SafetensorsFile:
