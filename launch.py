@@ -26,6 +26,12 @@
     python launch.py SPEC.toml --role ps --index 1 --fresh
                                               a PS of a new run over an old run's snapshots
                                               (without a flag it refuses to delete them)
+    python launch.py export SPEC.toml --out DIR [--checkpoint C|latest] [--torchrec]
+                                              a finished run's model (or a checkpoint's) as
+                                              safetensors for serving (export --help)
+    python launch.py predict DIR [--data FILE]
+                                              AUC and log loss of an exported model on the
+                                              run's held-out rows, or on FILE (predict --help)
 
 The bearer token comes from the spec's cluster.token or $BAGPIPE_TOKEN; a local cluster
 generates one when neither is set. See README.md for every spec field.
@@ -48,6 +54,7 @@ from common.spec import ClusterSpec, Endpoint
 
 DEFAULT_SPEC = Path(__file__).resolve().parent / "examples" / "local.toml"
 ROLES = ("ps", "oracle", "trainer")
+TOOLS = ("export", "predict")  # subcommands, each with its own arguments
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -91,7 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        return _run_tool(argv[0], argv[1:])
+    args = parse_args(argv)
     if args.coordinator and args.role not in ("ps", "trainer"):
         print("launch.py: --coordinator is for --role ps or --role trainer", file=sys.stderr)
         return 2
@@ -121,6 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_tool(name: str, argv: list[str]) -> int:
+    from common.runtime import configure_logging
+
+    if name == "export":
+        from serving.export import main as tool
+    else:
+        from serving.predict import main as tool
+    configure_logging(name)
+    return _reporting_errors(lambda: tool(argv))
 
 
 def _reporting_errors(run: Callable[[], int]) -> int:

@@ -8,12 +8,17 @@ Checkpoint c is made of one snapshot per PS shard (``<dir>/ps-<s>/ckpt-<c>/``), 
 model and optimizer of trainer 0 (``<dir>/trainer/dense-<c>.pt``) and, written last, the
 manifest ``<dir>/ckpt-<c>.json``. Only a checkpoint whose manifest and parts all exist is
 complete; recovery ignores the others (DESIGN §9).
+
+A finished run leaves its model in ``<run dir>/final/`` (`final_paths`), its tables as the
+PS shards' snapshot N (the run's length) in the checkpoint directory, or in local mode as one
+array beside the dense state.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,14 +79,36 @@ def write_manifest(directory: Path, checkpoint_id: int, num_shards: int, extra: 
 
 
 def is_complete(directory: Path, checkpoint_id: int, num_shards: int) -> bool:
-    """The manifest and dense state are here, and so is the snapshot of every shard whose
-    folder is here. The manifest is written only once every shard has saved its snapshot;
-    a shard on another machine keeps its snapshots there, and checks for its own when it
-    resumes (`ps.main`)."""
+    return not missing_parts(directory, checkpoint_id, num_shards)
+
+
+def missing_parts(directory: Path, checkpoint_id: int, num_shards: int) -> list[Path]:
+    """The files checkpoint `checkpoint_id` lacks to be complete (none when it is): the
+    manifest and dense state, and the snapshot of every shard whose folder is here. The
+    manifest is written only once every shard has saved its snapshot; a shard on another
+    machine keeps its snapshots there, and checks for its own when it resumes (`ps.main`)."""
     parts = [manifest_path(directory, checkpoint_id), dense_path(directory, checkpoint_id)]
     parts += [ps_dir(directory, s) / checkpoint_name(checkpoint_id) / "meta.json" for s in range(num_shards)
               if ps_dir(directory, s).is_dir()]
-    return all(p.is_file() for p in parts)
+    return [p for p in parts if not p.is_file()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinalPaths:
+    """The files of a finished run's model: rank 0's dense state_dict, in local mode the whole
+    table and its optimizer state, and `info` (``{"iterations", "ps_checkpoint"}``), written
+    last."""
+
+    dense: Path
+    table: Path
+    state: Path
+    info: Path
+
+
+def final_paths(run_dir: Path) -> FinalPaths:
+    final = run_dir / "final"
+    return FinalPaths(dense=final / "dense.pt", table=final / "table.npy", state=final / "state.npy",
+                      info=final / "final.json")
 
 
 def latest_complete(directory: Path, num_shards: int) -> int | None:

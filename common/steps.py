@@ -8,13 +8,18 @@ iterations the stream had. All three are `common.wire` bodies told apart by ``me
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from common.directive import Directive
 from common.errors import WireError
 from common.wire import decode, encode, require
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -108,3 +113,11 @@ class EvalBatch:
         if not len(batch.keys) == len(batch.dense) == len(batch.labels):
             raise WireError("eval keys, dense and labels differ in length")
         return batch
+
+
+def held_out_share(batches: Iterable[T], rank: int, world: int) -> Iterator[T]:
+    """Trainer `rank`'s share of the held-out batches: batches rank, rank + world, ... (the
+    oracle sends each trainer its share). Rank 0 scores the predictions gathered rank by
+    rank, so a re-scoring that wants the run's log loss to the last bit (a sum depends on
+    its order) concatenates the shares in that order."""
+    return itertools.islice(batches, rank, None, world)

@@ -36,7 +36,7 @@ from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavail
 from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
-from common.steps import EndOfStream, EvalBatch
+from common.steps import EndOfStream, EvalBatch, held_out_share
 from common.transport import Request, Response, Router, StreamResponse, encode_message
 from oracle.service import int_param
 
@@ -167,9 +167,7 @@ class Coordinator:
         job = self.job
         batches = open_dataset(job.data).eval_batches(job.spec.train.batch_size)
         count = 0
-        for i, batch in enumerate(batches):
-            if i % trainers != trainer:
-                continue
+        for batch in held_out_share(batches, trainer, trainers):
             keys = job.layout.to_keys(batch.sparse)
             yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).encode())
             count += 1

@@ -49,12 +49,19 @@ def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dic
 
 def load_snapshot(directory: Path, checkpoint_id: int) -> tuple[Snapshot, dict]:
     """Read a complete checkpoint; NotFound if it is absent or incomplete."""
-    path = directory / checkpoint_name(checkpoint_id)
-    if not (path / "meta.json").is_file():
+    files = snapshot_files(directory, checkpoint_id)
+    if not files["meta"].is_file():
         raise NotFound(f"no complete checkpoint {checkpoint_id} in {directory}")
-    meta = orjson.loads((path / "meta.json").read_bytes())
-    arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+    meta = orjson.loads(files["meta"].read_bytes())
+    arrays = {name: np.load(files[name], allow_pickle=False) for name in _ARRAYS}
     return Snapshot(**arrays), meta
+
+
+def snapshot_files(directory: Path, checkpoint_id: int) -> dict[str, Path]:
+    """The files of a snapshot: "meta" (JSON, present once the snapshot is complete) and one
+    .npy per `Snapshot` field ("local" sorted ascending, "rows", "state", "versions")."""
+    path = directory / checkpoint_name(checkpoint_id)
+    return {"meta": path / "meta.json", **{name: path / f"{name}.npy" for name in _ARRAYS}}
 
 
 def saved_checkpoint(directory: Path, checkpoint_id: int) -> tuple[Path, int] | None:

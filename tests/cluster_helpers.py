@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.checkpoints import FinalPaths, final_paths
 from common.init import initial_rows
 from common.job import Job, build_job
 from common.spec import load_spec, spec_toml
@@ -60,10 +61,10 @@ def run_spec(path: Path, run_dir: Path, *, resume: bool = False) -> tuple[Job, C
 
 def final_model(job: Job, run_dir: Path) -> FinalModel:
     """The parameters a run ended with: dense from rank 0, tables from the PS (or local)."""
-    final = run_dir / "final"
-    dense = torch.load(final / "dense.pt")
+    final = final_paths(run_dir)
+    dense = torch.load(final.dense)
     if job.spec.oracle.mode == "local":
-        return FinalModel(dense, np.load(final / "table.npy"), np.load(final / "state.npy"))
+        return FinalModel(dense, np.load(final.table), np.load(final.state))
     layout, spec = job.layout, job.spec
     keys = np.arange(layout.total_rows, dtype=np.int64)
     table = initial_rows(layout, spec.seed, keys, job.dim)
@@ -77,10 +78,10 @@ def final_model(job: Job, run_dir: Path) -> FinalModel:
     return FinalModel(dense, table, state)
 
 
-def _iterations(final: Path) -> int:
+def _iterations(final: FinalPaths) -> int:
     import orjson
 
-    return int(orjson.loads((final / "final.json").read_bytes())["iterations"])
+    return int(orjson.loads(final.info.read_bytes())["iterations"])
 
 
 def reference_for(job: Job, slices: int | None = None) -> ReferenceResult:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.coordinator import CoordinatorClient, DenseCheckpoint, Joined, address_towards
 from common.errors import BagpipeError, ConfigError
+from common.checkpoints import final_paths
 from common.init import initial_rows
 from common.job import Job
 from common.runtime import configure_logging
@@ -367,18 +368,18 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
     """Held-out evaluation and the final model: dense state (rank 0) and the tables."""
     _record_eval(records, comm, _predict(held_out, engine, io, ps), iterations, split="held-out")
     if rank == 0:
-        final = run_dir / "final"
-        final.mkdir(parents=True, exist_ok=True)
-        torch.save(engine.model.module.state_dict(), final / "dense.pt")
+        final = final_paths(run_dir)
+        final.dense.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(engine.model.module.state_dict(), final.dense)
         if ps is None:
-            np.save(final / "table.npy", engine.cache.rows.cpu().numpy())
-            np.save(final / "state.npy", engine.cache.state.cpu().numpy())
+            np.save(final.table, engine.cache.rows.cpu().numpy())
+            np.save(final.state, engine.cache.state.cpu().numpy())
         else:
             try:
                 io.run(ps.snapshot(iterations))
             except BagpipeError as exc:  # training is done; say clearly that its tables were not saved
                 log.error("the final tables could not be saved: %s", exc.message)
-        (final / "final.json").write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
+        final.info.write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
     records.write({"kind": "final", "time": time.time(), "iterations": iterations})
 
 
