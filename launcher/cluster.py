@@ -37,6 +37,7 @@ from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, Endpoint, load_spec
+from oracle.main import check_capacity
 
 log = logging.getLogger(__name__)
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -246,6 +247,9 @@ def run_cluster(
     MAX_RESTARTS times): alone where `LocalCluster.can_restart_alone` allows, else with
     every other role from the latest complete checkpoint.
     """
+    # A spec the data cannot run fails here: before any role starts, and before a fresh
+    # run removes the outputs of the previous one.
+    check_capacity(job)
     if not resume:
         for stale in run_dir.glob("trainer-*.jsonl"):
             stale.unlink()
