@@ -36,7 +36,7 @@ from common.checkpoints import latest_complete, remove_all
 from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
-from common.spec import TOKEN_ENV, Endpoint, load_spec
+from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
 from oracle.main import check_capacity
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LocalCluster:
             ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
         ps = [
             self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=self._ps_prefix)
-            for i in range(spec.ps.num_shards)
+            for i in range(ps_shards(spec))
         ]
         self.ps_addresses = [self._wait_ready(role) for role in ps]
         oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
@@ -127,10 +127,11 @@ class LocalCluster:
             rendezvous = Endpoint(host=rendezvous.host, port=free_port(rendezvous.host))
         peers = [
             "--oracle-address", str(oracle_address),
-            "--ps-addresses", ",".join(str(a) for a in self.ps_addresses),
             "--rendezvous", str(rendezvous),
             "--run-dir", str(self.run_dir),
         ]
+        if self.ps_addresses:
+            peers += ["--ps-addresses", ",".join(str(a) for a in self.ps_addresses)]
         for j in range(spec.trainers.count):
             self._spawn(f"trainer-{j}", ["--role", "trainer", "--index", str(j), *peers])
 
@@ -232,6 +233,12 @@ class LocalCluster:
         return Endpoint(host=role.info["host"], port=role.info["port"])
 
 
+def ps_shards(spec: ClusterSpec) -> int:
+    """The PS shards a local run starts: none in local mode, whose trainers hold the whole
+    table and write the final one themselves (final/table.npy)."""
+    return 0 if spec.oracle.mode == "local" else spec.ps.num_shards
+
+
 def run_cluster(
     job: Job,
     run_dir: Path,
@@ -321,7 +328,7 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     total = job.iterations
     tail = RunTail(run_dir, spec.trainers.count)
-    print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "
+    print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
           f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
     try:  # the bar closes (and logs its last line) before an error is shown
         with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
