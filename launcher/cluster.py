@@ -1,7 +1,7 @@
 """A whole cluster on this machine: every role as a subprocess of the launcher.
 
 Used by `python launch.py SPEC` and by the end-to-end benchmark and tests. Roles are started
-in dependency order (PS shards, oracle, trainers), each told the ports the others bound;
+in dependency order (PS shards and oracle, then trainers), each told the ports the others bound;
 the launcher shows progress from the trainers' records and, when they finish, stops the
 services and reports. If any role dies, or on Ctrl-C, every role is stopped within seconds
 and the message names the role and shows its last log lines. Children get SIGTERM if the
@@ -37,6 +37,8 @@ from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
+from oracle import NUMBA_CACHE_ENV
+from oracle.compiled import is_compiled
 from oracle.main import check_capacity
 
 log = logging.getLogger(__name__)
@@ -119,8 +121,9 @@ class LocalCluster:
             self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=self._ps_prefix)
             for i in range(ps_shards(spec))
         ]
-        self.ps_addresses = [self._wait_ready(role) for role in ps]
+        # The oracle needs no PS: it starts with them, its planner compiling meanwhile.
         oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        self.ps_addresses = [self._wait_ready(role) for role in ps]
         self.oracle_address = oracle_address = self._wait_ready(oracle)
         rendezvous = spec.trainers.rendezvous
         if rendezvous.port == 0:
@@ -330,6 +333,9 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     tail = RunTail(run_dir, spec.trainers.count)
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
           f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
+    if not is_compiled(spec.oracle.mode):  # the oracle compiles it before the trainers start
+        print(f"bagpipe: compiling the planner (first run only; cached in {os.environ[NUMBA_CACHE_ENV]})",
+              file=sys.stderr)
     try:  # the bar closes (and logs its last line) before an error is shown
         with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
             result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda _: bar.update(tail.poll()))

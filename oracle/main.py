@@ -16,6 +16,7 @@ from common.errors import ConfigError
 from common.job import Job
 from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
+from oracle.compiled import compile_planner
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
 from oracle.coordinator import Coordinator
 from oracle.service import OracleService, Workload
@@ -117,6 +118,7 @@ async def run_oracle(
         first_iteration = 0 if checkpoint is None else checkpoint + 1
     workload = build_workload(job, start=first_iteration)
     config = planner_config(job, workload)
+    compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host))
