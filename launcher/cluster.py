@@ -1,7 +1,7 @@
 """A whole cluster on this machine: every role as a subprocess of the launcher.
 
 Used by `python launch.py SPEC` and by the end-to-end benchmark and tests. Roles are started
-in dependency order (PS shards, oracle, trainers), each told the ports the others bound;
+in dependency order (PS shards and oracle, then trainers), each told the ports the others bound;
 the launcher shows progress from the trainers' records and, when they finish, stops the
 services and reports. If any role dies, or on Ctrl-C, every role is stopped within seconds
 and the message names the role and shows its last log lines. Children get SIGTERM if the
@@ -36,7 +36,10 @@ from common.checkpoints import latest_complete, remove_all
 from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
-from common.spec import TOKEN_ENV, Endpoint, load_spec
+from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
+from oracle import NUMBA_CACHE_ENV
+from oracle.compiled import is_compiled
+from oracle.main import check_capacity
 
 log = logging.getLogger(__name__)
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -116,20 +119,22 @@ class LocalCluster:
             ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
         ps = [
             self._spawn(f"ps-{i}", ["--role", "ps", "--index", str(i), *ps_args], ready=True, prefix=self._ps_prefix)
-            for i in range(spec.ps.num_shards)
+            for i in range(ps_shards(spec))
         ]
-        self.ps_addresses = [self._wait_ready(role) for role in ps]
+        # The oracle needs no PS: it starts with them, its planner compiling meanwhile.
         oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        self.ps_addresses = [self._wait_ready(role) for role in ps]
         self.oracle_address = oracle_address = self._wait_ready(oracle)
         rendezvous = spec.trainers.rendezvous
         if rendezvous.port == 0:
             rendezvous = Endpoint(host=rendezvous.host, port=free_port(rendezvous.host))
         peers = [
             "--oracle-address", str(oracle_address),
-            "--ps-addresses", ",".join(str(a) for a in self.ps_addresses),
             "--rendezvous", str(rendezvous),
             "--run-dir", str(self.run_dir),
         ]
+        if self.ps_addresses:
+            peers += ["--ps-addresses", ",".join(str(a) for a in self.ps_addresses)]
         for j in range(spec.trainers.count):
             self._spawn(f"trainer-{j}", ["--role", "trainer", "--index", str(j), *peers])
 
@@ -231,6 +236,12 @@ class LocalCluster:
         return Endpoint(host=role.info["host"], port=role.info["port"])
 
 
+def ps_shards(spec: ClusterSpec) -> int:
+    """The PS shards a local run starts: none in local mode, whose trainers hold the whole
+    table and write the final one themselves (final/table.npy)."""
+    return 0 if spec.oracle.mode == "local" else spec.ps.num_shards
+
+
 def run_cluster(
     job: Job,
     run_dir: Path,
@@ -246,6 +257,9 @@ def run_cluster(
     MAX_RESTARTS times): alone where `LocalCluster.can_restart_alone` allows, else with
     every other role from the latest complete checkpoint.
     """
+    # A spec the data cannot run fails here: before any role starts, and before a fresh
+    # run removes the outputs of the previous one.
+    check_capacity(job)
     if not resume:
         for stale in run_dir.glob("trainer-*.jsonl"):
             stale.unlink()
@@ -317,8 +331,11 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     total = job.iterations
     tail = RunTail(run_dir, spec.trainers.count)
-    print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {spec.ps.num_shards} PS, {spec.trainers.count} trainers, "
+    print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
           f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
+    if not is_compiled(spec.oracle.mode):  # the oracle compiles it before the trainers start
+        print(f"bagpipe: compiling the planner (first run only; cached in {os.environ[NUMBA_CACHE_ENV]})",
+              file=sys.stderr)
     try:  # the bar closes (and logs its last line) before an error is shown
         with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
             result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda _: bar.update(tail.poll()))

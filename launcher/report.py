@@ -795,9 +795,24 @@ def plot_modes(summaries: Mapping[str, RunSummary], path: str | os.PathLike[str]
 # --------------------------------------------------------------------------- progress
 
 
+def remaining_seconds(recent_ends: Sequence[float], remaining: int) -> float:
+    """Seconds to run `remaining` more iterations at the pace of the recent ones.
+
+    `recent_ends` are the end times of one trainer's latest iterations, ascending. Their
+    span covers len - 1 iterations and none of the start-up before the first of them ended
+    (starting processes, compiling the planner, the first fetches), which an average since
+    the start would spread over every iteration left: early in a short run that inflates
+    the estimate many times over. NaN with fewer than two ends to measure a pace from.
+    """
+    if len(recent_ends) < 2 or recent_ends[-1] <= recent_ends[0]:
+        return math.nan
+    return remaining * (recent_ends[-1] - recent_ends[0]) / (len(recent_ends) - 1)
+
+
 class ProgressBar:
     """A tqdm bar on stderr for a running job: iterations done by every trainer, samples/s,
-    loss and hit rate over the last `window` iterations of each trainer, and tqdm's ETA.
+    loss and hit rate over the last `window` iterations of each trainer, and the ETA at the
+    pace of those iterations (`remaining_seconds`; tqdm's own counts the start-up in).
 
     When the stream is not a terminal (`enabled=None`, the default) the bar stays silent and
     a line is logged at INFO each time another 10 % of `total_iterations` is done (every 30 s
@@ -823,6 +838,7 @@ class ProgressBar:
             file=file if file is not None else sys.stderr,
             disable=None if enabled is None else not enabled,
             dynamic_ncols=True,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
         )
         self._total = total_iterations
         self._description = description
@@ -830,8 +846,7 @@ class ProgressBar:
         self._recent: dict[int, deque[Record]] = {}
         self._window = max(window, 2)
         self._clock = clock
-        self._start = clock()
-        self._last_log = self._start
+        self._last_log = clock()
         self._logged_tenths = 0
 
     @property
@@ -865,9 +880,22 @@ class ProgressBar:
         return (rate if rate > 0 else math.nan, loss_sum / loss_n if loss_n else math.nan,
                 hits / uses if uses else math.nan)
 
+    def _eta(self) -> float:
+        """Seconds left for the trainer furthest from the end; NaN while any pace is unknown."""
+        if not self._total or not self._done:
+            return math.nan
+        return max(
+            remaining_seconds([r["time"] for r in self._recent.get(j, ())], self._total - len(done))
+            for j, done in self._done.items()
+        )
+
     def _stats_text(self) -> str:
         rate, loss, hit = self._stats()
-        return f"{_num(rate, ',.0f')} samples/s, loss {_num(loss, '.4f')}, hit {_pct(hit)}"
+        text = f"{_num(rate, ',.0f')} samples/s, loss {_num(loss, '.4f')}, hit {_pct(hit)}"
+        eta = self._eta()
+        if self.done < (self._total or 0) and math.isfinite(eta):
+            text += f", ETA {tqdm.format_interval(eta)}"
+        return text
 
     def _maybe_log(self, done: int) -> None:
         now = self._clock()
@@ -882,14 +910,9 @@ class ProgressBar:
 
     def _log(self, done: int, now: float) -> None:
         self._last_log = now
-        elapsed = now - self._start
         total = f"/{self._total}" if self._total else ""
         pct = f" ({100 * done / self._total:.0f}%)" if self._total else ""
-        eta = ""
-        if self._total and 0 < done < self._total and elapsed > 0:
-            eta = ", ETA " + tqdm.format_interval(elapsed * (self._total - done) / done)
-        logger.info("%s: %d%s iterations%s, %s%s", self._description, done, total, pct,
-                    self._stats_text(), eta)
+        logger.info("%s: %d%s iterations%s, %s", self._description, done, total, pct, self._stats_text())
 
     def close(self) -> None:
         """Finish the bar; when it was silent, log the final count once more if not yet at 100 %."""

@@ -25,6 +25,8 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
 
+    kernels = (engine.ingest, engine.plan_iteration)
+
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
         self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING)

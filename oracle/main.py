@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,8 @@ from common.errors import ConfigError
 from common.job import Job
 from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
-from oracle.config import PlannerConfig, capacity_bound, check_batch_size, hottest_keys, required_capacity
+from oracle.compiled import compile_planner
+from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
 from oracle.coordinator import Coordinator
 from oracle.service import OracleService, Workload
 
@@ -36,45 +38,62 @@ def build_workload(job: Job, start: int = 0) -> Workload:
 
 def planner_config(job: Job, workload: Workload) -> PlannerConfig:
     """The planner's parameters from the spec; fails at start-up when C cannot work."""
-    oracle = job.spec.oracle
-    base = dict(
-        num_trainers=job.spec.trainers.count,
-        lookahead=oracle.lookahead,
-        prefetch_lead=oracle.prefetch_lead,
-        capacity=oracle.cache_rows,
-        mode=oracle.mode,
-        checkpoint_every=job.spec.checkpoint.every,
-        total_rows=job.layout.total_rows,
-        first_iteration=workload.start,
-    )
-    per_iteration = check_batch_size(PlannerConfig(**base), workload.batch_size) * job.layout.num_tables
-    if oracle.mode == "static-cache":
-        # FAE-style: pin the hottest rows, keep room for one iteration's other rows.
-        count = oracle.cache_rows - per_iteration
-        if count <= 0:
-            raise ConfigError("oracle.cache_rows", f"static-cache needs more than {per_iteration} rows")
-        # The hot set of the whole run, also when resuming: the plan does not depend on where it starts.
-        hot = hottest_keys((keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches()), count)
-        base["hot_keys"] = np.sort(hot)
-        log.info("static cache pins the %d hottest rows", len(hot))
-    config = PlannerConfig(**base)
-    _check_capacity(config, workload)
-    return config
+    check_capacity(job)
+    config = PlannerConfig(**_planner_fields(job, workload.start))
+    if config.mode != "static-cache":
+        return config
+    # FAE-style: pin the hottest rows, keep room for one iteration's other rows.
+    count = config.capacity - capacity_bound(config, workload.batch_size, job.layout.num_tables)
+    # The hot set of the whole run, also when resuming: the plan does not depend on where it starts.
+    hot = hottest_keys((keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches()), count)
+    log.info("static cache pins the %d hottest rows", len(hot))
+    return dataclasses.replace(config, hot_keys=np.sort(hot))
 
 
-def _check_capacity(config: PlannerConfig, workload: Workload) -> None:
+def check_capacity(job: Job) -> None:
+    """The capacity rule (DESIGN §4 rule 4, §8): ConfigError naming `oracle.cache_rows` and
+    the C this run needs. The launcher calls it before it starts any role, the oracle before
+    it plans; it judges the whole run, also when resuming, so that both always agree.
+
+    static-cache needs room for one iteration's rows besides at least one pinned row; the
+    other caching modes need each trainer's distinct rows of any one iteration, which the
+    safe bound (B/T) x F answers without reading the data, and a pass over it otherwise.
+    """
+    config = PlannerConfig(**_planner_fields(job, 0))  # checks each field (C where used)
+    bound = capacity_bound(config, job.spec.train.batch_size, job.layout.num_tables)  # and B
     if config.mode == "local":
         return
-    bound = capacity_bound(config, workload.batch_size, workload.layout.num_tables)
+    if config.mode == "static-cache":
+        if config.capacity <= bound:
+            raise ConfigError(
+                "oracle.cache_rows",
+                f"C = {config.capacity} leaves no row to pin: static-cache keeps room for one "
+                f"iteration's other rows ((B/T) x F = {bound}), so it needs C >= {bound + 1}",
+            )
+        return
     if config.capacity >= bound:
         return
-    # Below the safe bound: a pass over the stream tells whether this data fits.
-    need = required_capacity(config, (keys for keys, _, _ in workload.key_batches()))
+    need = required_capacity(config, (keys for keys, _, _ in build_workload(job).key_batches()))
     if config.capacity < need:
         raise ConfigError(
             "oracle.cache_rows",
             f"C = {config.capacity} cannot hold one iteration's rows: this data needs C >= {need}",
         )
+
+
+def _planner_fields(job: Job, first_iteration: int) -> dict[str, Any]:
+    """PlannerConfig's fields from the spec, without the static cache's hot set."""
+    spec = job.spec
+    return dict(
+        num_trainers=spec.trainers.count,
+        lookahead=spec.oracle.lookahead,
+        prefetch_lead=spec.oracle.prefetch_lead,
+        capacity=spec.oracle.cache_rows,
+        mode=spec.oracle.mode,
+        checkpoint_every=spec.checkpoint.every,
+        total_rows=job.layout.total_rows,
+        first_iteration=first_iteration,
+    )
 
 
 async def run_oracle(
@@ -99,6 +118,7 @@ async def run_oracle(
         first_iteration = 0 if checkpoint is None else checkpoint + 1
     workload = build_workload(job, start=first_iteration)
     config = planner_config(job, workload)
+    compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
     service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),

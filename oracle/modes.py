@@ -34,6 +34,8 @@ def _swap_versions(last_wb: Dict, keys: np.ndarray, version: int) -> np.ndarray:
 class StaticRules:
     """Pinned hot rows plus synchronous fetches of the rest (FAE-style)."""
 
+    kernels = (_swap_versions,)
+
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
         self._hot = config.hot_keys
@@ -136,6 +138,8 @@ class StaticRules:
 
 class LocalRules:
     """Full tables in every trainer: slot = key; only the sync lists are planned."""
+
+    kernels = ()
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.directive import Directive
+from common.spec import Mode
 from oracle.bagpipe import BagpipeRules
 from oracle.config import (
     PlannerConfig,
@@ -78,7 +79,7 @@ class Planner:
         self.config = config
         self.stats = PlannerStats(num_trainers=config.num_trainers)
         self._lead = config.effective_lead
-        self._rules: Rules = _rules_for(config)
+        self._rules: Rules = rules_class(config.mode)(config)
         self._pending: dict[int, _Pending] = {}
         self._read = 0  # batches read
         self._planned = 0  # iterations planned
@@ -206,12 +207,13 @@ class Planner:
         return directives
 
 
-def _rules_for(config: PlannerConfig) -> Rules:
-    if config.mode == "bagpipe":
-        return BagpipeRules(config)
-    if config.mode == "local":
-        return LocalRules(config)
-    return StaticRules(config)
+def rules_class(mode: Mode) -> type[BagpipeRules | StaticRules | LocalRules]:
+    """The planning rules of `mode` (DESIGN §8)."""
+    if mode == "bagpipe":
+        return BagpipeRules
+    if mode == "local":
+        return LocalRules
+    return StaticRules
 
 
 def _global_versions(versions: np.ndarray, first: int) -> np.ndarray:

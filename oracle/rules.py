@@ -7,8 +7,9 @@ columns and those of `stats` are named in oracle/engine.py (EV_*, STAT_*).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -56,7 +57,10 @@ class Planned:
 
 
 class Rules(Protocol):
-    """One mode's planning rules, fed batches in order."""
+    """One mode's planning rules, fed batches in order. `kernels` are the numba functions
+    they call (each compiles its callees with it; oracle/compiled.py compiles them ahead)."""
+
+    kernels: ClassVar[tuple[Callable[..., Any], ...]]
 
     def ingest(self, z: int, batch: Batch) -> None:
         """Batch z has been read (batches arrive in order)."""

@@ -21,8 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from common.job import build_job
+from common.spec import load_spec
+from oracle.main import build_workload
 from tests.cluster_helpers import write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -316,6 +320,36 @@ def test_a_bad_model_factory_is_refused_before_any_role_starts(tmp_path: Path, r
     assert "model.factory: forward(dense (2, 4), emb (2, 4, 8)) returned" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert not (run_dir / "logs").exists(), "roles were started"
+
+
+def _distinct_rows_needed(spec: Path) -> int:
+    """The most distinct rows one trainer uses in one iteration of `spec`'s run."""
+    job = build_job(load_spec(spec))
+    per = job.spec.train.batch_size // job.spec.trainers.count
+    return max(
+        np.unique(keys[j * per : (j + 1) * per]).size
+        for keys, _, _ in build_workload(job).key_batches()
+        for j in range(job.spec.trainers.count)
+    )
+
+
+@pytest.mark.parametrize("mode", ["bagpipe", "static-cache"])
+def test_a_cache_too_small_is_refused_before_any_role_starts(tmp_path: Path, mode: str) -> None:
+    cache_rows = 10 if mode == "bagpipe" else 64  # 64 = (B/T) x F: no room left for a hot row
+    spec = write_spec(tmp_path, "small", {"oracle": {"mode": mode, "cache_rows": cache_rows}})
+    need = _distinct_rows_needed(spec) if mode == "bagpipe" else 65
+    run_dir = tmp_path / "run"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "final" / "dense.pt").write_bytes(b"the previous run's model")
+    done = subprocess.run(
+        [sys.executable, str(LAUNCH), str(spec), "--quiet", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"oracle.cache_rows: C = {cache_rows} " in done.stderr, done.stderr
+    assert f"needs C >= {need}" in done.stderr, done.stderr
+    assert not (run_dir / "logs").exists(), "roles were started"
+    assert (run_dir / "final" / "dense.pt").exists(), "the previous run's outputs were removed"
 
 
 def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:

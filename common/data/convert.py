@@ -3,14 +3,18 @@ preprocessed format, with a progress bar; `open_reader` picks the source's reade
 
 from __future__ import annotations
 
+import gzip
 import logging
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import islice, takewhile
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from common.data.chunks import Reader
+from common.data.chunks import MalformedData, Reader
 from common.data.mapping import RowMapper, build_vocabularies
 from common.data.npy import NpyDaysReader, day_files
 from common.data.parquet import ParquetReader, parquet_files
@@ -80,10 +84,9 @@ def convert(spec: DataSpec, out: Path, *, progress: bool = True) -> Manifest:
     if spec.table_sizes and len(spec.table_sizes) != len(probe.tables):
         raise ConfigError("data.table_sizes", f"{spec.format} has {len(probe.tables)} tables, "
                           f"got {len(spec.table_sizes)} sizes")  # fmt: skip
-    total = sum(f["bytes"] for f in source_fingerprint(spec))
-    mapper = _mapper(spec, probe, total, progress)
+    mapper = _mapper(spec, probe, progress)
     with Writer(out, num_dense=probe.num_dense, table_sizes=mapper.sizes) as writer:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+        with _source_bar("convert", spec, progress) as bar:
             reader = open_reader(spec, on_bytes=bar.update)
             for chunk in reader.chunks():
                 writer.append(chunk.labels, chunk.dense, mapper.rows(chunk.ids))
@@ -93,12 +96,42 @@ def convert(spec: DataSpec, out: Path, *, progress: bool = True) -> Manifest:
         return writer.commit(config=conversion_config(spec), source=source, extra_files=extra)
 
 
-def _mapper(spec: DataSpec, probe: Reader, total_bytes: int, progress: bool) -> RowMapper:
+def _mapper(spec: DataSpec, probe: Reader, progress: bool) -> RowMapper:
     if spec.hashing == "hash":
         return RowMapper(sizes=spec.table_sizes, direct_tables=probe.direct_tables)
     if spec.hashing == "none":
         return RowMapper(sizes=spec.table_sizes, ids_are_rows=True)
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="count", disable=not progress) as bar:
+    with _source_bar("count", spec, progress) as bar:
         reader = open_reader(spec, on_bytes=bar.update)
         vocabs = build_vocabularies(reader.chunks(), len(probe.tables), spec.min_frequency, spec.table_sizes)
     return RowMapper.for_dictionary(vocabs, spec.table_sizes)
+
+
+@contextmanager
+def _source_bar(description: str, spec: DataSpec, progress: bool) -> Iterator[tqdm]:
+    """A bar over the source files' bytes that ends where bad data stopped the pass.
+
+    Readers count bytes as they take them in, a block (8 MiB for text) ahead of the rows
+    they have checked, so a small file's bar would read 100 % before its first error.
+    """
+    files = source_paths(spec)
+    total = sum(p.stat().st_size for p in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=description, disable=not progress) as bar:
+        try:
+            yield bar
+        except MalformedData as exc:
+            bar.n = _bytes_before(files, exc)
+            raise
+
+
+def _bytes_before(files: list[Path], error: MalformedData) -> int:
+    """Bytes of the source files before the bad line; before its file where no line is
+    known (a bad row of an array or parquet file, a bad file). In a .gz file, compressed
+    bytes as far as the decompressor has read."""
+    done = sum(p.stat().st_size for p in takewhile(lambda p: p != error.path, files))
+    if error.line is None:
+        return done
+    with error.path.open("rb") as raw:
+        lines = gzip.GzipFile(fileobj=raw) if error.path.suffix == ".gz" else raw
+        deque(islice(lines, error.line - 1), maxlen=0)  # skip them at C speed
+        return done + raw.tell()

@@ -137,13 +137,15 @@ def _log2_bins(hist: np.ndarray) -> dict[str, int]:
 
 def format_table(report: SkewReport) -> str:
     """The report as a fixed-width text table, one line per table plus the overall line."""
-    head = (f"{'table':<14}{'rows':>11}{'accesses':>11}{'distinct':>10}{'top0.1%':>9}{'top1%':>8}"
+    rows = [*report.tables, report.overall]
+    w = max(14, *(len(s.name) + 2 for s in rows))  # the longest name (Avazu's are long) and a gap
+    head = (f"{'table':<{w}}{'rows':>11}{'accesses':>11}{'distinct':>10}{'top0.1%':>9}{'top1%':>8}"
             f"{'top10%':>8}{'once':>9}{'reuse p50':>10}{'p90':>7}")  # fmt: skip
     lines = [f"rows {report.rows:,}, batch size {report.batch_size}", head, "-" * len(head)]
-    for s in [*report.tables, report.overall]:
+    for s in rows:
         p = s.reuse_percentiles
         lines.append(
-            f"{s.name:<14}{s.size:>11}{s.accesses:>11}{s.distinct:>10}{s.top_share['0.1%']:>9.3f}"
+            f"{s.name:<{w}}{s.size:>11}{s.accesses:>11}{s.distinct:>10}{s.top_share['0.1%']:>9.3f}"
             f"{s.top_share['1%']:>8.3f}{s.top_share['10%']:>8.3f}{s.seen_once:>9}"
             f"{p.get('p50', float('nan')):>10.0f}{p.get('p90', float('nan')):>7.0f}"
         )  # fmt: skip

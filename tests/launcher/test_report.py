@@ -24,6 +24,7 @@ from launcher.report import (
     plot_run,
     read_records,
     read_run,
+    remaining_seconds,
     summarise,
     trainer_log_path,
     write_report,
@@ -362,6 +363,36 @@ def test_progress_bar_draws_on_a_terminal_stream() -> None:
         bar.update({0: [it_rec(0, 1.0), it_rec(1, 1.5, samples=50)]})
     text = out.getvalue()
     assert "run" in text and "2/4" in text and "100 samples/s" in text and "hit 50.0 %" in text
+
+
+def test_remaining_seconds_go_at_the_pace_of_the_recent_iterations() -> None:
+    assert remaining_seconds([100.0, 100.1, 100.2, 100.3], 10) == pytest.approx(1.0)  # 0.1 s each
+    assert remaining_seconds([5.0, 7.0], 0) == 0.0
+    assert math.isnan(remaining_seconds([100.0], 10))  # one end: no pace yet
+    assert math.isnan(remaining_seconds([], 10))
+
+
+def _started_late(trainer_records: int) -> dict[int, list[dict[str, Any]]]:
+    """Two trainers whose first iteration ended a minute after the launch (start-up), the
+    next ones 0.1 s apart."""
+    return {j: [it_rec(i, 60.0 + 0.1 * i) for i in range(trainer_records)] for j in range(2)}
+
+
+def test_progress_eta_leaves_the_start_up_out(caplog: pytest.LogCaptureFixture) -> None:
+    clock = iter([0.0, 60.3, 60.3])  # the bar was made at launch; 4 of 20 iterations took 60.3 s
+    bar = ProgressBar(20, "run", trainers=2, file=io.StringIO(), clock=lambda: next(clock))
+    with caplog.at_level(logging.INFO, logger="launcher.report"):
+        bar.update(_started_late(4))
+    assert caplog.records[0].getMessage().endswith(", ETA 00:01"), caplog.records[0].getMessage()  # 16 x 0.1 s
+
+
+def test_progress_bar_shows_its_own_eta_only() -> None:
+    out = io.StringIO()
+    with ProgressBar(20, "run", trainers=2, file=out, enabled=True) as bar:
+        bar.update(_started_late(4))
+    text = out.getvalue()
+    assert "4/20" in text and "ETA 00:01" in text, text
+    assert "<" not in text and "it/s" not in text, text  # tqdm's ETA and rate count the start-up in
 
 
 def test_checkpoint_cost_is_summarised_and_printed() -> None:

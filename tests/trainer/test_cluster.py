@@ -21,6 +21,10 @@ def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str) 
     overrides = {"oracle": {"mode": mode, "cache_rows": CACHE_ROWS[2]}, "trainers": {"count": 2}}
     job, result = run_spec(write_spec(tmp_path, mode, overrides), tmp_path / "run")
     assert_identical(final_model(job, result.run_dir), as_final(reference_for(job)))
+    started = sorted(p.stem for p in (result.run_dir / "logs").glob("*.log"))
+    # local mode's trainers hold the whole table and write it to final/ themselves: no PS
+    shards = [] if mode == "local" else ["ps-0", "ps-1"]
+    assert started == ["oracle", *shards, "trainer-0", "trainer-1"]
 
 
 def test_a_four_trainer_cluster_is_bit_identical_to_the_harness(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from common.data.__main__ import main
 from common.data.stats import format_table, skew_stats
-from tests.common.data.conftest import KAGGLE
+from tests.common.data.conftest import AVAZU, KAGGLE
 
 
 def test_hand_computed_example() -> None:
@@ -47,3 +47,13 @@ def test_cli_synth_then_convert_errors(tmp_path: Path, capsys: pytest.CaptureFix
     assert manifest["rows"] == 1000 and manifest["table_sizes"] == [1460, 583, 10131227, 2202608]
     assert main(["convert", "--format", "criteo", "--path", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "data.path" in capsys.readouterr().err
+
+
+def test_columns_align_whatever_the_table_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--format", "avazu", "--path", str(AVAZU), "--cache-dir", str(tmp_path),
+                 "--batch-size", "16"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    head, rule, *rows = lines[next(i for i, line in enumerate(lines) if line.startswith("table ")):]
+    assert rule == "-" * len(head), (head, rule)
+    assert any(row.startswith("device_conn_type ") for row in rows), rows
+    assert {len(row) for row in rows} == {len(head)}, "\n".join([head, *rows])

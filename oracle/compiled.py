@@ -1,0 +1,55 @@
+"""The planner's numba kernels: whether numba's cache holds them, and compiling them ahead.
+
+Compiling them takes about 13 s on a quiet machine, once per checkout and numba version
+(the cache is in the user's folder: oracle/__init__.py). The oracle compiles them before it
+reports ready, so that trainers never sit waiting on it; the launcher says so when the
+cache is cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from common.spec import Mode
+from oracle import NUMBA_CACHE_ENV
+from oracle.config import PlannerConfig
+from oracle.planner import Planner, rules_class
+
+log = logging.getLogger(__name__)
+
+
+def is_compiled(mode: Mode) -> bool:
+    """Whether numba's cache holds current code for every kernel `mode`'s rules call."""
+    return all(_cached(kernel) for kernel in rules_class(mode).kernels)
+
+
+def compile_planner(mode: Mode) -> None:
+    """Compile (or load from the cache) every kernel `mode`'s rules call, with the argument
+    types of a real run: the production planner plans a small made-up stream."""
+    cold = not is_compiled(mode)
+    started = time.perf_counter()
+    config = PlannerConfig(
+        num_trainers=2, lookahead=2, prefetch_lead=1, capacity=6, mode=mode, checkpoint_every=2,
+        total_rows=32, hot_keys=np.arange(2) if mode == "static-cache" else np.zeros(0, np.int64),
+    )
+    planner = Planner(config)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        planner.push(rng.integers(0, config.total_rows, size=(4, 2)))
+    planner.finish()
+    if cold:
+        log.info("compiled the %s planner in %.1f s; cached in %s for later runs", mode,
+                 time.perf_counter() - started, os.environ[NUMBA_CACHE_ENV])
+
+
+def _cached(kernel: Any) -> bool:
+    # numba's own test of a kernel's index file: present, written by this numba version and
+    # for the kernel's current source (it hashes the file). numba has no public call for it;
+    # these are the internals of numba 0.68 (pinned), and tests/oracle/test_compiled.py
+    # notices when they change.
+    return bool(kernel._cache._cache_file._load_index())
