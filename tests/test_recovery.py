@@ -153,7 +153,6 @@ def test_an_unwritable_checkpoint_directory_is_reported_and_training_goes_on(tmp
     ps_log = (tmp_path / "run" / "logs" / "ps-1.log").read_text()
     assert f"checkpoint {EVERY - 1} could not be written to {job.spec.checkpoint.dir / 'ps-1'}" in ps_log
     trainer_log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
-    assert f"checkpoint {EVERY - 1}: could not save the dense model" in trainer_log
     assert f"checkpoint {EVERY - 1} is incomplete" in trainer_log
 
 
