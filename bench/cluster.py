@@ -3,8 +3,8 @@
 
 `bench/topology.py` builds the hosts oracle, ps0, ps1, tr0 and tr1 (network namespaces on one
 switch), every host's link shaped by tbf to the rate, in both directions. Each role is started
-on its host with the command a cluster across machines uses (`launch.py SPEC --role R --index
-I` and the addresses: `start_roles`, the one place that says how); TorchRec's two ranks run on
+on its host with the command a cluster across machines uses (the oracle with the spec, the
+others with `--coordinator`: `start_roles`, the one place that says how); TorchRec's two ranks run on
 tr0 and tr1 (`start_torchrec`). The job is `bench/e2e.py`'s (T = 2, S = 2, DLRM, synthetic
 Criteo-like data, a cache far below the tables). Per rate it prints samples/s, ms per phase
 (both from each run's report.json) and MB each host's link carried per iteration, counted on
@@ -20,9 +20,9 @@ measured iterations crossed before the window opened: in a 40-iteration run its 
 show about a quarter less per iteration than the trainers' own fetch counters (a few
 percent in 300 iterations).
 
-`--hide-data DIR` hides DIR from every host but the oracle's. It is meant for file data once
-the PS and trainers need none; today they open the data themselves (the synthetic data here
-is generated from its seed, in every role, so hiding a folder changes nothing for them).
+Only the oracle's host sees the bagpipe runs' specs (and any data they name): the PS shards
+and trainers are started with the oracle's address alone and never open the data.
+`--hide-data DIR` hides a further folder (e.g. file data) from every host but the oracle's.
 
     python bench/cluster.py --quick
     python bench/cluster.py --rates 1gbit,100mbit --modes bagpipe,no-cache,local --json runs/bench/cluster.json
@@ -51,11 +51,12 @@ from bench.topology import (  # noqa: E402
     HostSpec, Snapshot, Terminated, Topology, Traffic, parse_rate, stop_processes,
 )
 from common.errors import BagpipeError, ConfigError  # noqa: E402
-from common.spec import MODES, TOKEN_ENV, spec_toml  # noqa: E402
+from common.spec import MODES, TOKEN_ENV, load_spec, spec_toml  # noqa: E402
 from launcher.report import RunSummary, RunTail, compare_modes, read_run, summarise, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("oracle", "ps0", "ps1", "tr0", "tr1")
+JOB_FOLDER = "job"  # the specs of the bagpipe runs: hidden on every host but the oracle's
 TOKEN = "cluster-bench"
 START_TIMEOUT_S = 300.0
 MODES_RUN = ("bagpipe", "no-cache", "local")  # by default; --modes adds static-cache
@@ -82,25 +83,25 @@ class Role:
 
 def start_roles(net: Topology, spec: Path, run_dir: Path, *, port: int) -> list[Role]:
     """Start every bagpipe role on its host, as a cluster across machines starts them, and
-    wait until the services listen. Services listen at `port` of their host (PS admin:
-    port + 1), the trainers meet at port + 2 on tr0. The trainers need GLOO_SOCKET_IFNAME:
-    their hostname resolves to loopback, which gloo would otherwise pick."""
-    shards = [h for h in HOSTS if h.startswith("ps")]
-    trainers = [h for h in HOSTS if h.startswith("tr")]
-    peers = ["--oracle-address", f"{net['oracle'].address}:{port}",
-             "--ps-addresses", ",".join(f"{net[h].address}:{port}" for h in shards),
-             "--rendezvous", f"{net[trainers[0]].address}:{port + 2}", "--run-dir", str(run_dir)]
-    launch = [sys.executable, str(ROOT / "launch.py"), str(spec)]
-    roles = []
+    wait until the services listen: the oracle with the spec on its host, at `port`; each PS
+    shard and trainer with the oracle's address alone (`--coordinator`), learning the job
+    from it. The spec's folder is hidden on their hosts; the shards serve at `port` of
+    theirs (`--bind`), and the trainers' collectives find their interface themselves."""
+    coordinator = f"{net['oracle'].address}:{port}"
+    launch = [sys.executable, str(ROOT / "launch.py")]
+    oracle = _start(net, "oracle", "oracle", [*launch, str(spec), "--role", "oracle", "--oracle-address", coordinator,
+                                               "--run-dir", str(run_dir)], run_dir, ready=True)
+    _wait_ready([oracle])
+    roles = [oracle]
+    shards = [] if load_spec(spec).oracle.mode == "local" else [h for h in HOSTS if h.startswith("ps")]
     for i, host in enumerate(shards):
-        argv = [*launch, "--role", "ps", "--index", str(i), *peers]
+        argv = [*launch, "--role", "ps", "--coordinator", coordinator, "--index", str(i),
+                "--bind", f"{net[host].address}:{port}"]
         roles.append(_start(net, host, f"ps-{i}", argv, run_dir, ready=True))
+    for j, host in enumerate(h for h in HOSTS if h.startswith("tr")):
+        argv = [*launch, "--role", "trainer", "--coordinator", coordinator, "--index", str(j), "--run-dir", str(run_dir)]
+        roles.append(_start(net, host, f"trainer-{j}", argv, run_dir))
     _wait_ready(roles)
-    roles.append(_start(net, "oracle", "oracle", [*launch, "--role", "oracle", *peers], run_dir, ready=True))
-    _wait_ready(roles)
-    for j, host in enumerate(trainers):
-        roles.append(_start(net, host, f"trainer-{j}", [*launch, "--role", "trainer", "--index", str(j), *peers],
-                            run_dir, env={"GLOO_SOCKET_IFNAME": net[host].interface}))
     return roles
 
 
@@ -136,10 +137,11 @@ def _wait_ready(roles: Sequence[Role]) -> None:
 
 
 def _check(roles: Sequence[Role]) -> bool:
-    """True once every trainer exited cleanly; RunFailed naming the first role that died."""
+    """True once every trainer exited cleanly; RunFailed naming the first role that died (the
+    PS shards and the oracle exit 0 by themselves at the end)."""
     for role in roles:
         code = role.process.poll()
-        if code is not None and not (code == 0 and role.name.startswith("trainer-")):
+        if code is not None and code != 0:
             raise RunFailed(role.failure(), role=role.name)
     return all(r.process.poll() == 0 for r in roles if r.name.startswith("trainer-"))
 
@@ -185,7 +187,8 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)  # records append, a PS refuses old snapshots
     (run_dir / "logs").mkdir(parents=True)
-    spec = run_dir / "spec.toml"
+    # Bagpipe's spec where only the oracle's host sees it (`run_rate`); TorchRec's ranks read theirs.
+    spec = run_dir / "spec.toml" if name == torchrec_baseline.MODE else out / JOB_FOLDER / f"{name}.toml"
     sections = {**base, "checkpoint": {"dir": str(run_dir / "checkpoints")}}
     if name != torchrec_baseline.MODE:
         sections["oracle"] = {**base["oracle"], "mode": name}
@@ -222,7 +225,9 @@ def link_table(links: Mapping[str, Mapping[str, Mapping[str, Mapping[str, float]
 
 def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path | None) -> dict[str, Any]:
     """Every run in `names` on a fresh topology whose links are shaped to `rate`."""
-    hosts = [HostSpec(name=h, rate=rate, hide_data=(hide,) if hide and h != "oracle" else ()) for h in HOSTS]
+    hidden = (out / rate / JOB_FOLDER, *([hide] if hide else []))
+    hidden[0].mkdir(parents=True, exist_ok=True)
+    hosts = [HostSpec(name=h, rate=rate, hide_data=hidden if h != "oracle" else ()) for h in HOSTS]
     summaries: dict[str, RunSummary] = {}
     links: dict[str, dict] = {}
     with Topology(hosts) as net:
