@@ -232,6 +232,11 @@ class Host:
         return [*enter, "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _HIDE_SCRIPT,
                 "hide", *(str(f) for f in self.hide_data), "--", *argv]
 
+    def set_link(self, *, up: bool) -> None:
+        """Take this host's link down (a cut cable: packets are dropped, connections are not
+        told) or bring it back up."""
+        _run("ip", "-n", self.namespace, "link", "set", self.interface, "up" if up else "down")
+
     def popen(
         self,
         argv: Sequence[str],
