@@ -240,7 +240,7 @@ def test_a_killed_trainer_stops_every_role(launcher: Callable[[], Launcher]) -> 
     run = launcher()
     procs = run.wait_training()
     ports = run.ports()
-    assert len(ports) == 5, ports  # 2 PS x (h2 + HTTP/1.1) + oracle
+    assert len(ports) == 6, ports  # (2 PS + the oracle) x (h2 + HTTP/1.1)
     victim = role_process(procs, "trainer", 1)
     marker = "test_launch: the last line trainer-1 logged before kill -9"
     with open(run.run_dir / "logs" / "trainer-1.log", "a") as log:  # O_APPEND, like the role
