@@ -189,8 +189,15 @@ BUILDER = textwrap.dedent("""
 """)
 
 
+def _interruptible() -> None:
+    # A test run in the background of a shell inherits SIGINT ignored, and so would the
+    # builder: Ctrl-C reaches a foreground process, which is what these tests mean.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_builder(body: str = "wait") -> tuple[subprocess.Popen[str], str]:
-    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(ROOT), body], stdout=subprocess.PIPE, text=True)
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(ROOT), body], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=_interruptible)
     assert builder.stdout is not None
     prefix = builder.stdout.readline().strip()
     assert prefix and _ours(prefix)[0], "the topology was not built"

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""What a PS write-back costs while fetches wait for versions, indexed (`ps.waiting`) and
+as before it (every waiting fetch's whole key array re-checked on every write-back).
+
+A shard of 1 M rows; W fetches of K rows each wait for version 1 of their rows; write-backs
+of B rows then bring every row to version 1 in a random order, each followed by one of B
+rows nobody waits for (most write-backs, in a run), each followed by the wake-up check. Prints µs per write-back (the check alone) for both, and writes JSON with --json.
+
+    python bench/ps_waiting.py --quick --json runs/bench/ps_waiting.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ps.waiting import WaitingFetches  # noqa: E402
+
+ROWS = 1 << 20
+
+
+def _scenario(waiting: int, keys: int, batch: int, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    fetches = [rng.choice(ROWS, keys, replace=False) for _ in range(waiting)]
+    touched = np.unique(np.concatenate(fetches))
+    order = rng.permutation(touched)
+    others = rng.permutation(np.setdiff1d(np.arange(ROWS), touched))
+    writes = []
+    for k, i in enumerate(range(0, len(order), batch)):
+        writes += [order[i : i + batch], others[k * batch : (k + 1) * batch]]
+    return fetches, writes
+
+
+def indexed(fetches: list[np.ndarray], writes: list[np.ndarray]) -> tuple[float, int]:
+    """Seconds spent in the wake-up checks, and how many fetches woke."""
+    versions = np.zeros(ROWS, dtype=np.int64)
+    index = WaitingFetches(ROWS)
+    for keys in fetches:
+        index.wait(keys, np.ones(len(keys), dtype=np.int64), versions)
+    spent, woke = 0.0, 0
+    for rows in writes:
+        versions[rows] = 1
+        started = time.perf_counter()
+        woke += len(index.written(rows, versions))
+        spent += time.perf_counter() - started
+    return spent, woke
+
+
+def rechecked(fetches: list[np.ndarray], writes: list[np.ndarray]) -> tuple[float, int]:
+    """The same with the check it replaced: each waiting fetch's rows, all of them, again."""
+    versions = np.zeros(ROWS, dtype=np.int64)
+    waiting = {i: (keys, np.ones(len(keys), dtype=np.int64)) for i, keys in enumerate(fetches)}
+    spent, woke = 0.0, 0
+    for rows in writes:
+        versions[rows] = 1
+        started = time.perf_counter()
+        for i, (keys, need) in list(waiting.items()):
+            if (versions[keys] >= need).all():
+                del waiting[i]
+                woke += 1
+        spent += time.perf_counter() - started
+    return spent, woke
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are printed")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    cases = [(16, 2048, 2048), (64, 2048, 2048)] if args.quick else [(16, 2048, 2048), (64, 2048, 2048), (256, 2048, 4096)]
+    print(f"{'waiting':>8} {'keys':>6} {'write rows':>10} | {'indexed µs':>11} {'rechecked µs':>13} {'ratio':>6}")
+    results = []
+    for waiting, keys, batch in cases:
+        fetches, writes = _scenario(waiting, keys, batch)
+        times: dict[str, list[float]] = {"indexed": [], "rechecked": []}
+        for _ in range(args.rounds):  # alternating, so drift on a shared machine hits both
+            for name, run in (("indexed", indexed), ("rechecked", rechecked)):
+                spent, woke = run(fetches, writes)
+                assert woke == waiting, f"{name} woke {woke} of {waiting}"
+                times[name].append(spent / len(writes) * 1e6)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        spread = {k: [round(min(v), 1), round(max(v), 1)] for k, v in times.items()}
+        results.append({"waiting": waiting, "keys": keys, "write_rows": batch, "writes": len(writes),
+                        "indexed_us": med["indexed"], "rechecked_us": med["rechecked"], "spread_us": spread})
+        print(f"{waiting:>8} {keys:>6} {batch:>10} | {med['indexed']:>11.1f} {med['rechecked']:>13.1f} "
+              f"{med['rechecked'] / med['indexed']:>5.1f}x", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
