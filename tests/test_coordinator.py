@@ -91,6 +91,7 @@ def roles(tmp_path: Path) -> Iterator[Roles]:
     started.kill_all()
 
 
+@pytest.mark.nightly  # CI keeps the cross-folder resume below, which also ends bit-identical
 def test_roles_that_know_only_the_coordinator_train_the_same_model(
     oracle_host: Path, roles: Roles, tmp_path: Path
 ) -> None:

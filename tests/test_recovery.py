@@ -200,7 +200,11 @@ class CarelessRestart:
         self.restarted_at = 0.0
 
     def __call__(self, cluster: LocalCluster) -> None:
-        if self.refused is not None or not list_checkpoints(self.snapshots):
+        # A checkpoint recorded complete, not just ps-0's snapshot on disk: until its report is
+        # answered a trainer's journal still holds every write since the start, and replaying
+        # it all into an empty shard is right (the run then ends well, as the careless start
+        # did not lose anything yet).
+        if self.refused is not None or not list_checkpoints(self.snapshots) or not self._recorded():
             return
         if not all(t.process.poll() is None for t in cluster.trainers()):
             return  # the run is ending: nothing would need ps-0 any more
@@ -219,6 +223,11 @@ class CarelessRestart:
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
         self.restarted_at = time.monotonic()
         cluster.roles[position] = Role("ps-0", process, log_path, ready)  # stopped with the others
+
+
+    def _recorded(self) -> bool:
+        records = self.run_dir / "trainer-0.jsonl"
+        return records.exists() and b'"kind":"checkpoint"' in records.read_bytes()
 
 
 def run_careless(tmp_path: Path, then: str) -> tuple[Job, CarelessRestart, ClusterResult | RoleFailed]:

@@ -55,6 +55,7 @@ def test_compiling_writes_into_the_users_cache_and_not_the_source_tree(tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_real_run_compiles_nothing_after_compile_planner(tmp_path: Path) -> None:
     """About 15 s on a quiet machine: the bagpipe kernels, compiled from cold."""
     run_python('from oracle.compiled import compile_planner\ncompile_planner("bagpipe")', tmp_path)

@@ -46,7 +46,7 @@ def criteo_job(tmp_path: Path, *, mode: str, trainers: int, iterations: int = 0)
     return build_job(load_spec(write_spec(tmp_path, f"criteo-{mode}-t{trainers}", overrides, data=data)))
 
 
-@pytest.mark.parametrize("trainers", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("trainers", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=[pytest.mark.slow, pytest.mark.nightly])])
 def test_every_mode_is_bit_identical_over_two_criteo_epochs(tmp_path: Path, trainers: int) -> None:
     runs = {}
     for mode in MODES:
