@@ -11,6 +11,8 @@ it keeps in its own plain fields, and the scrape handler copies them in (`set_to
 
 from __future__ import annotations
 
+import asyncio
+
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -98,3 +100,29 @@ def _fmt_value(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return f"{value:.17g}"
+
+
+class FinalScrape:
+    """A service's last metrics page: once its work is `finish`ed, the next scrape `read`s
+    the final figures, and a role that lingers for it (`[cluster] metrics_linger_s`) can
+    `wait` for that scrape before it exits (a batch job otherwise ends between two)."""
+
+    def __init__(self) -> None:
+        self._finished = False
+        self._read = asyncio.Event()
+
+    def finish(self) -> None:
+        self._finished = True
+
+    def scraped(self) -> None:
+        """Call after rendering a page."""
+        if self._finished:
+            self._read.set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Whether a scrape read the final page within `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._read.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

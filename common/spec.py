@@ -62,8 +62,12 @@ class ClusterSection:
     max_concurrent_streams: int = 256
     max_resets: int = 200
     reset_window_s: float = 10.0
+    # A finished role serves until a scrape has read its final metrics, at most this long.
+    metrics_linger_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.metrics_linger_s >= 0:
+            raise ConfigError("cluster.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
         for name in ("max_connections", "max_concurrent_streams", "max_resets"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
@@ -99,11 +103,8 @@ class TrainersSection:
     rendezvous: Endpoint
     threads: int = 1
     metrics_address: Endpoint = Endpoint(host="127.0.0.1", port=0)
-    metrics_linger_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.metrics_linger_s >= 0:
-            raise ConfigError("trainers.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
         # Trainer j serves its metrics on port + j, so trainers sharing a host never clash.
         last = self.metrics_address.port + self.count - 1
         if self.metrics_address.port and last > 65535:
@@ -225,6 +226,7 @@ def _cluster(s: _Section) -> ClusterSection:
         max_concurrent_streams=s.get("max_concurrent_streams", int, 256),
         max_resets=s.get("max_resets", int, 200),
         reset_window_s=s.get("reset_window_s", float, 10.0),
+        metrics_linger_s=s.float("metrics_linger_s", 0.0, positive=False),
     )
 
 
@@ -256,7 +258,6 @@ def _trainers(s: _Section) -> TrainersSection:
         rendezvous=s.endpoint("rendezvous", "127.0.0.1:0"),
         threads=s.int("threads", 1, low=1),
         metrics_address=s.endpoint("metrics_address", "127.0.0.1:0"),
-        metrics_linger_s=s.float("metrics_linger_s", 0.0, positive=False),
     )
 
 

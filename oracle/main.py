@@ -140,6 +140,10 @@ async def run_oracle(
         if service.failed.done():
             raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
         if coordinator.finished.is_set():
+            service.final_scrape.finish()
+            linger = spec.cluster.metrics_linger_s
+            if linger and not await service.final_scrape.wait(linger):
+                log.info("no scrape read the final metrics within metrics_linger_s = %g s", linger)
             log.info("every trainer has finished: the oracle exits")
     finally:
         service.stop()

@@ -36,7 +36,7 @@ import numpy as np
 from common.data.dataset import Dataset
 from common.errors import BadRequest, ConfigError
 from common.keys import TableLayout
-from common.metrics import Registry
+from common.metrics import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
 from common.transport import Request, Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
@@ -129,6 +129,7 @@ class OracleService:
         self.max_ahead = max_ahead
         self.restarted_alone = restarted_alone
         self.metrics = registry or Registry()
+        self.final_scrape = FinalScrape()  # finished by the coordinator, once every trainer is
         self.progress = PlannerProgress()
         self.streams_open = [0] * config.num_trainers  # every open stream, counted or not
         self.buffer: StepBuffer | None = None
@@ -247,7 +248,9 @@ class OracleService:
 
     async def render_metrics(self, request: Request) -> Response:
         self._copy_progress()
-        return Response(body=self.metrics.render().encode(), content_type="text/plain; version=0.0.4")
+        body = self.metrics.render().encode()
+        self.final_scrape.scraped()
+        return Response(body=body, content_type="text/plain; version=0.0.4")
 
     def _copy_progress(self) -> None:
         """Copy what the planning thread and the buffer hold into the registry (which only

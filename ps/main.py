@@ -110,6 +110,9 @@ async def run_ps(
             ends.append(coordinator.watch(spec.cluster.reconnect_s))
         await first_of(*ends)
         if service.finished.is_set():
+            linger = spec.cluster.metrics_linger_s
+            if linger and not await service.final_scrape.wait(linger):
+                log.info("no scrape read the final metrics within metrics_linger_s = %g s", linger)
             log.info("the run's final snapshot is saved: PS shard %d exits", index)
     finally:
         for server in servers:

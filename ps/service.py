@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
-from common.metrics import Registry
+from common.metrics import FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
@@ -80,6 +80,7 @@ class PsService:
         self.incarnation = secrets.token_hex(8)
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
+        self.final_scrape = FinalScrape()
 
     def router(self) -> Router:
         typed: dict[Route, TypedHandler] = {
@@ -173,6 +174,7 @@ class PsService:
         checkpoint = self.store.check_version(message.checkpoint, "checkpoint")
         saved = await self._take_checkpoint(checkpoint)
         if checkpoint == self.store.config.version_limit:
+            self.final_scrape.finish()
             self.finished.set()  # the run's final snapshot: this shard's work is done
         return saved
 
@@ -240,6 +242,7 @@ class PsService:
     async def render_metrics(self, request: Request) -> Response:
         self.metrics.set("fetches_waiting", self.fetches_waiting, help="Fetches waiting for a version")
         body = self.metrics.render().encode()
+        self.final_scrape.scraped()
         return Response(body=body, content_type="text/plain; version=0.0.4")
 
     async def _wait_for_versions(self, local: np.ndarray, min_versions: np.ndarray, timeout: float) -> None:

@@ -135,8 +135,8 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         # in gloo at exit in 2 of 32 T = 4 runs (see also launch.py on how a trainer exits).
         comm.barrier()
         metrics.finish()
-        if spec.trainers.metrics_linger_s and not metrics.wait_final_read(spec.trainers.metrics_linger_s):
-            log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.trainers.metrics_linger_s)
+        if spec.cluster.metrics_linger_s and not metrics.wait_final_read(spec.cluster.metrics_linger_s):
+            log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.cluster.metrics_linger_s)
         report_finished(io, oracle, rank)
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for

@@ -64,7 +64,7 @@ def test_values_are_read_and_typed() -> None:
         ({"trainers": {"count": 0}}, "trainers.count"),
         ({"trainers": {"metrics_address": "9400"}}, "trainers.metrics_address"),
         ({"trainers": {"count": 4, "metrics_address": "h:65533"}}, "trainers.metrics_address"),
-        ({"trainers": {"metrics_linger_s": -1}}, "trainers.metrics_linger_s"),
+        ({"cluster": {"metrics_linger_s": -1}}, "cluster.metrics_linger_s"),
         ({"train": {"batch_size": 10}, "trainers": {"count": 3}}, "train.batch_size"),
         ({"train": {"epochs": True}}, "train.epochs"),
         ({"checkpoint": {"restart": "yes"}}, "checkpoint.restart"),

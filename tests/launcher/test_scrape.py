@@ -51,7 +51,7 @@ class Scraper:
 
 
 def test_every_role_serves_sane_metrics_to_the_end(tmp_path: Path) -> None:
-    overrides = {"trainers": {"count": 2, "metrics_linger_s": 60}}
+    overrides = {"trainers": {"count": 2}, "cluster": {"metrics_linger_s": 60}}
     model = {"factory": "examples.my_model:build", "embedding_dim": 8, "deep_mlp": [16]}
     job = build_job(load_spec(write_spec(tmp_path, "scraped", overrides, model=model)))
     scraper = Scraper(tmp_path / "run")
