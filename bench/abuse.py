@@ -37,10 +37,10 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import write_json  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import ConnectionLimits, H2Server, Http1Server, connect_client, run  # noqa: E402
@@ -448,9 +448,7 @@ def main() -> int:
     print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
           f"{'before':>7} {'peak':>7} {'after':>7} | attacker")
     rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2))
+    write_json(args.json, [asdict(r) for r in rows])
     return 0
 
 

@@ -46,7 +46,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import e2e, torchrec_baseline  # noqa: E402
+from bench import e2e, torchrec_baseline, write_json  # noqa: E402
 from bench.topology import (  # noqa: E402
     HostSpec, Snapshot, Terminated, Topology, Traffic, parse_rate, stop_processes,
 )
@@ -302,11 +302,9 @@ def main() -> int:
     if args.torchrec_skipped:
         print(f"(TorchRec skipped: {args.torchrec_skipped})")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         body = {rate: {name: {"summary": s.to_json(), "link_mb": r["links"][name]}
                        for name, s in r["summaries"].items()} for rate, r in results.items()}
-        args.json.write_bytes(orjson.dumps({"spec": base, "runs": body},
-                                           option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        write_json(args.json, {"spec": base, "runs": body})
     return 0
 
 

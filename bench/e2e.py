@@ -39,11 +39,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import torchrec_baseline  # noqa: E402
+from bench import torchrec_baseline, write_json  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
@@ -212,12 +211,11 @@ def main() -> int:
     if skipped:
         print(f"(TorchRec skipped: {skipped})")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         per_mode = {m: figures(s, rounds[m]) for m, s in summaries.items()}
         meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch,
                 "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
                 "torchrec_skipped": skipped}
-        args.json.write_bytes(orjson.dumps({"config": meta, "modes": per_mode}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        write_json(args.json, {"config": meta, "modes": per_mode})
     if args.plot:
         plot_modes(summaries, args.plot)
     return 0

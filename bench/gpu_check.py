@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import torch
 
+from bench import write_json
 from common.job import Job, build_job
 from common.spec import MODES, load_spec, spec_toml
 from launcher.cluster import run_cluster
@@ -137,9 +137,7 @@ def main() -> int:
               f"{overlap['copies_overlapping_a_kernel']} overlapping a kernel on another stream "
               f"({overlap['overlapped_ms']:.2f} ms overlapped), {overlap['kernels']} kernels")
         result["seconds"] = time.perf_counter() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    write_json(args.json, result)
     return 0 if result["exactness"]["identical"] else 1
 
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import write_json  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import H2Server, Http1Server, run  # noqa: E402
@@ -142,9 +142,7 @@ def main() -> int:
     print(f"\n16,384 x 64 rows, {args.in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
           f"HTTP/1.1 {result['http1_MBps']:.0f} MB/s ({result['http2_over_http1']:.2f}x), "
           f"np.take {result['inproc_MBps']:.0f} MB/s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    write_json(args.json, result)
     return 0
 
 

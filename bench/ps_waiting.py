@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import write_json  # noqa: E402
 from ps.waiting import WaitingFetches  # noqa: E402
 
 ROWS = 1 << 20
@@ -102,9 +102,7 @@ def main() -> int:
                         "indexed_us": med["indexed"], "rechecked_us": med["rechecked"], "spread_us": spread})
         print(f"{waiting:>8} {keys:>6} {batch:>10} | {med['indexed']:>11.1f} {med['rechecked']:>13.1f} "
               f"{med['rechecked'] / med['indexed']:>5.1f}x", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    write_json(args.json, results)
     return 0
 
 

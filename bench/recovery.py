@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import write_json  # noqa: E402
 from common.checkpoints import ps_dir  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
@@ -166,10 +166,7 @@ def main() -> int:
         speedup = f"{r['from_scratch_s'] / r['lost_s']:.1f}x" if r["lost_s"] >= 0.5 else "-"
         print(f"{r['restarted']:<26} {r['killed_at_iteration']:>12} {recovery:>23} {r['lost_s']:>8.2f} s "
               f"{r['from_scratch_s']:>19.2f} s {speedup:>9} {'yes' if r['bit_identical'] else 'NO':>14}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        body = {"iterations": iterations, "every": every, "uninterrupted_s": baseline_s, "roles": rows}
-        args.json.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
+    write_json(args.json, {"iterations": iterations, "every": every, "uninterrupted_s": baseline_s, "roles": rows})
     return 0
 
 
