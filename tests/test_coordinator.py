@@ -30,6 +30,9 @@ from tests.test_launch import LAUNCH, wait_for
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
 ROWS = 2000
+#: The data file beside the spec; each table hashed into 4,096 rows (Kaggle's cardinalities
+#: would give each PS 17 M rows to allocate, restore and compare, for nothing these tests ask).
+CRITEO = {"format": "criteo", "path": "clicks.tsv", "eval_fraction": 0.1, "table_sizes": [4096] * 26}
 OVERRIDES = {
     "oracle": {"mode": "bagpipe", "lookahead": 6, "prefetch_lead": 2, "cache_rows": 2000},
     "model": {"name": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
@@ -95,7 +98,7 @@ def roles(tmp_path: Path) -> Iterator[Roles]:
 def test_roles_that_know_only_the_coordinator_train_the_same_model(
     oracle_host: Path, roles: Roles, tmp_path: Path
 ) -> None:
-    data = {"format": "criteo", "path": "clicks.tsv", "eval_fraction": 0.1}
+    data = CRITEO
     spec = write_spec(oracle_host, "joined", OVERRIDES, data=data)
     job, _ = run_spec(spec, tmp_path / "launched")
     want = final_model(job, tmp_path / "launched")
@@ -150,7 +153,7 @@ def test_a_run_across_folders_resumes_from_the_coordinators_checkpoint(
     (the later manifests deleted: a run this short ends before a kill could land), then every
     role is started again, the oracle with --resume and the others as before, following it:
     the run ends bit-identical to an uninterrupted one."""
-    data = {"format": "criteo", "path": "clicks.tsv", "eval_fraction": 0.1}
+    data = CRITEO
     spec = write_spec(oracle_host, "apart", {**OVERRIDES, "checkpoint": {"every": 4, "keep": 0}}, data=data)
     spec.write_text(spec.read_text().replace(f'dir = "{oracle_host / "checkpoints"}"', 'dir = "ckpt"'))
     (tmp_path / "launcher-host").mkdir()
