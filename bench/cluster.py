@@ -52,7 +52,9 @@ from bench.topology import (  # noqa: E402
 )
 from common.errors import BagpipeError, ConfigError  # noqa: E402
 from common.spec import MODES, TOKEN_ENV, load_spec, spec_toml  # noqa: E402
-from launcher.report import RunSummary, RunTail, compare_modes, read_run, summarise, write_report  # noqa: E402
+from launcher.report import (  # noqa: E402
+    RunSummary, RunTail, compare_bytes, compare_modes, read_run, summarise, write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("oracle", "ps0", "ps1", "tr0", "tr1")
@@ -248,6 +250,8 @@ def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
     print(compare_modes(result["summaries"]))
     print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
     print(e2e.phase_table(result["summaries"]))
+    print("\npayload MB per measured iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
+    print(compare_bytes(result["summaries"]))
     print("\nMB per measured iteration on each host's link, sent / received by the host")
     print(link_table(result["links"], "per_iteration"))
     print("\nMB over the whole run (from before the roles start to after they stopped), sent / received")

@@ -46,7 +46,7 @@ from bench import torchrec_baseline, write_json  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
-from launcher.report import RunSummary, compare_modes, plot_modes, read_run, summarise  # noqa: E402
+from launcher.report import RunSummary, compare_bytes, compare_modes, plot_modes, read_run, summarise  # noqa: E402
 
 TOKEN = "e2e-bench"
 SEED = 3
@@ -129,7 +129,8 @@ def figures(s: RunSummary, runs: Sequence[RunSummary]) -> dict[str, Any]:
     return {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
             "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
             "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
-            "phase_s": s.phase_s, "machinery_s": s.machinery_s, "rounds_samples_per_s": rates,
+            "phase_s": s.phase_s, "machinery_s": s.machinery_s, "bytes_per_iter": s.bytes_per_iter,
+            "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
             "max_samples_per_s": max(rates)}
 
@@ -206,6 +207,8 @@ def main() -> int:
     print("\nms per iteration and trainer "
           "(machinery: all but forward, backward and the dense optimizer)")
     print(phase_table(summaries))
+    print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
+    print(compare_bytes(summaries))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
     if skipped:

@@ -213,6 +213,8 @@ def _train(
     """The loop of `trainer.engine.Engine._train` with TorchRec's embeddings: the same phases,
     the same loss, one record per iteration in the trainers' format."""
     timer = PhaseTimer()
+    world = dist.get_world_size()
+    dense_bytes = sum(4 * p.numel() for p in dense_optimizer.param_groups[0]["params"]) if world > 1 else 0
     timer.restart()
     for x, (labels, dense, ids) in enumerate(batches):
         with timer.phase("forward"):
@@ -222,10 +224,11 @@ def _train(
             loss.backward()
         with timer.phase("dense_optimizer"):
             dense_optimizer.step()
-        # No PS traffic, cache or sync: every counter but the samples is zero.
+        # No PS traffic, cache or sync: every counter but the samples and DDP's is zero (its
+        # all-to-alls are not counted here: bench/cluster.py sees them on the links).
         records.write({"kind": "iter", "iteration": x, **dict.fromkeys(COUNTERS, 0),
                        "samples": len(labels), "loss": float(loss.detach()), "time": time.time(),
-                       "phases": timer.end_iteration()})
+                       "dense_bytes": dense_bytes, "phases": timer.end_iteration()})
     records.write({"kind": "final", "time": time.time(), "iterations": len(batches)})
 
 

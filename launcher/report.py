@@ -4,7 +4,10 @@ Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jso
 
 * ``{"kind": "iter", "iteration", "time", "samples", "loss", "uses", "hits", "fetch_rows",
   "fetch_bytes", "write_back_rows", "write_back_bytes", "sync_rows", "sync_bytes", "join_rows",
-  "phases": {name: seconds}}`` once per iteration; ``time`` is unix seconds at its end;
+  "sync_now_bytes", "sync_later_bytes", "join_bytes", "dense_bytes", "phases": {name: seconds}}``
+  once per iteration; ``time`` is unix seconds at its end; ``sync_bytes`` is the sum of the
+  sync now, sync later and join payloads, ``dense_bytes`` the dense gradients DDP all-reduces
+  (records written before these four were added read as 0);
 * ``{"kind": "eval", "iteration", "time", "auc", "log_loss", "count"}`` after an evaluation;
 * ``{"kind": "checkpoint", "iteration", "time", "bytes", "seconds"}`` from trainer 0 when a
   checkpoint is complete (bytes of PS snapshots and dense model; seconds from its last
@@ -62,6 +65,17 @@ COUNTERS: tuple[str, ...] = (
     "sync_bytes",
     "join_rows",
 )
+#: Payload bytes of an iteration record by what carries them, beside `COUNTERS`: summed the
+#: same way, but optional (absent from records of earlier versions: 0).
+BYTE_KINDS: tuple[str, ...] = (
+    "fetch_bytes",
+    "write_back_bytes",
+    "sync_now_bytes",
+    "sync_later_bytes",
+    "join_bytes",
+    "dense_bytes",
+)
+_OPTIONAL_COUNTERS = tuple(k for k in BYTE_KINDS if k not in COUNTERS)
 
 _MB = 1e6
 
@@ -311,7 +325,10 @@ def iteration_series(
         trainers=order,
         iterations=iterations,
         end_time=times.max(axis=0) if len(iterations) else np.zeros(0),
-        counters={c: grid(lambda r, c=c: float(r[c])) for c in COUNTERS},
+        counters={
+            **{c: grid(lambda r, c=c: float(r[c])) for c in COUNTERS},
+            **{c: grid(lambda r, c=c: float(r.get(c, 0))) for c in _OPTIONAL_COUNTERS},
+        },
         loss=grid(lambda r: _float(r["loss"])),
         phases={p: grid(lambda r, p=p: float(r.get("phases", {}).get(p, 0.0))) for p in names},
         evals=_combine_evals(records_by_trainer),
@@ -365,11 +382,14 @@ class RunSummary:
     checkpoint_s: float = math.nan  # mean seconds from a checkpoint's last write to its manifest
     # Mean seconds per iteration and trainer outside forward, backward and the dense step.
     machinery_s: float = math.nan
+    # Payload bytes per iteration (all trainers) of each of `BYTE_KINDS`.
+    bytes_per_iter: dict[str, float] = field(default_factory=dict, hash=False)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["phase_s"] = dict(self.phase_s)
+        out["bytes_per_iter"] = dict(self.bytes_per_iter)
         out["eval"] = None if self.eval is None else {
             f.name: getattr(self.eval, f.name) for f in fields(self.eval)
         }
@@ -386,7 +406,7 @@ class RunSummary:
                     **{k: _float(v) if k in ("auc", "log_loss", "time") else v
                        for k, v in value.items()}
                 )
-            elif f.name == "phase_s":
+            elif f.name in ("phase_s", "bytes_per_iter"):
                 value = {k: _float(v) for k, v in (value or {}).items()}
             elif f.type == "float":
                 value = _float(value)
@@ -463,6 +483,7 @@ def summarise(
         loss_window=last.stop - last.start,
         phase_s={p: float(v[:, measured].mean()) for p, v in s.phases.items()},
         machinery_s=float(machinery(s)[:, measured].mean()),
+        bytes_per_iter={kind: per_iter(kind) for kind in BYTE_KINDS},
         eval=s.evals[-1] if s.evals else None,
         finished=s.finished,
         **_checkpoint_figures(records_by_trainer),
@@ -594,6 +615,21 @@ def compare_modes(summaries: Mapping[str, RunSummary]) -> str:
             ratio = _ratio(s.samples_per_s, summaries[m].samples_per_s)
             line += f"{_num(ratio, '.2f') + ('' if math.isnan(ratio) else 'x'):>13}"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def compare_bytes(summaries: Mapping[str, RunSummary]) -> str:
+    """One row per mode: payload MB per iteration and trainer of each kind of traffic (PS
+    fetches and write-backs, embedding sync now and later, joins, the dense gradients DDP
+    all-reduces), and their total."""
+    kinds = [k.removesuffix("_bytes").replace("_", " ") for k in BYTE_KINDS]
+    head = f"{'mode':<14}" + "".join(f"{k:>12}" for k in kinds) + f"{'total':>10}"
+    lines = [head, "-" * len(head)]
+    for name in _mode_order(summaries):
+        s = summaries[name]
+        per = [s.bytes_per_iter.get(k, math.nan) / s.trainers / _MB for k in BYTE_KINDS]
+        lines.append(f"{name:<14}" + "".join(f"{_num(v, ',.3f'):>12}" for v in per)
+                     + f"{_num(sum(per), ',.3f'):>10}")
     return "\n".join(lines)
 
 

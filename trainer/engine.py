@@ -61,7 +61,8 @@ class IterationStats:
     hits: int = 0
     fetch_rows: int = 0
     write_back_rows: int = 0
-    sync_rows: int = 0
+    sync_now_rows: int = 0
+    sync_later_rows: int = 0
     join_rows: int = 0
     probs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     labels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
@@ -280,7 +281,7 @@ class Engine:
         mine = a.slots >= 0
         self.cache.apply(a.slots[mine], grad[torch.from_numpy(mine).to(self.device)])
         assert self._stats is not None
-        self._stats.sync_rows += len(a.keys)
+        self._stats.sync_now_rows = len(a.keys)
 
     def _update_alone(self, a: UpdateAlone) -> None:
         if len(a.slots):
@@ -292,7 +293,7 @@ class Engine:
             return
         self._later[a.iteration] = self.comm.sum_rows(self._local_grads(a.positions))
         assert self._stats is not None
-        self._stats.sync_rows += len(a.keys)
+        self._stats.sync_later_rows = len(a.keys)
 
     def _index(self, positions: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(self.device)

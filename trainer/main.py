@@ -231,6 +231,7 @@ def _train(
 ) -> int:
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
+    dense_bytes = _dense_gradient_bytes(engine.model) if comm.world_size > 1 else 0
     progressive = MetricAccumulator()
     waited = time.perf_counter()
     engine.timer.restart()
@@ -239,7 +240,7 @@ def _train(
         stats = engine.step(step.directive, step.labels, step.dense)
         if step.directive.checkpoint:
             checkpoints.save_dense(stats.iteration, engine)
-        record = _iteration_record(stats, engine, row_bytes, 4 * job.dim)
+        record = _iteration_record(stats, engine, row_bytes, 4 * job.dim, dense_bytes)
         records.write(record)
         metrics.record(record)
         done = stats.iteration + 1
@@ -328,7 +329,16 @@ def _resume_point(job: Job, engine: Engine, io: IoThread, coordinator: Coordinat
     return c + 1
 
 
-def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int) -> dict[str, Any]:
+def _dense_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of dense gradients DDP all-reduces each iteration (float32 parameters)."""
+    return sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _iteration_record(
+    stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int, dense_bytes: int
+) -> dict[str, Any]:
+    sync_now, sync_later = stats.sync_now_rows * grad_bytes, stats.sync_later_rows * grad_bytes
+    joins = stats.join_rows * row_bytes
     return {
         "kind": "iter",
         "iteration": stats.iteration,
@@ -341,9 +351,13 @@ def _iteration_record(stats: IterationStats, engine: Engine, row_bytes: int, gra
         "fetch_bytes": stats.fetch_rows * row_bytes,
         "write_back_rows": stats.write_back_rows,
         "write_back_bytes": stats.write_back_rows * row_bytes,
-        "sync_rows": stats.sync_rows,
-        "sync_bytes": stats.sync_rows * grad_bytes + stats.join_rows * row_bytes,
+        "sync_rows": stats.sync_now_rows + stats.sync_later_rows,
+        "sync_bytes": sync_now + sync_later + joins,
         "join_rows": stats.join_rows,
+        "sync_now_bytes": sync_now,
+        "sync_later_bytes": sync_later,
+        "join_bytes": joins,
+        "dense_bytes": dense_bytes,
         "phases": engine.timer.end_iteration(),
     }
 

@@ -17,6 +17,7 @@ from launcher.report import (
     ReportError,
     RunSummary,
     RunTail,
+    compare_bytes,
     compare_modes,
     format_summary,
     iteration_series,
@@ -287,6 +288,22 @@ def test_compare_modes_lists_modes_in_order_with_ratios() -> None:
                                 "0.75x", "3.00x"]
     assert lines[3].split()[-2:] == ["0.25x", "1.00x"]
     assert lines[4].split()[3] == "n/a"
+
+
+def test_bytes_by_kind_per_trainer_and_iteration_and_old_records_read_as_zero() -> None:
+    kinds = {"fetch_bytes": 5e5, "write_back_bytes": 2e5, "sync_now_bytes": 3e6, "sync_later_bytes": 1e6,
+             "join_bytes": 2e6, "dense_bytes": 4e6}
+    run = {j: [it_rec(x, 10.0 + x, **kinds) for x in range(3)] for j in range(2)}
+    s = summarise(run, mode="bagpipe", global_batch=200)
+    assert s.bytes_per_iter == {k: 2 * v for k, v in kinds.items()}  # summed over the trainers
+    old = summarise({0: [it_rec(0, 1.0), it_rec(1, 2.0)]}, mode="local", global_batch=100)
+    assert old.bytes_per_iter["dense_bytes"] == 0 and old.bytes_per_iter["fetch_bytes"] == 500
+    lines = compare_bytes({"bagpipe": s, "local": old}).splitlines()
+    assert lines[0].split() == ["mode", "fetch", "write", "back", "sync", "now", "sync", "later", "join", "dense",
+                                "total"]
+    assert lines[2].split() == ["bagpipe", "0.500", "0.200", "3.000", "1.000", "2.000", "4.000", "10.700"]
+    assert lines[3].split()[-3:] == ["0.000", "0.000", "0.001"]
+    assert RunSummary.from_json(s.to_json()).bytes_per_iter == s.bytes_per_iter
 
 
 def test_compare_modes_without_baselines_has_no_ratio_columns() -> None:

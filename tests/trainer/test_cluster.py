@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from common.job import Job
 from launcher.inprocess import run_in_process
+from launcher.report import read_run
 from tests.cluster_helpers import as_final, assert_identical, final_model, reference_for, run_spec, write_spec
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
+from trainer.device import select_device
+from trainer.main import seeded_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +29,18 @@ def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str) 
     # local mode's trainers hold the whole table and write it to final/ themselves: no PS
     shards = [] if mode == "local" else ["ps-0", "ps-1"]
     assert started == ["oracle", *shards, "trainer-0", "trainer-1"]
+    assert_bytes_by_kind_add_up(job, read_run(result.run_dir, 2), mode)
+
+
+def assert_bytes_by_kind_add_up(job: Job, records: dict[int, list[dict]], mode: str) -> None:
+    dense = 4 * sum(p.numel() for p in seeded_model(job, select_device("cpu", 0)).parameters())
+    iterations = [r for recs in records.values() for r in recs if r["kind"] == "iter"]
+    for r in iterations:
+        assert r["sync_bytes"] == r["sync_now_bytes"] + r["sync_later_bytes"] + r["join_bytes"]
+        assert r["dense_bytes"] == dense
+    totals = {k: sum(r[k] for r in iterations) for k in ("sync_now_bytes", "sync_later_bytes", "join_bytes")}
+    assert totals["sync_now_bytes"] > 0 and totals["sync_later_bytes"] > 0
+    assert (totals["join_bytes"] > 0) == (mode == "bagpipe")  # only bagpipe copies rows between trainers
 
 
 def test_a_four_trainer_cluster_is_bit_identical_to_the_harness(tmp_path: Path) -> None:
