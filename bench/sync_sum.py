@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
             comm.barrier()
             start = time.perf_counter()
             if name == "all_reduce":
-                comm.all_reduce(buf)
+                comm.all_reduce(buf).wait()
             else:
                 comm.sum_rows(buf).wait()
             timings[name].append(time.perf_counter() - start)

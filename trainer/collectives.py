@@ -52,11 +52,12 @@ class Collectives:
     rank: int
     group: Any  # torch.distributed.ProcessGroup
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` across trainers, in place, in the collective's own order: exact only
-        where at most one trainer contributes a non-zero per element (joins)."""
-        if self.world_size > 1 and tensor.numel():
-            self.group.allreduce([tensor]).wait()
+    def all_reduce(self, tensor: torch.Tensor) -> RowSum:
+        """Start summing `tensor` across trainers, in place, in the collective's own order:
+        exact only where at most one trainer contributes a non-zero per element (joins)."""
+        if self.world_size == 1 or not tensor.numel():
+            return RowSum(None, lambda: tensor)
+        return RowSum(self.group.allreduce([tensor]), lambda: tensor)
 
     def sum_rows(self, tensor: torch.Tensor) -> RowSum:
         """Start the sum of `tensor` across trainers, added in rank order for every element,

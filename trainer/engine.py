@@ -102,8 +102,11 @@ class Engine:
         self._later: dict[int, RowSum] = {}
         self._held: dict[int, _HeldRows] = {}
         self._writes: list[tuple[int, Future]] = []
-        self._joined: torch.Tensor | None = None
-        self._grad: torch.Tensor | None = None  # (U, d): the current iteration's used-row gradients
+        self._joined: RowSum | None = None
+        # (U + 1, d): the current iteration's used-row gradients, then a zero row that
+        # position -1 reads (no mask, no zero buffer where a sync list has keys not used here)
+        self._grad: torch.Tensor | None = None
+        self._now: tuple[np.ndarray, torch.Tensor] | None = None  # sync_now's update, applied with UpdateAlone's
         self._batch: tuple[np.ndarray, np.ndarray] | None = None
         self._stats: IterationStats | None = None
         self.fetched_rows = 0
@@ -206,8 +209,8 @@ class Engine:
         if send.any():
             rows, state = self.cache.read(a.send_slots[send])
             buf[torch.from_numpy(send).to(self.device)] = torch.cat([rows, state], dim=1)
-        self.comm.all_reduce(buf)  # one holder sends, the others add zeros: exact copies
-        self._joined = buf
+        # One holder sends, the others add zeros: exact copies. Step 3 runs while it travels.
+        self._joined = self.comm.all_reduce(buf)
 
     def _leave(self, a: Leave) -> None:
         if not len(a.keys):
@@ -231,8 +234,11 @@ class Engine:
         self.written_rows += len(keys)
 
     def _write_joins(self, a: WriteJoins) -> None:
-        joined, self._joined = self._joined, None
-        if joined is None or not len(a.slots):
+        pending, self._joined = self._joined, None
+        if pending is None:
+            return
+        joined = pending.wait()
+        if not len(a.slots):
             return
         part = joined[self._index(a.positions)]
         self.cache.write(a.slots, part[:, : self.cache.dim], part[:, self.cache.dim :])
@@ -250,7 +256,8 @@ class Engine:
         assert self._batch is not None and self._stats is not None
         labels, dense = self._batch
         with self.timer.phase("forward"):
-            leaf = self.cache.rows[self._index(a.used)].detach().requires_grad_()  # (U, d)
+            # (U + 1, d): the used rows and one more that no input reads, so its gradient is 0
+            leaf = self.cache.rows[self._index(np.append(a.used, 0))].detach().requires_grad_()
             logits = self.model(torch.from_numpy(dense.copy()).to(self.device), leaf[self._index(a.inverse)])  # (b,)
             loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels.copy()).to(self.device))
         with self.timer.phase("backward"):
@@ -258,7 +265,7 @@ class Engine:
             loss.backward()
         with self.timer.phase("dense_optimizer"):
             self.dense_optimizer.step()
-        self._grad = leaf.grad  # (U, d): each used slot's gradient, summed over its uses
+        self._grad = leaf.grad  # each used slot's gradient, summed over its uses; then zeros
         stats = self._stats
         stats.loss = float(loss.detach())
         stats.uses, stats.hits = len(a.used), a.hits
@@ -268,25 +275,26 @@ class Engine:
     def _local_grads(self, positions: np.ndarray) -> torch.Tensor:
         """[len(positions), d]: row positions[i] of this iteration's gradients, zero where -1."""
         assert self._grad is not None
-        out = torch.zeros(len(positions), self._grad.shape[1], device=self.device)
-        mine = positions >= 0
-        if mine.any():
-            out[torch.from_numpy(mine).to(self.device)] = self._grad[self._index(positions[mine])]
-        return out
+        return self._grad[self._index(positions)]  # -1 is the zero row
 
     def _sync_now(self, a: SyncNow) -> None:
         if not len(a.keys):
             return
         grad = self.comm.sum_rows(self._local_grads(a.positions)).wait() / self.comm.world_size
-        mine = a.slots >= 0
-        self.cache.apply(a.slots[mine], grad[torch.from_numpy(mine).to(self.device)])
+        mine = np.flatnonzero(a.slots >= 0)
+        self._now = (a.slots[mine], grad[self._index(mine)])
         assert self._stats is not None
         self._stats.sync_now_rows = len(a.keys)
 
     def _update_alone(self, a: UpdateAlone) -> None:
-        if len(a.slots):
-            assert self._grad is not None
-            self.cache.apply(a.slots, self._grad[self._index(a.positions)] / self.comm.world_size)
+        """One optimizer step for sync_now's copies and the one-copy keys (disjoint slots)."""
+        assert self._grad is not None
+        alone = self._grad[self._index(a.positions)] / self.comm.world_size
+        now, self._now = self._now, None
+        if now is not None:
+            self.cache.apply(np.concatenate([now[0], a.slots]), torch.cat([now[1], alone]))
+        else:
+            self.cache.apply(a.slots, alone)
 
     def _launch_sync_later(self, a: LaunchSyncLater) -> None:
         if not len(a.keys):
