@@ -207,8 +207,9 @@ class Boundary:
             _write_joins(d),
         ]
         inserted = InsertFetched(target=x, slots=_concat(self._fetched.pop(x, []), np.int32))
-        train = _train(d, inserted.slots)
-        actions = [*entering, inserted, train, *self._end(d, train.used)]
+        used = _UsedSlots(d, inserted.slots)
+        train = _train(d, used, inserted.slots)
+        actions = [*entering, inserted, train, *self._end(d, used)]
         self._prev = d
         if d.checkpoint:
             self._checkpoints.append(x)
@@ -264,8 +265,8 @@ class Boundary:
         if prev is None:
             return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
         keys = prev.write_keys
-        hold = np.isin(keys, prev.sync_later_keys)
-        flush = ~np.isin(prev.write_slots, prev.leave_slots)
+        hold = _sorted_isin(keys, prev.sync_later_keys)
+        flush = ~_slot_mask(prev.leave_slots, prev.write_slots)[prev.write_slots]
         if hold.any():
             later = self._later[prev.iteration]
             later.held_keys, later.held_flush = keys[hold], flush[hold]
@@ -276,18 +277,19 @@ class Boundary:
 
     # -- the end of x ------------------------------------------------------------------
 
-    def _end(self, d: Directive, used: np.ndarray) -> list[Action]:
-        synced = np.concatenate([d.sync_now_slots, d.sync_later_slots])
-        alone = np.flatnonzero(~np.isin(used, synced))
-        later_positions = _positions(used, d.sync_later_slots)
+    def _end(self, d: Directive, used: _UsedSlots) -> list[Action]:
+        synced = _slot_mask(np.concatenate([d.sync_now_slots, d.sync_later_slots]), used.slots)
+        alone = np.flatnonzero(~synced[used.slots])
+        later_positions = used.positions(d.sync_later_slots)
         if len(d.sync_later_keys):
-            stay = (d.sync_later_slots >= 0) & ~np.isin(d.sync_later_slots, d.leave_slots)
+            leaving = _slot_mask(d.leave_slots, d.sync_later_slots)
+            stay = (d.sync_later_slots >= 0) & ~leaving[d.sync_later_slots]
             self._later[d.iteration] = _LaterRound(
                 keys=d.sync_later_keys, stay_slots=d.sync_later_slots[stay], stay_positions=np.flatnonzero(stay),
             )
         return [
-            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=_positions(used, d.sync_now_slots)),
-            UpdateAlone(slots=used[alone].astype(np.int32), positions=alone),
+            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=used.positions(d.sync_now_slots)),
+            UpdateAlone(slots=used.slots[alone].astype(np.int32), positions=alone),
             LaunchSyncLater(
                 iteration=d.iteration, keys=d.sync_later_keys, slots=d.sync_later_slots, positions=later_positions,
             ),
@@ -299,22 +301,54 @@ def _write_joins(d: Directive) -> WriteJoins:
     return WriteJoins(slots=d.join_recv_slots[positions], positions=positions)
 
 
-def _train(d: Directive, fetched: np.ndarray) -> Train:
-    used, inverse = np.unique(d.input_slots, return_inverse=True)
+class _UsedSlots:
+    """The slots iteration x reads, ascending and unique, and each slot's index among them.
+
+    Slots are below the cache's capacity, so a table over them replaces sorting: O(C + n)
+    where `np.unique`, `np.isin` and `searchsorted` sort the inputs of every iteration."""
+
+    def __init__(self, d: Directive, fetched: np.ndarray) -> None:
+        flat = d.input_slots.ravel()
+        self._size = 1 + max((int(a.max()) for a in (flat, fetched, d.join_recv_slots, d.sync_now_slots,
+                                                    d.sync_later_slots) if a.size), default=0)
+        self._index = np.full(self._size + 1, -1, np.int64)  # the last entry answers slot -1
+        self._index[flat] = 0
+        self.slots = np.flatnonzero(self._index[:-1] == 0)
+        self._index[self.slots] = np.arange(len(self.slots))
+        self.inverse = self._index[flat].reshape(d.input_slots.shape)
+
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """For each slot, its index among the used slots, or -1 (not used, or -1 itself)."""
+        return self._index[slots]
+
+    def count_in(self, slots: np.ndarray) -> int:
+        """How many used slots are among `slots`."""
+        return int(np.count_nonzero(_slot_mask(slots, self.slots)[self.slots]))
+
+
+def _train(d: Directive, used: _UsedSlots, fetched: np.ndarray) -> Train:
     filled = np.concatenate([fetched, d.join_recv_slots[d.join_recv_slots >= 0]])
-    hits = len(used) - int(np.isin(used, filled).sum())
     return Train(
-        iteration=d.iteration, used=used.astype(np.int64), inverse=inverse.reshape(d.input_slots.shape).astype(np.int64),
-        hits=hits,
+        iteration=d.iteration, used=used.slots.astype(np.int64), inverse=used.inverse,
+        hits=len(used.slots) - used.count_in(filled),
     )
 
 
-def _positions(used: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """For each slot, its index in the ascending `used`, or -1 (not used, or -1 itself)."""
-    pos = np.searchsorted(used, slots)
-    hit = (slots >= 0) & (pos < len(used))
-    hit[hit] = used[pos[hit]] == slots[hit]
-    return np.where(hit, pos, -1).astype(np.int64)
+def _slot_mask(slots: np.ndarray, *queried: np.ndarray) -> np.ndarray:
+    """A boolean table over slots, True at `slots` (ignoring -1), long enough for every slot
+    of `queried` to be looked up."""
+    size = 1 + max((int(a.max()) for a in (slots, *queried) if a.size), default=0)
+    mask = np.zeros(max(size, 1), bool)  # where every slot is -1, -1 reads the one False
+    mask[slots[slots >= 0]] = True
+    return mask
+
+
+def _sorted_isin(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """`np.isin` for an ascending `sorted_set`, without sorting anything."""
+    if not len(sorted_set):
+        return np.zeros(len(values), bool)
+    pos = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    return sorted_set[pos] == values
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
