@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -150,13 +151,15 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
 
 def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
-    and final saves included) and its fitted growth per 1,000 iterations after the warm-up."""
+    and final saves included) and its fitted growth per 1,000 iterations after the warm-up
+    (n/a in a run with fewer than 1,000 iterations after it)."""
     head = f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}"
     lines = [f"RSS in MB (after iteration {warmup:,}, until training ended)", head, "-" * len(head)]
     for name, run in runs.items():
         for i, f in enumerate(run.rss.values()):
+            growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"
             lines.append(f"{name if i == 0 else '':<14}{f.role:<12}{f.warm_mb:>13,.1f}{f.end_mb:>10,.1f}"
-                         f"{f.peak_mb:>10,.1f}{f.growth_mb_per_1k:>+10.2f}")
+                         f"{f.peak_mb:>10,.1f}{growth:>10}")
     return "\n".join(lines)
 
 

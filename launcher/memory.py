@@ -9,8 +9,9 @@ changes, and the file grows by about 0.4 MB an hour.
 iterations every trainer had finished when the sample was taken) and `summarise_rss` gives,
 per role, the RSS once the warm-up is over, at the end of training, its peak, and its growth
 per 1,000 iterations after the warm-up: the slope of a least-squares line through the
-samples, so that one allocation spike or a short plateau does not decide it. Sizes are
-decimal: 1 MB = 10^6 bytes.
+samples, so that one allocation spike or a short plateau does not decide it, given only when
+the samples span 1,000 iterations or more (a shorter run says nothing about the long term).
+Sizes are decimal: 1 MB = 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 RSS_FILE = "rss.jsonl"
 SAMPLE_INTERVAL_S = 1.0
+MIN_GROWTH_SPAN = 1000  # iterations after the warm-up that a growth figure needs
 _MB = 1e6
 
 
@@ -151,7 +153,7 @@ class RssFigures:
     warm_mb: float  # the first sample once every trainer had finished the warm-up
     end_mb: float  # the last sample while training
     peak_mb: float  # the highest sample of the run, start-up and final saves included
-    growth_mb_per_1k: float  # least-squares slope over training after the warm-up
+    growth_mb_per_1k: float  # least-squares slope over training after the warm-up, or NaN
     samples: int  # samples the slope was fitted to
 
     def to_json(self) -> dict[str, Any]:
@@ -159,14 +161,18 @@ class RssFigures:
                 "growth_mb_per_1k": self.growth_mb_per_1k, "samples": self.samples}
 
 
-def summarise_rss(curves: Mapping[str, RssCurve], warm_from: int) -> dict[str, RssFigures]:
+def summarise_rss(
+    curves: Mapping[str, RssCurve], warm_from: int, *, min_span: int = MIN_GROWTH_SPAN
+) -> dict[str, RssFigures]:
     """Per role, `RssFigures` with the warm-up ending once `warm_from` iterations (a global
-    index) were done by every trainer."""
+    index) were done by every trainer; the growth is NaN unless the samples after it span
+    `min_span` iterations."""
     out = {}
     for role, c in curves.items():
         fit = c.training & (c.done >= warm_from)
         x, y = c.done[fit].astype(np.float64), c.rss_mb[fit]
-        slope = float(np.polyfit(x, y, 1)[0]) if np.unique(x).size >= 2 else math.nan
+        spans = x.size >= 2 and x[-1] - x[0] >= max(min_span, 1)
+        slope = float(np.polyfit(x, y, 1)[0]) if spans else math.nan
         out[role] = RssFigures(
             role=role, warm_mb=float(y[0]) if y.size else math.nan, end_mb=float(y[-1]) if y.size else math.nan,
             peak_mb=float(c.rss_mb.max()) if c.rss_mb.size else math.nan,
