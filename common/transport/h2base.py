@@ -57,7 +57,7 @@ class QuietH2Connection(h2.connection.H2Connection):
     streams, to answer a frame that was already in flight when the stream closed. Every PS
     fetch and write-back is a stream on a connection that lives as long as the run, so this
     was the one Python-level growth of the trainers and the PS shards over a run: about
-    0.25 MB per 1,000 iterations and connection, until 7.7 MB a connection. A frame in flight
+    0.2 MB per 1,000 iterations and connection, until 7.7 MB a connection. A frame in flight
     arrives within a round trip, and at most `MAX_CONCURRENT_STREAMS` streams are open at
     once, so that many closed ones are kept; a frame for a stream forgotten already would end
     the connection (a protocol error) rather than its stream, and the caller's retry reconnects.
