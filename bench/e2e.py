@@ -24,18 +24,28 @@ with the median samples/s (with an even N, the lower of the middle two) and the 
 (min..max) of samples/s, with the median of each mode's per-round ratio to TorchRec: on a
 shared machine one run says little, and runs of one round share the load of their minutes.
 
+Memory: the launcher samples every role's RSS about once a second (`launcher.memory`); for
+each mode's reported run the benchmark prints, per role (oracle, each PS shard, each
+trainer), the RSS at the end of the warm-up, at the end of training, the peak, and the
+growth per 1,000 iterations after the warm-up (a least-squares slope); `--json` adds the
+curve points, and each run's folder gets `memory.png`. TorchRec's run is not sampled. A long
+run with a small batch checks that memory stays flat:
+
     python bench/e2e.py --quick
     python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
     python bench/e2e.py --shaped 1gbit          (root: PS behind a 1 Gbit/s link)
+    python bench/e2e.py --quick --modes bagpipe --no-torchrec --iterations 5000 --batch 256
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +56,10 @@ from bench import torchrec_baseline, write_json  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
-from launcher.report import RunSummary, compare_bytes, compare_modes, plot_modes, read_run, summarise  # noqa: E402
+from launcher.memory import RssCurve, RssFigures, read_rss, rss_curves, summarise_rss  # noqa: E402
+from launcher.report import (  # noqa: E402
+    RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run, summarise,
+)
 
 TOKEN = "e2e-bench"
 SEED = 3
@@ -70,43 +83,56 @@ def warmup_of(iterations: int) -> int:
     return max(2, iterations // 5)
 
 
-def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> RunSummary:
+@dataclass(frozen=True)
+class ModeRun:
+    """One run of a mode: its summary and, but for TorchRec, every role's RSS (MB)."""
+
+    summary: RunSummary
+    rss: Mapping[str, RssFigures] = field(default_factory=dict)
+    curves: Mapping[str, RssCurve] = field(default_factory=dict)
+
+
+def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> ModeRun:
     spec_path = out / f"{mode}.toml"
     spec_path.write_text(spec_toml(f"e2e-{mode}", SEED, {**base, "oracle": {**base["oracle"], "mode": mode}}))
     job = build_job(load_spec(spec_path))
     run_dir = out / mode
     print(f"running {mode} ...", file=sys.stderr, flush=True)
     run_cluster(job, run_dir, token=TOKEN, ps_host=ps_host)
-    iterations = job.spec.train.max_iterations
-    return summarise(read_run(run_dir, 2), mode=mode, global_batch=job.spec.train.batch_size,
-                     warmup=warmup_of(iterations), trainers=2)
+    warmup = warmup_of(job.spec.train.max_iterations)
+    records = read_run(run_dir, 2)
+    summary = summarise(records, mode=mode, global_batch=job.spec.train.batch_size, warmup=warmup, trainers=2)
+    series = iteration_series(records, trainers=2)
+    curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
+    plot_rss(curves, warmup, run_dir / "memory.png")
+    return ModeRun(summary, summarise_rss(curves, warmup), curves)
 
 
-def run_torchrec(base: dict, out: Path) -> RunSummary:
+def run_torchrec(base: dict, out: Path) -> ModeRun:
     spec_path = out / f"{torchrec_baseline.MODE}.toml"
     spec_path.write_text(spec_toml(f"e2e-{torchrec_baseline.MODE}", SEED, base))
     print(f"running {torchrec_baseline.MODE} ...", file=sys.stderr, flush=True)
-    return torchrec_baseline.run(spec_path, out / torchrec_baseline.MODE,
-                                 warmup=warmup_of(base["train"]["max_iterations"]))
+    return ModeRun(torchrec_baseline.run(spec_path, out / torchrec_baseline.MODE,
+                                         warmup=warmup_of(base["train"]["max_iterations"])))
 
 
-def median_run(runs: Sequence[RunSummary]) -> RunSummary:
+def median_run(runs: Sequence[ModeRun]) -> ModeRun:
     """The run with the median samples/s; with an even count, the lower of the middle two, so
     that every figure shown comes from one real run."""
-    return sorted(runs, key=lambda s: s.samples_per_s)[(len(runs) - 1) // 2]
+    return sorted(runs, key=lambda r: r.summary.samples_per_s)[(len(runs) - 1) // 2]
 
 
-def spread_table(rounds: Mapping[str, Sequence[RunSummary]]) -> str:
+def spread_table(rounds: Mapping[str, Sequence[ModeRun]]) -> str:
     """Per mode: median, min and max samples/s over the rounds and, when TorchRec ran, the
     median of the per-round ratios to it (runs of one round saw about the same load)."""
     base = rounds.get(torchrec_baseline.MODE)
     head = f"{'mode':<14}{'median':>12}{'min':>12}{'max':>12}" + (f"{'vs torchrec':>13}" if base else "")
     lines = [head, "-" * len(head)]
     for name, runs in rounds.items():
-        rates = [s.samples_per_s for s in runs]
+        rates = [r.summary.samples_per_s for r in runs]
         line = f"{name:<14}{statistics.median(rates):>12,.1f}{min(rates):>12,.1f}{max(rates):>12,.1f}"
         if base:
-            line += f"{statistics.median(r / b.samples_per_s for r, b in zip(rates, base)):>12.2f}x"
+            line += f"{statistics.median(r / b.summary.samples_per_s for r, b in zip(rates, base)):>12.2f}x"
         lines.append(line)
     return "\n".join(lines)
 
@@ -123,16 +149,33 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
-def figures(s: RunSummary, runs: Sequence[RunSummary]) -> dict[str, Any]:
-    """The JSON figures of a mode: those of its median run `s`, and samples/s of all `runs`."""
-    rates = [r.samples_per_s for r in runs]
+def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
+    """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
+    and final saves included) and its fitted growth per 1,000 iterations after the warm-up
+    (n/a in a run with fewer than 1,000 iterations after it)."""
+    head = f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}"
+    lines = [f"RSS in MB (after iteration {warmup:,}, until training ended)", head, "-" * len(head)]
+    for name, run in runs.items():
+        for i, f in enumerate(run.rss.values()):
+            growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"
+            lines.append(f"{name if i == 0 else '':<14}{f.role:<12}{f.warm_mb:>13,.1f}{f.end_mb:>10,.1f}"
+                         f"{f.peak_mb:>10,.1f}{growth:>10}")
+    return "\n".join(lines)
+
+
+def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
+    """The JSON figures of a mode: those of its median run, and samples/s of all `runs`; each
+    role's RSS figures with the points of its curve ([iterations done, MB], at most 1,000)."""
+    s = run.summary
+    rates = [r.summary.samples_per_s for r in runs]
+    rss = {role: {**f.to_json(), "points": run.curves[role].points()} for role, f in run.rss.items()}
     return {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
             "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
             "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
             "phase_s": s.phase_s, "machinery_s": s.machinery_s, "bytes_per_iter": s.bytes_per_iter,
             "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
-            "max_samples_per_s": max(rates)}
+            "max_samples_per_s": max(rates), "rss": rss}
 
 
 def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tuple[bool, str | None]:
@@ -147,14 +190,14 @@ def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tup
 
 def run_rounds(
     modes: Sequence[str], with_torchrec: bool, base: dict, rounds: int, out: Path, shaped: str | None
-) -> dict[str, list[RunSummary]]:
+) -> dict[str, list[ModeRun]]:
     """Every mode, then TorchRec, `rounds` times over; each run's summary, by mode, in order."""
     shaping: contextlib.AbstractContextManager[PsHost | None] = contextlib.nullcontext(None)
     if shaped:
         from bench.netshape import shaped_ps_host
 
         shaping = shaped_ps_host(shaped)
-    runs: dict[str, list[RunSummary]] = {m: [] for m in modes}
+    runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
     if with_torchrec:
         runs[torchrec_baseline.MODE] = []
     with shaping as ps_host:
@@ -173,6 +216,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer iterations")
     parser.add_argument("--iterations", type=int,
                         help="iterations per mode (default 150 quick, 300 full; keep it well above 64)")
+    parser.add_argument("--batch", type=int, help="global batch (default 2048 quick, 4096 full)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
                         help="add the TorchRec baseline (default: when torchrec is importable)")
@@ -185,6 +229,7 @@ def main() -> int:
     args = parser.parse_args()
     iterations = args.iterations or (150 if args.quick else 300)
     batch, cache_rows = (2048, 32768) if args.quick else (4096, 65536)
+    batch = args.batch or batch
     base = sections(iterations, batch, cache_rows)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
@@ -195,7 +240,8 @@ def main() -> int:
     if skipped:
         print(f"TorchRec skipped: {skipped}", file=sys.stderr, flush=True)
     rounds = run_rounds(modes, with_torchrec, base, args.rounds, args.out, args.shaped)
-    summaries = {m: median_run(runs) for m, runs in rounds.items()}
+    medians = {m: median_run(runs) for m, runs in rounds.items()}
+    summaries = {m: run.summary for m, run in medians.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
     median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"\n{iterations} iterations per mode (first {warmup_of(iterations)} excluded), "
@@ -209,12 +255,14 @@ def main() -> int:
     print(phase_table(summaries))
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
+    print()
+    print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations)))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
     if skipped:
         print(f"(TorchRec skipped: {skipped})")
     if args.json:
-        per_mode = {m: figures(s, rounds[m]) for m, s in summaries.items()}
+        per_mode = {m: figures(run, rounds[m]) for m, run in medians.items()}
         meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch,
                 "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
                 "torchrec_skipped": skipped}

@@ -37,6 +37,7 @@ from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
+from launcher.memory import RSS_FILE, RssRecorder
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
 from oracle.main import check_capacity
@@ -252,6 +253,7 @@ def run_cluster(
     ps_host: PsHost | None = None,
 ) -> ClusterResult:
     """Run a local cluster to the end; `on_poll(cluster)` is called every 0.2 s while it runs.
+    Every role's RSS is recorded in ``run_dir/rss.jsonl`` about once a second (`launcher.memory`).
 
     With ``checkpoint.restart = true`` in the spec, a role that dies is restarted (at most
     MAX_RESTARTS times): alone where `LocalCluster.can_restart_alone` allows, else with
@@ -261,8 +263,8 @@ def run_cluster(
     # run removes the outputs of the previous one.
     check_capacity(job)
     if not resume:
-        for stale in run_dir.glob("trainer-*.jsonl"):
-            stale.unlink()
+        for stale in [*run_dir.glob("trainer-*.jsonl"), run_dir / RSS_FILE]:
+            stale.unlink(missing_ok=True)
         shutil.rmtree(run_dir / "final", ignore_errors=True)
         # A fresh run starts a fresh checkpoint history: an automatic restart must resume
         # from this run's checkpoints, never from an earlier run's.
@@ -272,11 +274,12 @@ def run_cluster(
             remove_all(job.spec.checkpoint.dir)
     started = time.monotonic()
     restarts: list[Restart] = []
+    rss = RssRecorder(run_dir / RSS_FILE)
     while True:
         cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
         try:
             cluster.start()
-            _watch(cluster, on_poll, restarts)
+            _watch(cluster, on_poll, restarts, rss)
             break
         except RoleFailed as exc:
             if not job.spec.checkpoint.restart or len(restarts) >= MAX_RESTARTS:
@@ -290,10 +293,13 @@ def run_cluster(
     return ClusterResult(run_dir=run_dir, job=job, seconds=time.monotonic() - started, restarts=tuple(restarts))
 
 
-def _watch(cluster: LocalCluster, on_poll: Callable[[LocalCluster], None] | None, restarts: list[Restart]) -> None:
+def _watch(
+    cluster: LocalCluster, on_poll: Callable[[LocalCluster], None] | None, restarts: list[Restart], rss: RssRecorder
+) -> None:
     """Poll until every trainer is done, restarting a lone dead PS or oracle on the way."""
     checkpoint = cluster.job.spec.checkpoint
     while True:
+        rss.sample((r.name, r.process.pid) for r in cluster.roles if r.process.poll() is None)
         try:
             if cluster.check():
                 break
@@ -317,7 +323,10 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
     from common.runtime import configure_logging
-    from launcher.report import ProgressBar, RunTail, format_summary, plot_run, read_run, summarise, write_report
+    from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
+    from launcher.report import (
+        ProgressBar, RunTail, format_summary, iteration_series, plot_rss, plot_run, read_run, summarise, write_report,
+    )
 
     configure_logging("launch")
     spec = load_spec(spec_path)
@@ -349,10 +358,23 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     summary = summarise(records, mode=spec.oracle.mode, global_batch=spec.train.batch_size,
                         warmup=min(5, max(0, total // 10)), trainers=spec.trainers.count)
     print(format_summary(summary))
-    report = write_report(run_dir, summary, {"spec": str(spec.source), "seconds": result.seconds})
+    series = iteration_series(records, trainers=spec.trainers.count)
+    curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
+    warm_from = int(series.iterations[0]) + memory_warmup(len(series.iterations))
+    memory = summarise_rss(curves, warm_from)
+    print(format_rss(memory, warm_from))
+    report = write_report(run_dir, summary, {"spec": str(spec.source), "seconds": result.seconds,
+                                             "rss": [f.to_json() for f in memory.values()]})
     plots = plot_run(run_dir, records, warmup=summary.warmup)
+    plots.append(plot_rss(curves, warm_from, run_dir / "memory.png"))
     print(f"report: {report}\nplots: {', '.join(str(p) for p in plots)}")
     return 0
+
+
+def memory_warmup(iterations: int) -> int:
+    """Iterations left out of a run's memory figures: longer than the timing warm-up, since
+    caches, buffers and the allocator's pools fill over the first hundreds of iterations."""
+    return iterations // 5
 
 
 def _died(role: Role) -> bool:

@@ -17,8 +17,8 @@ Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jso
 
 Layers, from pure to I/O: `iteration_series` and `summarise` turn records into numbers;
 `format_summary` and `compare_modes` turn numbers into text; `read_records`, `RecordTail`,
-`read_run`, `write_report`, `plot_run`, `plot_modes` and `ProgressBar` touch files or the
-terminal. matplotlib is imported only by the plotting functions, so a launcher that never
+`read_run`, `write_report`, `plot_run`, `plot_rss`, `plot_modes` and `ProgressBar` touch files
+or the terminal. matplotlib is imported only by the plotting functions, so a launcher that never
 plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
 """
 
@@ -47,6 +47,8 @@ from trainer.timing import COMPUTE_PHASES, PHASES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from launcher.memory import RssCurve
 
 logger = logging.getLogger(__name__)
 
@@ -794,6 +796,24 @@ def _plot_loss(s: IterationSeries, path: Path) -> Path:
         handles, names = handles + h2, names + n2
     ax.legend(handles, names, loc="best", fontsize="small")
     return _save(fig, path)
+
+
+def plot_rss(curves: Mapping[str, RssCurve], warm_from: int, path: str | os.PathLike[str]) -> Path:
+    """``memory.png``: each role's RSS over the iterations of training (`launcher.memory`),
+    with the end of the warm-up marked."""
+    fig, (ax,) = _new_figure(1, height=4.0)
+    shown: list[float] = []
+    for role, c in curves.items():
+        ax.plot(c.done[c.training], c.rss_mb[c.training], label=role, lw=1.2)
+        shown.extend(c.rss_mb[c.training])
+    ax.axvline(warm_from, color="grey", ls="--", lw=0.8, label="warm-up end")
+    ax.set_title("Resident memory (RSS) of every role, sampled about once a second")
+    ax.set_xlabel("iterations done by every trainer")
+    ax.set_ylabel("RSS (MB)")
+    _zero_based(ax, shown)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small", ncols=2)
+    return _save(fig, Path(path))
 
 
 def plot_modes(summaries: Mapping[str, RunSummary], path: str | os.PathLike[str]) -> Path:

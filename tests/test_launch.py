@@ -413,7 +413,10 @@ def test_the_default_command_reports(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-5000:]
     assert "eval AUC" in done.stdout, done.stdout
+    assert "Memory (RSS in MB" in done.stdout, done.stdout
     report = json.loads((run_dir / "report.json").read_text())
     assert report, "empty report"
-    for png in ("throughput.png", "breakdown.png", "loss.png"):
+    roles = {"oracle", "ps-0", "ps-1", "trainer-0", "trainer-1"}
+    assert {f["role"] for f in report["extra"]["rss"]} == roles  # every role sampled at least once
+    for png in ("throughput.png", "breakdown.png", "loss.png", "memory.png"):
         assert (run_dir / png).read_bytes().startswith(b"\x89PNG"), png

@@ -288,6 +288,9 @@ class Checkpointer:
     async def _report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
         spec = self.job.spec
         started = time.perf_counter()
+        # Taken now: a checkpoint that fails is never retried, and its dense state (the
+        # model and its optimizer) must not stay behind for the rest of the run.
+        dense = self._dense.pop(c, None)
         try:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in writes))
             assert self.ps is not None
@@ -295,7 +298,6 @@ class Checkpointer:
         except BagpipeError as exc:
             log.error("checkpoint %d is incomplete: %s", c, exc.message)
             return
-        dense = self._dense.pop(c, None)
         if dense is None:
             return
         nbytes = sum(a.nbytes for a in answers) + len(dense)

@@ -51,7 +51,9 @@ class MetricAccumulator:
     """Collects labels and probabilities over eval batches; `result()` scores them all.
 
     AUC is not a mean of per-batch values, so every prediction is kept (on the CPU) until
-    `result()`.
+    `result()`: 8 bytes a sample with float32 inputs, copied into arrays of their own. A
+    view would keep what it views alive: a step's labels view its whole batch message, 14
+    times their size with Criteo's 13 dense features.
     """
 
     def __init__(self) -> None:
@@ -63,8 +65,8 @@ class MetricAccumulator:
         y, p = _to_numpy(labels).ravel(), _to_numpy(probs).ravel()
         if y.shape != p.shape:
             raise ValueError(f"labels {y.shape} and probs {p.shape} differ in length")
-        self._labels.append(y)
-        self._probs.append(p)
+        self._labels.append(y.copy())
+        self._probs.append(p.copy())
 
     @property
     def count(self) -> int:

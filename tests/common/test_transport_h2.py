@@ -22,7 +22,7 @@ from common.transport import (
     StreamResponse,
     run,
 )
-from common.transport.h2base import MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2base import MAX_CLOSED_STREAMS, MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -249,6 +249,29 @@ def test_received_data_frames_are_not_hex_formatted(monkeypatch: pytest.MonkeyPa
     events = server.receive_data(client.data_to_send())
     received = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
     assert sum(map(len, received)) == MAX_FRAME_SIZE
+
+
+def _request_and_answer(client: h2.connection.H2Connection, server: h2.connection.H2Connection) -> None:
+    """One stream, opened by the client and answered by the server, closed on both ends."""
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, [(":method", "GET"), (":path", "/"), (":scheme", "http"),
+                                    (":authority", "x")], end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(stream_id, [(":status", "200")], end_stream=True)
+    client.receive_data(server.data_to_send())
+
+
+def test_a_long_lived_connection_remembers_a_bounded_number_of_closed_streams() -> None:
+    # A trainer's PS connections carry a few streams every iteration for the whole run, and
+    # h2 remembers how each closed stream ended (in `_closed_streams`, about 120 bytes each):
+    # with h2's own bound, 2**16, each connection grew by ~0.25 MB per 1,000 iterations until
+    # 7.7 MB. (Private h2 state: an h2 upgrade that moves it fails here, to be looked at again.)
+    client, server = _handshake()
+    for _ in range(MAX_CLOSED_STREAMS + 500):
+        _request_and_answer(client, server)
+    for conn in (client, server):
+        assert len(conn._closed_streams) == MAX_CLOSED_STREAMS
+        assert len(conn.streams) <= 1  # the last one, closed; dropped when the next one opens
 
 
 # -- hardening -----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -42,6 +44,19 @@ def test_accumulator_scores_all_batches_together() -> None:
         acc.add(torch.from_numpy(labels[batch]), torch.from_numpy(probs[batch]))
     assert acc.count == 100
     assert acc.result() == evaluate(labels, probs)
+
+
+def test_accumulator_keeps_no_batch_message_alive() -> None:
+    # A step's labels are a view of its decoded batch message (labels and dense features):
+    # kept as they are for progressive AUC, each would pin its whole message.
+    message = np.zeros(14 * 256, dtype=np.float32)
+    alive = weakref.ref(message)
+    acc = MetricAccumulator()
+    acc.add(message[:256], np.full(256, 0.5, dtype=np.float32))
+    del message
+    gc.collect()
+    assert alive() is None
+    assert acc.count == 256
 
 
 def test_rejects_mismatched_or_non_binary_input() -> None:
