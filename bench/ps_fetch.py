@@ -6,7 +6,17 @@ random rows with N requests in flight for batch sizes 1 … 65,536 and d = 16 an
 prints rows/s and MB/s (MB = 10^6 bytes of row payload). `--json` writes every figure plus
 the headline keys `http2_MBps`, `http1_MBps`, `inproc_MBps` (16,384 rows × d 64, 8 in flight).
 
+The small-request section measures the shard's request rate: fetches of 4 keys (d 64), 16
+in flight in all, sent by `--clients` client processes (`PsClient`, one connection each),
+in rounds alternating HTTP/2 and HTTP/1.1. Each round counts the requests answered and the
+shard process's CPU time (from /proc) over the same window. The clients are Python too and
+share the machine, so the rate they reach can be theirs; the shard's CPU per request is its
+own cost, and `1 / (CPU per request)` is what the shard serves with one core to itself:
+the `capacity` figure (`small_http2_capacity_rps`, …), beside the rate reached (`small_http2_rps`).
+The clients' CPU per request (`PsClient`, what a trainer pays) is printed too.
+
     python bench/ps_fetch.py --quick --json runs/bench/ps_fetch.json
+    python bench/ps_fetch.py --small-only --rounds 5
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +45,8 @@ from ps.store import ShardConfig, ShardStore  # noqa: E402
 TOKEN = "bench"
 TABLE_ROWS = 1 << 20
 HEADLINE = (16384, 64)
+SMALL_KEYS, SMALL_DIM, SMALL_IN_FLIGHT = 4, 64, 16
+TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figure prefix
 
 
 def _serve(dim: int, ports: mp.Queue, stop: mp.Event) -> None:
@@ -113,6 +127,130 @@ def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float)
     return rows
 
 
+def _server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _count_fetches(
+    port: int, transport: str, in_flight: int, start: float, stop: float
+) -> tuple[int, float]:
+    """Fetches of SMALL_KEYS keys answered between `start` and `stop` (`time.perf_counter`,
+    the same clock in every process here), `in_flight` at a time on one connection, and the
+    CPU seconds this process spent meanwhile."""
+    client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=SMALL_DIM,
+                      state_width=0, transport=transport, timeout_s=120)
+    rng = np.random.default_rng(port + in_flight)
+    keys = [rng.integers(0, TABLE_ROWS, SMALL_KEYS, dtype=np.int64) for _ in range(in_flight)]
+    done = 0
+
+    async def loop(k: np.ndarray) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await client.fetch(k)
+            done += 1
+
+    try:
+        await asyncio.gather(*(client.fetch(k) for k in keys))  # connect and warm up
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        cpu = time.process_time()
+        await asyncio.gather(*(loop(k) for k in keys))
+        cpu = time.process_time() - cpu
+    finally:
+        await client.close()
+    return done, cpu
+
+
+def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
+    """A client process: runs `_count_fetches` for each job until it gets None."""
+    while (job := jobs.get()) is not None:
+        answers.put(run(_count_fetches(*job)))
+
+
+def _small_round(
+    server_pid: int, port: int, transport: str, clients: list[tuple[mp.Queue, mp.Queue]], seconds: float
+) -> dict:
+    """One round of small fetches from every client process; the rate and the shard's CPU."""
+    share = SMALL_IN_FLIGHT // len(clients)
+    start = time.perf_counter() + 1.0  # time for every client to connect and warm up
+    stop = start + seconds
+    for jobs, _ in clients:
+        jobs.put((port, transport, share, start, stop))
+    time.sleep(start - time.perf_counter())
+    cpu = _server_cpu_s(server_pid)
+    time.sleep(max(0.0, stop - time.perf_counter()))
+    cpu = _server_cpu_s(server_pid) - cpu
+    counted = [answers.get(timeout=120) for _, answers in clients]
+    done = sum(n for n, _ in counted)
+    client_cpu = sum(c for _, c in counted)
+    return {"transport": transport, "rps": done / seconds, "server_us_per_req": cpu / done * 1e6,
+            "server_busy": cpu / seconds, "client_us_per_req": client_cpu / done * 1e6}
+
+
+def measure_small(clients: int, rounds: int, seconds: float) -> dict:
+    """Rounds alternating h2 and http1 against one shard; every round and the medians."""
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(SMALL_DIM, ports, stop), daemon=True)
+    server.start()
+    port = dict(zip(TRANSPORTS, ports.get(timeout=120)))
+    queues = [(ctx.Queue(), ctx.Queue()) for _ in range(clients)]
+    procs = [ctx.Process(target=_fetch_client, args=q, daemon=True) for q in queues]
+    for p in procs:
+        p.start()
+    try:
+        measured = []
+        for i in range(rounds):
+            for transport in TRANSPORTS:
+                measured.append(_small_round(server.pid, port[transport], transport, queues, seconds))
+                _print_small_round(i, measured[-1])
+    finally:
+        for jobs, _ in queues:
+            jobs.put(None)
+        for p in procs:
+            p.join(30)
+        stop.set()
+        server.join(30)
+    return _small_summary(measured)
+
+
+def _small_summary(measured: list[dict]) -> dict:
+    out: dict = {"small_keys": SMALL_KEYS, "small_dim": SMALL_DIM,
+                 "small_in_flight": SMALL_IN_FLIGHT, "small_rounds": measured}
+    for transport, name in TRANSPORTS.items():
+        mine = [r for r in measured if r["transport"] == transport]
+        rps = [r["rps"] for r in mine]
+        us = [r["server_us_per_req"] for r in mine]
+        out[f"small_{name}_rps"] = statistics.median(rps)
+        out[f"small_{name}_rps_range"] = [min(rps), max(rps)]
+        out[f"small_{name}_server_us_per_req"] = statistics.median(us)
+        out[f"small_{name}_server_us_range"] = [min(us), max(us)]
+        out[f"small_{name}_capacity_rps"] = 1e6 / statistics.median(us)
+        client_us = [r["client_us_per_req"] for r in mine]
+        out[f"small_{name}_client_us_per_req"] = statistics.median(client_us)
+    return out
+
+
+def _print_small_round(i: int, r: dict) -> None:
+    print(f"{i:>5} {r['transport']:>6} | {r['rps']:>9,.0f} | {r['server_us_per_req']:>9.1f} "
+          f"{1e6 / r['server_us_per_req']:>12,.0f} {r['server_busy']:>6.0%} | "
+          f"{r['client_us_per_req']:>9.1f}", flush=True)
+
+
+def _print_small_summary(s: dict, clients: int) -> None:
+    rounds = len(s["small_rounds"]) // len(TRANSPORTS)
+    print(f"\n{SMALL_KEYS}-key fetches, {SMALL_IN_FLIGHT} in flight from {clients} client processes, "
+          f"median of {rounds} rounds (range of req/s):")
+    for transport, name in TRANSPORTS.items():
+        lo, hi = s[f"small_{name}_rps_range"]
+        us_lo, us_hi = s[f"small_{name}_server_us_range"]
+        print(f"  {transport:>5}: {s[f'small_{name}_rps']:>7,.0f} req/s reached ({lo:,.0f}-{hi:,.0f}); "
+              f"shard CPU {s[f'small_{name}_server_us_per_req']:.1f} us/req ({us_lo:.1f}-{us_hi:.1f}) = "
+              f"capacity {s[f'small_{name}_capacity_rps']:,.0f} req/s per shard core; "
+              f"client CPU {s[f'small_{name}_client_us_per_req']:.1f} us/req")
+
+
 def _print_row(r: dict) -> None:
     rows_per_s = {k: r[k] * 1e6 / (r["dim"] * 4) for k in ("http2_MBps", "http1_MBps", "inproc_MBps")}
     print(f"{r['dim']:>4} {r['rows']:>7,} | {r['http2_MBps']:>9.1f} {rows_per_s['http2_MBps']:>12,.0f} | "
@@ -125,25 +263,43 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter runs (under a minute)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--small-only", action="store_true", help="only the small-request section")
+    parser.add_argument("--clients", type=int, default=2, help="client processes for small fetches")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of small fetches per protocol")
     args = parser.parse_args()
+    if args.clients < 1 or SMALL_IN_FLIGHT % args.clients:
+        parser.error(f"--clients must divide the {SMALL_IN_FLIGHT} small fetches in flight")
     if args.quick:
         batches, seconds = [1, 256, 4096, 16384, 65536], 0.6
     else:
         batches, seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0
-    print(f"PS fetch, {args.in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
+    result = {} if args.small_only else _large(batches, args.in_flight, seconds)
+    print(f"\nSmall fetches: {SMALL_KEYS} keys x d {SMALL_DIM}, {SMALL_IN_FLIGHT} in flight, "
+          f"{args.clients} client processes; shard CPU from /proc")
+    print(f"{'round':>5} {'proto':>6} | {'req/s':>9} | {'shard':>9} {'req/s/core':>12} {'busy':>6} | "
+          f"{'client':>9}")
+    print(f"{'':>5} {'':>6} | {'reached':>9} | {'us/req':>9} {'capacity':>12} {'':>6} | {'us/req':>9}")
+    small = measure_small(args.clients, args.rounds, seconds * 2)
+    _print_small_summary(small, args.clients)
+    write_json(args.json, {**result, **small})
+    return 0
+
+
+def _large(batches: list[int], in_flight: int, seconds: float) -> dict:
+    """The table of batch sizes and its headline figures."""
+    print(f"PS fetch, {in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
     print(f"{'d':>4} {'rows':>7} | {'h2 MB/s':>9} {'h2 rows/s':>12} | {'h1 MB/s':>9} {'h1 rows/s':>12} | "
           f"{'take MB/s':>9} {'take rows/s':>13} | h2/h1")
-    table = measure([16, 64], batches, args.in_flight, seconds)
+    table = measure([16, 64], batches, in_flight, seconds)
     head = next(r for r in table if (r["rows"], r["dim"]) == HEADLINE)
     result = {
         "http2_MBps": head["http2_MBps"], "http1_MBps": head["http1_MBps"], "inproc_MBps": head["inproc_MBps"],
         "http2_over_http1": head["http2_MBps"] / head["http1_MBps"], "table": table,
     }
-    print(f"\n16,384 x 64 rows, {args.in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
+    print(f"\n16,384 x 64 rows, {in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
           f"HTTP/1.1 {result['http1_MBps']:.0f} MB/s ({result['http2_over_http1']:.2f}x), "
           f"np.take {result['inproc_MBps']:.0f} MB/s")
-    write_json(args.json, result)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
