@@ -134,11 +134,12 @@ def _server_cpu_s(pid: int) -> float:
 
 
 async def _count_fetches(
-    port: int, transport: str, in_flight: int, start: float, stop: float
-) -> tuple[int, float]:
-    """Fetches of SMALL_KEYS keys answered between `start` and `stop` (`time.perf_counter`,
-    the same clock in every process here), `in_flight` at a time on one connection, and the
-    CPU seconds this process spent meanwhile."""
+    port: int, transport: str, in_flight: int, jobs: mp.Queue, answers: mp.Queue
+) -> None:
+    """Connect and warm up, say so on `answers`, then take the window (start, stop) from
+    `jobs` (`time.perf_counter`, the same clock in every process here) and answer with the
+    fetches of SMALL_KEYS keys answered in it, `in_flight` at a time on one connection, and
+    the CPU seconds this process spent meanwhile."""
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=SMALL_DIM,
                       state_width=0, transport=transport, timeout_s=120)
     rng = np.random.default_rng(port + in_flight)
@@ -152,20 +153,22 @@ async def _count_fetches(
             done += 1
 
     try:
-        await asyncio.gather(*(client.fetch(k) for k in keys))  # connect and warm up
+        await asyncio.gather(*(client.fetch(k) for k in keys))
+        answers.put("warm")
+        start, stop = jobs.get()  # blocks the loop, which has nothing else to do meanwhile
         await asyncio.sleep(max(0.0, start - time.perf_counter()))
         cpu = time.process_time()
         await asyncio.gather(*(loop(k) for k in keys))
         cpu = time.process_time() - cpu
     finally:
         await client.close()
-    return done, cpu
+    answers.put((done, cpu))
 
 
 def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
     """A client process: runs `_count_fetches` for each job until it gets None."""
     while (job := jobs.get()) is not None:
-        answers.put(run(_count_fetches(*job)))
+        run(_count_fetches(*job, jobs, answers))
 
 
 def _small_round(
@@ -173,10 +176,14 @@ def _small_round(
 ) -> dict:
     """One round of small fetches from every client process; the rate and the shard's CPU."""
     share = SMALL_IN_FLIGHT // len(clients)
-    start = time.perf_counter() + 1.0  # time for every client to connect and warm up
+    for jobs, _ in clients:
+        jobs.put((port, transport, share))
+    for _, answers in clients:
+        answers.get(timeout=120)  # connected and warm
+    start = time.perf_counter() + 0.1
     stop = start + seconds
     for jobs, _ in clients:
-        jobs.put((port, transport, share, start, stop))
+        jobs.put((start, stop))
     time.sleep(start - time.perf_counter())
     cpu = _server_cpu_s(server_pid)
     time.sleep(max(0.0, stop - time.perf_counter()))
