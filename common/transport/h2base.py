@@ -5,6 +5,9 @@ whatever h2 queued goes to the transport). Writers honour the transport's back-p
 (`pause_writing`/`resume_writing` drive `drain`) and the peer's flow-control windows
 (`send_body` waits in one place, `windows_changed`). The first network error is saved and
 re-raised to every waiter, so a stream never hangs on a dead connection.
+
+Small messages cost one write for many: frames queued while handling a read go out in the
+one `flush` that ends `data_received`. A small body (`fits_now`) goes as one DATA frame.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ CONNECTION_WINDOW = 16 * 1024 * 1024
 MAX_FRAME_SIZE = 1024 * 1024
 MAX_CONCURRENT_STREAMS = 4096
 _DEFAULT_WINDOW = 65535
+#: Bodies up to this size are sent as one DATA frame without waiting (`fits_now`); larger
+#: ones go frame by frame through `send_body`, which waits for the transport to drain.
+SMALL_BODY = 64 * 1024
 
 
 class _SizedDataFrame(DataFrame):
@@ -232,6 +238,20 @@ class H2Protocol(asyncio.Protocol):
             self.transport.close()
 
     # -- flow-controlled sending ----------------------------------------------------------
+    def fits_now(self, stream_id: int, length: int) -> bool:
+        """Whether a body of `length` bytes is small and may go on `stream_id` at once as one
+        DATA frame: within the peer's windows and frame size, the transport not paused."""
+        if length > SMALL_BODY or self._write_paused:
+            return False
+        window = self.conn.local_flow_control_window(stream_id)
+        return length <= min(window, self.conn.max_outbound_frame_size)
+
+    def send_small_body(self, stream_id: int, parts: Sequence[bytes | memoryview]) -> None:
+        """Queue a body that `fits_now` as one DATA frame ending the stream (parts are joined:
+        h2 copies every payload into its frame anyway)."""
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.conn.send_data(stream_id, body, end_stream=True)
+
     async def send_body(
         self, stream_id: int, parts: Sequence[bytes | memoryview], *, end_stream: bool
     ) -> None:

@@ -23,6 +23,7 @@ from common.transport import (
     run,
 )
 from common.transport.h2base import MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2server import _ServerProtocol
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -249,6 +250,54 @@ def test_received_data_frames_are_not_hex_formatted(monkeypatch: pytest.MonkeyPa
     events = server.receive_data(client.data_to_send())
     received = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
     assert sum(map(len, received)) == MAX_FRAME_SIZE
+
+
+# -- writes: one for many small messages ----------------------------------------------------
+class _Writes:
+    """A transport that keeps each write apart, to count them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str) -> object:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _post(path: str) -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "x"),
+            ("authorization", f"Bearer {TOKEN}")]
+
+
+async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Service) -> None:
+    proto = _ServerProtocol(H2Server(service.router(), token=TOKEN))
+    transport = _Writes()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    client = new_connection(client_side=True)
+    initiate(client)
+    proto.data_received(client.data_to_send())
+    client.receive_data(b"".join(transport.writes))
+    transport.writes.clear()
+    sent = {}
+    for i in range(8):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, _post("/echo-now"))
+        client.send_data(stream_id, b"%d" % i, end_stream=True)
+        sent[stream_id] = b"%d" % i
+    proto.data_received(client.data_to_send())  # eight requests in one read
+    assert len(transport.writes) == 1
+    assert not proto.pending()  # answered without a task
+    events = client.receive_data(transport.writes[0])
+    assert {e.stream_id: e.data for e in events if isinstance(e, h2.events.DataReceived)} == sent
+    proto.connection_lost(None)
 
 
 # -- hardening -----------------------------------------------------------------------------
