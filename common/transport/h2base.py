@@ -7,7 +7,8 @@ whatever h2 queued goes to the transport). Writers honour the transport's back-p
 re-raised to every waiter, so a stream never hangs on a dead connection.
 
 Small messages cost one write for many: frames queued while handling a read go out in the
-one `flush` that ends `data_received`. A small body (`fits_now`) goes as one DATA frame.
+one `flush` that ends `data_received`, and `flush_soon` writes what several callers queued
+in one turn of the event loop together. A small body (`fits_now`) goes as one DATA frame.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ class H2Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None  # first network error, re-raised to waiters
         self._write_paused = False
+        self._flush_pending = False  # a flush_soon is scheduled
         self._drain_waiters = Waiters()
         self.windows_changed = Waiters()
 
@@ -219,6 +221,17 @@ class H2Protocol(asyncio.Protocol):
         data = self.conn.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+    def flush_soon(self) -> None:
+        """Flush once the callers the event loop runs in this turn have queued their frames:
+        one write (and one read for the peer) for all of them."""
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_pending = False
+        self.flush()
 
     def pause_writing(self) -> None:
         self._write_paused = True

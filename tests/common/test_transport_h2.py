@@ -23,6 +23,7 @@ from common.transport import (
     run,
 )
 from common.transport.h2base import MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2client import _ClientProtocol
 from common.transport.h2server import _ServerProtocol
 from tests.common.transport_fixtures import (
     BOUNDED,
@@ -297,6 +298,26 @@ async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Servi
     assert not proto.pending()  # answered without a task
     events = client.receive_data(transport.writes[0])
     assert {e.stream_id: e.data for e in events if isinstance(e, h2.events.DataReceived)} == sent
+    proto.connection_lost(None)
+
+
+async def test_requests_opened_in_one_turn_go_out_in_one_write() -> None:
+    proto = _ClientProtocol("test")
+    transport = _Writes()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    server = new_connection(client_side=False)
+    initiate(server)
+    server.receive_data(b"".join(transport.writes))
+    proto.data_received(server.data_to_send())
+    transport.writes.clear()
+    opened = await asyncio.gather(
+        *(proto.open_stream(_post("/echo"), [b"x"], 1, streaming=False) for _ in range(4))
+    )
+    await asyncio.sleep(0)
+    assert all(body_sent for _, _, body_sent in opened)
+    assert len(transport.writes) == 1
+    events = server.receive_data(transport.writes[0])
+    assert len([e for e in events if isinstance(e, h2.events.StreamEnded)]) == 4
     proto.connection_lost(None)
 
 
