@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
 
 import h2.errors
 import h2.events
@@ -294,7 +295,7 @@ class H2Client(Client):
         timeout: float | None = None,
     ) -> ClientResponse:
         limit = self._timeout if timeout is None else timeout
-        async with _deadline(limit, f"{method} {path} to {self._peer}"):
+        async with _Deadline(limit, f"{method} {path} to {self._peer}"):
             proto, stream_id, inbound = await self._open(
                 method, path, body, headers, streaming=False
             )
@@ -316,16 +317,16 @@ class H2Client(Client):
     ) -> AsyncIterator[bytes]:
         limit = self._timeout if timeout is None else timeout
         what = f"{method} {path} to {self._peer}"
-        async with _deadline(limit, what):
+        async with _Deadline(limit, what):
             proto, stream_id, inbound = await self._open(
                 method, path, body, headers, streaming=True
             )
         try:
-            async with _deadline(limit, what):
+            async with _Deadline(limit, what):
                 answer = await inbound.response_headers()
             status = int(answer.get(":status", "0"))
             while True:
-                async with _deadline(limit, what):
+                async with _Deadline(limit, what):
                     item = await inbound.next()
                 if item is None:
                     break
@@ -357,11 +358,22 @@ def _client_response(headers: dict[str, str], body: bytes) -> ClientResponse:
     return ClientResponse(status=status, headers=plain, body=body)
 
 
-@contextlib.asynccontextmanager
-async def _deadline(seconds: float, what: str) -> AsyncIterator[None]:
-    """`asyncio.timeout` that raises our TimedOut."""
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        raise TimedOut(f"{what} timed out after {seconds}s", timeout=seconds) from None
+class _Deadline:
+    """`asyncio.timeout` that raises our TimedOut (a class: one is entered per request, and
+    a generator-based context manager costs more than the timeout itself)."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self._seconds, self._what = seconds, what
+        self._timeout = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            seconds = self._seconds
+            raise TimedOut(f"{self._what} timed out after {seconds}s", timeout=seconds) from None
