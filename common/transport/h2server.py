@@ -83,6 +83,7 @@ class _ServerProtocol(H2Protocol):
         self._preface_seen = False
         self._resets = EventWindow(server.limits.max_resets, server.limits.reset_window_s)
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._active_at = 0.0  # loop time of the last activity (`_update_idle`)
         self.peer = "?"
 
     # -- connection lifecycle ---------------------------------------------------------
@@ -160,17 +161,27 @@ class _ServerProtocol(H2Protocol):
             task.cancel()  # nobody is left to read the answers
 
     def _update_idle(self) -> None:
-        """Run the idle timer only while no request is in progress."""
+        """After any activity: run the idle timer only while no request is in progress, and
+        count idleness from now. A timer already running is not moved: it looks at the last
+        activity when it fires (requests answered at once come too often to move it each)."""
+        loop = asyncio.get_running_loop()
+        self._active_at = loop.time()
         busy = bool(self._incoming or self._tasks)
         if busy or self._closing:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
                 self._idle_timer = None
         elif self._idle_timer is None:
-            loop = asyncio.get_running_loop()
-            self._idle_timer = loop.call_later(self._server.limits.idle_timeout_s, self._idle)
+            self._idle_timer = loop.call_at(self._idle_deadline(), self._idle)
+
+    def _idle_deadline(self) -> float:
+        return self._active_at + self._server.limits.idle_timeout_s
 
     def _idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._idle_deadline():  # active since the timer was set
+            self._idle_timer = loop.call_at(self._idle_deadline(), self._idle)
+            return
         self._idle_timer = None
         self._server.logs["idle_timeout_s"].info(
             "closed the connection from %s: idle for %gs (idle_timeout_s)",

@@ -321,6 +321,22 @@ async def test_requests_opened_in_one_turn_go_out_in_one_write() -> None:
     proto.connection_lost(None)
 
 
+async def test_requests_answered_at_once_keep_the_connection_from_idling(service: Service) -> None:
+    server = make_server("h2", service.router(), limits=ConnectionLimits(idle_timeout_s=0.3))
+    await server.start()
+    client = make_client("h2", server.port)
+    try:
+        await client.call("POST", "/echo-now", body=b"x")
+        (connection,) = server.connections
+        for _ in range(20):  # a second: over three idle timeouts, never idle for one
+            await asyncio.sleep(0.05)
+            assert await client.call("POST", "/echo-now", body=b"x") == b"x"
+        assert server.connections == {connection}
+    finally:
+        await client.close()
+        await server.stop()
+
+
 # -- hardening -----------------------------------------------------------------------------
 def _goaway(events: list[h2.events.Event]) -> h2.events.ConnectionTerminated | None:
     return next((e for e in events if isinstance(e, h2.events.ConnectionTerminated)), None)
