@@ -17,13 +17,14 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
-from common.metrics import FinalScrape, Registry
+from common.metrics import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
@@ -81,6 +82,7 @@ class PsService:
         self._woken: dict[int, asyncio.Event] = {}  # a waiting fetch's ticket → its wake-up
         self._reports: dict[int, tuple[set[int], asyncio.Future[CheckpointSaved]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._counters: dict[str, _OpCounters] = {}  # per op ("fetch", ...), made on first use
         self.incarnation = secrets.token_hex(8)
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
@@ -309,11 +311,31 @@ class PsService:
             self._woken[ticket].set()
 
     def _count(self, op: str, rows: int, request: Request, bytes_out: int) -> None:
+        counters = self._counters.get(op) or self._counters_of(op)
+        counters.requests.inc()
+        counters.rows.inc(rows)
+        counters.bytes_in.inc(len(request.body))
+        counters.bytes_out.inc(bytes_out)
+
+    def _counters_of(self, op: str) -> _OpCounters:
         labels = {"op": op}
-        self.metrics.inc("requests_total", labels=labels, help="Requests served")
-        self.metrics.inc("rows_total", rows, labels=labels, help="Rows fetched or written")
-        self.metrics.inc("bytes_in_total", len(request.body), labels=labels, help="Request body bytes")
-        self.metrics.inc("bytes_out_total", bytes_out, labels=labels, help="Row bytes sent")
+        counters = self._counters[op] = _OpCounters(
+            requests=self.metrics.counter("requests_total", labels, "Requests served"),
+            rows=self.metrics.counter("rows_total", labels, "Rows fetched or written"),
+            bytes_in=self.metrics.counter("bytes_in_total", labels, "Request body bytes"),
+            bytes_out=self.metrics.counter("bytes_out_total", labels, "Row bytes sent"),
+        )
+        return counters
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OpCounters:
+    """What `_count` counts for one op, looked up once."""
+
+    requests: Counter
+    rows: Counter
+    bytes_in: Counter
+    bytes_out: Counter
 
 
 def _encode(answer: Message) -> Response:
