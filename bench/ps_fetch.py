@@ -6,7 +6,22 @@ random rows with N requests in flight for batch sizes 1 … 65,536 and d = 16 an
 prints rows/s and MB/s (MB = 10^6 bytes of row payload). `--json` writes every figure plus
 the headline keys `http2_MBps`, `http1_MBps`, `inproc_MBps` (16,384 rows × d 64, 8 in flight).
 
+The small-request section measures the shard's request rate: fetches of 4 keys (d 64), 16
+in flight in all, from `--clients` client processes, in rounds of HTTP/2 and HTTP/1.1 under
+two loads. `psclient`: `PsClient.fetch` loops (one connection per process), what a trainer
+runs; its clients spend about as much CPU per request as the shard, so on a small machine
+they, not the shard, set the rate. `raw` (`bench.fetch_load`): the same requests sent as
+prepared bytes, answers counted by their framing, about 10 us of client CPU each: the
+shard sets the rate. Each round counts the fetches answered and the shard process's CPU
+time (from /proc) over the same window. The headline, `small_http2_rps` and
+`small_http2_capacity_rps` (and http1's), is the raw load's: the rate reached, and
+`1 / (shard CPU per request)`, what the shard serves with a core to itself (it rarely has
+one on a shared machine: the rate reached is then lower). Per load and protocol:
+`small_http2_raw_rps`, `..._server_us_per_req`, `..._client_us_per_req` (what `PsClient`
+costs a trainer, under `psclient`), each with its range over the rounds.
+
     python bench/ps_fetch.py --quick --json runs/bench/ps_fetch.json
+    python bench/ps_fetch.py --small-only --rounds 5
 """
 
 from __future__ import annotations
@@ -14,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,16 +40,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import write_json  # noqa: E402
+from bench.fetch_load import FetchLoad, Fetches  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import H2Server, Http1Server, run  # noqa: E402
 from ps.client import PsClient  # noqa: E402
+from ps.protocol import FETCH, FetchRequest, Rows  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
 
 TOKEN = "bench"
 TABLE_ROWS = 1 << 20
 HEADLINE = (16384, 64)
+SMALL_KEYS, SMALL_DIM, SMALL_IN_FLIGHT = 4, 64, 16
+TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figure prefix
+LOADS = ("psclient", "raw")  # PsClient.fetch loops; prepared requests (bench.fetch_load)
 
 
 def _serve(dim: int, ports: mp.Queue, stop: mp.Event) -> None:
@@ -113,6 +135,185 @@ def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float)
     return rows
 
 
+def _server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _PsClientLoad:
+    """`PsClient.fetch` loops, one per fetch in flight: what a trainer's fetches cost."""
+
+    def __init__(self, client: PsClient, keys: list[np.ndarray]) -> None:
+        self._client, self._keys = client, keys
+
+    async def run(self, stop: float) -> tuple[int, int]:
+        """Fetches answered before `stop`, (right, wrong): a wrong answer raises instead."""
+        counts = await asyncio.gather(*(self._loop(k, stop) for k in self._keys))
+        return sum(counts), 0
+
+    async def _loop(self, keys: np.ndarray, stop: float) -> int:
+        done = 0
+        while True:  # one fetch at least: `run(0.0)` warms up
+            await self._client.fetch(keys)
+            if time.perf_counter() >= stop:
+                return done
+            done += 1
+
+    def close(self) -> None:
+        pass  # the client is closed by its owner
+
+
+async def _start_load(
+    load: str, client: PsClient, port: int, transport: str, keys: list[np.ndarray]
+) -> _PsClientLoad | FetchLoad:
+    if load == "psclient":
+        return _PsClientLoad(client, keys)
+    (status,) = await client.status()
+    answer = Rows(rows=np.zeros((SMALL_KEYS, SMALL_DIM), np.float32),
+                  state=np.zeros((SMALL_KEYS, 0), np.float32), versions=np.zeros(SMALL_KEYS, np.int64))
+    min_versions = np.full(SMALL_KEYS, -1, np.int64)
+    fetches = Fetches(
+        host="127.0.0.1", port=port, path=FETCH.path, token=TOKEN, incarnation=status.incarnation,
+        bodies=[FetchRequest(keys=k, min_versions=min_versions).to_wire() for k in keys],
+        answer_bytes=len(answer.to_wire()),
+    )
+    return await FetchLoad.connect(transport, fetches, len(keys))
+
+
+async def _count_fetches(
+    load: str, port: int, transport: str, in_flight: int, jobs: mp.Queue, answers: mp.Queue
+) -> None:
+    """Connect and warm up, say so on `answers`, then take the window (start, stop) from
+    `jobs` (`time.perf_counter`, the same clock in every process here) and answer with the
+    fetches of SMALL_KEYS keys answered in it, `in_flight` at a time, right and wrong, and
+    the CPU seconds this process spent meanwhile."""
+    client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=SMALL_DIM,
+                      state_width=0, transport=transport, timeout_s=120)
+    rng = np.random.default_rng(port + in_flight)
+    keys = [rng.integers(0, TABLE_ROWS, SMALL_KEYS, dtype=np.int64) for _ in range(in_flight)]
+    try:
+        fetches = await _start_load(load, client, port, transport, keys)
+        try:
+            await fetches.run(0.0)
+            answers.put("warm")
+            start, stop = jobs.get()  # blocks the loop, which has nothing else to do meanwhile
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            cpu = time.process_time()
+            right, wrong = await fetches.run(stop)
+            cpu = time.process_time() - cpu
+        finally:
+            fetches.close()
+    finally:
+        await client.close()
+    answers.put((right, wrong, cpu))
+
+
+def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
+    """A client process: runs `_count_fetches` for each job until it gets None."""
+    while (job := jobs.get()) is not None:
+        run(_count_fetches(*job, jobs, answers))
+
+
+def _small_round(
+    server_pid: int, port: int, transport: str, load: str, clients: list[tuple[mp.Queue, mp.Queue]],
+    seconds: float,
+) -> dict:
+    """One round of small fetches from every client process; the rate and the CPU spent."""
+    share = SMALL_IN_FLIGHT // len(clients)
+    for jobs, _ in clients:
+        jobs.put((load, port, transport, share))
+    for _, answers in clients:
+        answers.get(timeout=120)  # connected and warm
+    start = time.perf_counter() + 0.1
+    stop = start + seconds
+    for jobs, _ in clients:
+        jobs.put((start, stop))
+    time.sleep(start - time.perf_counter())
+    cpu = _server_cpu_s(server_pid)
+    time.sleep(max(0.0, stop - time.perf_counter()))
+    cpu = _server_cpu_s(server_pid) - cpu
+    counted = [answers.get(timeout=120) for _, answers in clients]
+    done, wrong = sum(c[0] for c in counted), sum(c[1] for c in counted)
+    if wrong or not done:
+        raise RuntimeError(f"{transport} {load}: {done} fetches answered right, {wrong} wrong")
+    client_cpu = sum(c[2] for c in counted)
+    return {"transport": transport, "load": load, "rps": done / seconds,
+            "server_us_per_req": cpu / done * 1e6, "server_busy": cpu / seconds,
+            "client_us_per_req": client_cpu / done * 1e6}
+
+
+def measure_small(clients: int, rounds: int, seconds: float) -> dict:
+    """Rounds of every protocol under every load against one shard; every round, the medians."""
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(SMALL_DIM, ports, stop), daemon=True)
+    server.start()
+    port = dict(zip(TRANSPORTS, ports.get(timeout=120)))
+    queues = [(ctx.Queue(), ctx.Queue()) for _ in range(clients)]
+    procs = [ctx.Process(target=_fetch_client, args=q, daemon=True) for q in queues]
+    for p in procs:
+        p.start()
+    try:
+        measured = []
+        for i in range(rounds):
+            for transport in TRANSPORTS:
+                for load in LOADS:
+                    measured.append(_small_round(server.pid, port[transport], transport, load, queues, seconds))
+                    _print_small_round(i, measured[-1])
+    finally:
+        for jobs, _ in queues:
+            jobs.put(None)
+        for p in procs:
+            p.join(30)
+        stop.set()
+        server.join(30)
+    return _small_summary(measured)
+
+
+def _small_summary(measured: list[dict]) -> dict:
+    """Medians and ranges per protocol and load (`small_http2_raw_rps`, ...); the headline
+    `small_http2_rps` and `small_http2_capacity_rps` (and http1's) are the light load's."""
+    out: dict = {"small_keys": SMALL_KEYS, "small_dim": SMALL_DIM,
+                 "small_in_flight": SMALL_IN_FLIGHT, "small_rounds": measured}
+    for transport, name in TRANSPORTS.items():
+        for load in LOADS:
+            mine = [r for r in measured if (r["transport"], r["load"]) == (transport, load)]
+            rps = [r["rps"] for r in mine]
+            us = [r["server_us_per_req"] for r in mine]
+            key = f"small_{name}_{load}"
+            out[f"{key}_rps"] = statistics.median(rps)
+            out[f"{key}_rps_range"] = [min(rps), max(rps)]
+            out[f"{key}_server_us_per_req"] = statistics.median(us)
+            out[f"{key}_server_us_range"] = [min(us), max(us)]
+            out[f"{key}_capacity_rps"] = 1e6 / statistics.median(us)
+            out[f"{key}_client_us_per_req"] = statistics.median(r["client_us_per_req"] for r in mine)
+        out[f"small_{name}_rps"] = out[f"small_{name}_raw_rps"]
+        out[f"small_{name}_capacity_rps"] = out[f"small_{name}_raw_capacity_rps"]
+    return out
+
+
+def _print_small_round(i: int, r: dict) -> None:
+    print(f"{i:>5} {r['transport']:>6} {r['load']:>8} | {r['rps']:>9,.0f} | {r['server_us_per_req']:>9.1f} "
+          f"{1e6 / r['server_us_per_req']:>12,.0f} {r['server_busy']:>6.0%} | "
+          f"{r['client_us_per_req']:>9.1f}", flush=True)
+
+
+def _print_small_summary(s: dict, clients: int) -> None:
+    rounds = len(s["small_rounds"]) // (len(TRANSPORTS) * len(LOADS))
+    print(f"\n{SMALL_KEYS}-key fetches, {SMALL_IN_FLIGHT} in flight from {clients} client processes, "
+          f"median of {rounds} rounds (range):")
+    for transport, name in TRANSPORTS.items():
+        for load in LOADS:
+            key = f"small_{name}_{load}"
+            lo, hi = s[f"{key}_rps_range"]
+            us_lo, us_hi = s[f"{key}_server_us_range"]
+            print(f"  {transport:>5} {load:>8}: {s[f'{key}_rps']:>7,.0f} req/s reached ({lo:,.0f}-{hi:,.0f}); "
+                  f"shard CPU {s[f'{key}_server_us_per_req']:.1f} us/req ({us_lo:.1f}-{us_hi:.1f}) = "
+                  f"{s[f'{key}_capacity_rps']:,.0f} req/s per shard core; "
+                  f"client CPU {s[f'{key}_client_us_per_req']:.1f} us/req")
+
+
 def _print_row(r: dict) -> None:
     rows_per_s = {k: r[k] * 1e6 / (r["dim"] * 4) for k in ("http2_MBps", "http1_MBps", "inproc_MBps")}
     print(f"{r['dim']:>4} {r['rows']:>7,} | {r['http2_MBps']:>9.1f} {rows_per_s['http2_MBps']:>12,.0f} | "
@@ -125,25 +326,44 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter runs (under a minute)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--small-only", action="store_true", help="only the small-request section")
+    parser.add_argument("--clients", type=int, default=2, help="client processes for small fetches")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of small fetches per protocol")
     args = parser.parse_args()
+    if args.clients < 1 or SMALL_IN_FLIGHT % args.clients:
+        parser.error(f"--clients must divide the {SMALL_IN_FLIGHT} small fetches in flight")
     if args.quick:
         batches, seconds = [1, 256, 4096, 16384, 65536], 0.6
     else:
         batches, seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0
-    print(f"PS fetch, {args.in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
+    result = {} if args.small_only else _large(batches, args.in_flight, seconds)
+    print(f"\nSmall fetches: {SMALL_KEYS} keys x d {SMALL_DIM}, {SMALL_IN_FLIGHT} in flight, "
+          f"{args.clients} client processes; shard CPU from /proc")
+    print(f"{'round':>5} {'proto':>6} {'load':>8} | {'req/s':>9} | {'shard':>9} {'req/s/core':>12} "
+          f"{'busy':>6} | {'client':>9}")
+    print(f"{'':>5} {'':>6} {'':>8} | {'reached':>9} | {'us/req':>9} {'capacity':>12} {'':>6} | "
+          f"{'us/req':>9}")
+    small = measure_small(args.clients, args.rounds, seconds * 2)
+    _print_small_summary(small, args.clients)
+    write_json(args.json, {**result, **small})
+    return 0
+
+
+def _large(batches: list[int], in_flight: int, seconds: float) -> dict:
+    """The table of batch sizes and its headline figures."""
+    print(f"PS fetch, {in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
     print(f"{'d':>4} {'rows':>7} | {'h2 MB/s':>9} {'h2 rows/s':>12} | {'h1 MB/s':>9} {'h1 rows/s':>12} | "
           f"{'take MB/s':>9} {'take rows/s':>13} | h2/h1")
-    table = measure([16, 64], batches, args.in_flight, seconds)
+    table = measure([16, 64], batches, in_flight, seconds)
     head = next(r for r in table if (r["rows"], r["dim"]) == HEADLINE)
     result = {
         "http2_MBps": head["http2_MBps"], "http1_MBps": head["http1_MBps"], "inproc_MBps": head["inproc_MBps"],
         "http2_over_http1": head["http2_MBps"] / head["http1_MBps"], "table": table,
     }
-    print(f"\n16,384 x 64 rows, {args.in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
+    print(f"\n16,384 x 64 rows, {in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
           f"HTTP/1.1 {result['http1_MBps']:.0f} MB/s ({result['http2_over_http1']:.2f}x), "
           f"np.take {result['inproc_MBps']:.0f} MB/s")
-    write_json(args.json, result)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

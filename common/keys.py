@@ -79,6 +79,8 @@ def shard_size(total_rows: int, shard: int, num_shards: int) -> int:
 
 def split_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
     """Positions into `keys` for each shard, in order (stable), for scattering requests."""
+    if num_shards == 1:
+        return [np.arange(len(keys))]
     owner = shard_of(keys, num_shards)
     order = np.argsort(owner, kind="stable")
     bounds = np.searchsorted(owner[order], np.arange(num_shards + 1))

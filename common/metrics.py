@@ -32,6 +32,18 @@ def _fmt_labels(labels: Labels, extra: Iterable[tuple[str, str]] = ()) -> str:
     return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(items, escaped)) + "}"
 
 
+class Counter:
+    """One counter of a `Registry` (a name and a label set)."""
+
+    __slots__ = ("_cell",)
+
+    def __init__(self, cell: list[float]) -> None:
+        self._cell = cell
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._cell[0] += amount
+
+
 @dataclass
 class _Family:
     name: str
@@ -57,12 +69,16 @@ class Registry:
         return fam
 
     def inc(self, name: str, amount: float = 1.0, labels: dict[str, str] | None = None, help: str = "") -> None:
-        cell = self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])
-        cell[0] += amount
+        self.counter(name, labels, help).inc(amount)
+
+    def counter(self, name: str, labels: dict[str, str] | None = None, help: str = "") -> Counter:
+        """The counter `name` with `labels`, to count into without looking it up each time
+        (a request path counting per request)."""
+        return Counter(self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0]))
 
     def set_total(self, name: str, total: float, labels: dict[str, str] | None = None, help: str = "") -> None:
         """A counter whose running total is kept elsewhere: set it to `total`."""
-        self._family(name, "counter", help).values[_labels(labels)] = [float(total)]
+        self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])[0] = float(total)
 
     def set(self, name: str, value: float, labels: dict[str, str] | None = None, help: str = "") -> None:
         self._family(name, "gauge", help).values[_labels(labels)] = [float(value)]

@@ -47,19 +47,27 @@ def encode_parts(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> l
     specs = []
     payload: list[bytes | memoryview] = []
     for name, arr in arrays.items():
-        arr = np.asarray(arr)
-        dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
-        key = dtype.str
-        if key not in DTYPES:
-            raise WireError(f"array {name!r}: dtype {arr.dtype} cannot travel", array=name)
-        arr = np.require(arr, dtype=DTYPES[key], requirements="C")
-        specs.append([name, key, list(arr.shape)])
+        arr = _as_sent(name, arr)
+        specs.append([name, arr.dtype.str, list(arr.shape)])
         payload.append(memoryview(arr.reshape(-1)).cast("B"))
         if pad := _pad(arr.nbytes):
             payload.append(bytes(pad))
     header = orjson.dumps({"meta": dict(meta), "arrays": specs})
     head = _LEN.pack(len(header)) + header + bytes(_pad(_LEN.size + len(header)))
     return [head, *payload]
+
+
+def _as_sent(name: str, arr: np.ndarray) -> np.ndarray:
+    """`arr` as it travels: C-contiguous, little-endian, of a dtype in DTYPES (no copy when
+    it is already so, as arrays mostly are)."""
+    arr = np.asarray(arr)
+    dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+    wire_dtype = DTYPES.get(dtype.str)
+    if wire_dtype is None:
+        raise WireError(f"array {name!r}: dtype {arr.dtype} cannot travel", array=name)
+    if arr.dtype == wire_dtype and arr.flags.c_contiguous:
+        return arr
+    return np.require(arr, dtype=wire_dtype, requirements="C")
 
 
 def encode(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
@@ -83,13 +91,13 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     pos = _LEN.size + hlen
     pos += _pad(pos)
     arrays: dict[str, np.ndarray] = {}
-    for spec in _array_specs(header.get("arrays", [])):
-        name, dtype, shape = spec
+    for name, dtype, shape in _array_specs(header.get("arrays", [])):
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if pos + nbytes > len(view):
             raise WireError(f"array {name!r} runs past the end of the body", array=name)
-        arrays[name] = np.frombuffer(view, dtype=dtype, count=count, offset=pos).reshape(shape)
+        flat = np.frombuffer(view, dtype=dtype, count=count, offset=pos)
+        arrays[name] = flat if len(shape) == 1 else flat.reshape(shape)
         pos += nbytes + _pad(nbytes)
     if pos != len(view):
         raise WireError(f"{len(view) - pos} unexpected bytes after the last array")
@@ -118,7 +126,8 @@ def _shape(name: str, shape: Any, dtype: np.dtype) -> tuple[int, ...]:
             f"array {name!r}: shape {shape!r} is invalid (at most {MAX_NDIM} non-negative integers)",
             array=name,
         )
-    if math.prod(max(n, 1) for n in shape) * dtype.itemsize > _MAX_SHAPE_BYTES:
+    size = math.prod(n or 1 for n in shape) if 0 in shape else math.prod(shape)  # 0 counts as 1
+    if size * dtype.itemsize > _MAX_SHAPE_BYTES:
         raise WireError(f"array {name!r}: shape {shape!r} is too large", array=name)
     return tuple(shape)
 
@@ -128,9 +137,10 @@ def require(arrays: Mapping[str, np.ndarray], name: str, dtype: str, ndim: int) 
     if name not in arrays:
         raise WireError(f"missing array {name!r}", array=name)
     arr = arrays[name]
-    if arr.dtype != np.dtype(dtype) or arr.ndim != ndim:
+    expected = DTYPES[dtype] if dtype in DTYPES else np.dtype(dtype)
+    if arr.dtype != expected or arr.ndim != ndim:
         raise WireError(
-            f"array {name!r} must be {ndim}-d {np.dtype(dtype)}, got {arr.ndim}-d {arr.dtype}",
+            f"array {name!r} must be {ndim}-d {expected}, got {arr.ndim}-d {arr.dtype}",
             array=name,
         )
     return arr

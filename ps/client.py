@@ -195,8 +195,11 @@ class PsClient:
         return [answer.from_wire(body) for body in bodies]
 
     async def _each_shard(self, keys: np.ndarray, one: Callable[[int, np.ndarray], Awaitable[None]]) -> None:
-        parts = split_by_shard(keys, self.num_shards)
-        await asyncio.gather(*(one(s, pos) for s, pos in enumerate(parts) if len(pos)))
+        parts = [(s, pos) for s, pos in enumerate(split_by_shard(keys, self.num_shards)) if len(pos)]
+        if len(parts) == 1:
+            await one(*parts[0])  # one shard asked (a small batch mostly): no task needed
+        else:
+            await asyncio.gather(*(one(s, pos) for s, pos in parts))
 
     async def _call(
         self,

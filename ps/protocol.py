@@ -76,7 +76,7 @@ class _BinaryMessage:
         for name, (dtype, ndim) in self._ARRAYS.items():
             value = getattr(self, name)
             kind = type(value).__name__
-            _check(self, isinstance(value, np.ndarray), f"{name} must be a numpy array, got {kind}")
+            _check(self, isinstance(value, np.ndarray), "%s must be a numpy array, got %s", name, kind)
             require({name: value}, name, dtype, ndim)
 
     def _meta(self) -> dict[str, Any]:
@@ -96,17 +96,15 @@ class _BinaryMessage:
         meta_fields: set[str],
         optional: set[str] | None = None,
     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Meta (`meta_fields` at most) and the arrays of `_ARRAYS`, each checked for dtype
-        and rank; all are required but those in `optional`."""
+        """Meta (`meta_fields` at most) and the arrays of `_ARRAYS`, all required but those in
+        `optional` (the constructor checks their dtype and rank)."""
         meta, arrays = decode(body)
         _only(meta, meta_fields, "meta fields")
-        checked = {
-            name: require(arrays, name, dtype, ndim)
-            for name, (dtype, ndim) in cls._ARRAYS.items()
-            if name in arrays or name not in (optional or set())
-        }
+        for name in cls._ARRAYS:
+            if name not in arrays and name not in (optional or ()):
+                raise WireError(f"missing array {name!r}", array=name)
         _only(arrays, set(cls._ARRAYS), "arrays")
-        return meta, checked
+        return meta, arrays
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -131,7 +129,7 @@ class FetchRequest(_BinaryMessage):
         _check(self, one_each, "min_versions must have one entry per key")
         wait = self.wait_s
         positive = wait is None or (type(wait) in (int, float) and wait > 0)
-        _check(self, positive, f"wait_s must be a positive number, got {wait!r}")
+        _check(self, positive, "wait_s must be a positive number, got %r", wait)
 
     def _meta(self) -> dict[str, Any]:
         return {} if self.wait_s is None else {"wait_s": self.wait_s}
@@ -198,7 +196,7 @@ class WriteBack(_BinaryMessage):
 
     def __post_init__(self) -> None:
         kind = self.kind
-        _check(self, isinstance(kind, WriteKind), f"kind must be a WriteKind, got {kind!r}")
+        _check(self, isinstance(kind, WriteKind), "kind must be a WriteKind, got %r", kind)
         _check_types(self, version=int, replay=bool)
         super().__post_init__()
         _check_same_length(self, ("keys", "rows", "state"))
@@ -288,7 +286,7 @@ class CheckpointReport(_JsonMessage):
         _check_non_negative(self, "checkpoint", "trainer", "trainers")
         _check_types(self, prune_before=int)
         below = self.trainer < self.trainers
-        _check(self, below, f"trainer {self.trainer} is not below trainers = {self.trainers}")
+        _check(self, below, "trainer %s is not below trainers = %s", self.trainer, self.trainers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,7 +318,7 @@ class CheckpointSaved(_JsonMessage):
         _check_types(self, path=str)
         seconds = self.seconds
         ok = type(seconds) in (int, float) and seconds >= 0
-        _check(self, ok, f"seconds must be a number >= 0, got {seconds!r}")
+        _check(self, ok, "seconds must be a number >= 0, got %r", seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,10 +380,10 @@ class ShardStatus(_JsonMessage):
     def __post_init__(self) -> None:
         _check_non_negative(self, "shard", "num_shards", "rows", "dim")
         _check_types(self, incarnation=str, restored=int, max_version=int, last_checkpoint=int)
-        _check(self, self.restored >= -1, f"restored must be >= -1, got {self.restored}")
+        _check(self, self.restored >= -1, "restored must be >= -1, got %s", self.restored)
         listed = self.checkpoints
         ints = isinstance(listed, list | tuple) and all(type(c) is int for c in listed)
-        _check(self, ints, f"checkpoints must be a list of integers, got {listed!r}")
+        _check(self, ints, "checkpoints must be a list of integers, got %r", listed)
         object.__setattr__(self, "checkpoints", tuple(listed))  # JSON gives a list
 
 
@@ -441,9 +439,11 @@ ROUTES: tuple[Route, ...] = (
 
 
 # --------------------------------------------------------------------------- checks
-def _check(message: _BinaryMessage | _JsonMessage, ok: bool, problem: str) -> None:
+def _check(message: _BinaryMessage | _JsonMessage, ok: bool, problem: str, *args: object) -> None:
+    """WireError naming `message` unless `ok`; `problem % args` is formatted only then (the
+    checks run on every message built, the formatting would cost more than they do)."""
     if not ok:
-        raise WireError(f"invalid {message.NAME}: {problem}")
+        raise WireError(f"invalid {message.NAME}: {problem % args if args else problem}")
 
 
 _TYPE_NAMES = {int: "an integer", bool: "a boolean", str: "a string"}
@@ -453,14 +453,14 @@ def _check_types(message: _BinaryMessage | _JsonMessage, **types: type) -> None:
     """Each named field has exactly its type (a bool is not an int here)."""
     for name, kind in types.items():
         value = getattr(message, name)
-        _check(message, type(value) is kind, f"{name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+        _check(message, type(value) is kind, "%s must be %s, got %r", name, _TYPE_NAMES[kind], value)
 
 
 def _check_non_negative(message: _JsonMessage, *names: str) -> None:
     for name in names:
         value = getattr(message, name)
         ok = type(value) is int and value >= 0
-        _check(message, ok, f"{name} must be a non-negative integer, got {value!r}")
+        _check(message, ok, "%s must be a non-negative integer, got %r", name, value)
 
 
 def _check_same_length(message: _BinaryMessage, names: tuple[str, ...]) -> None:
@@ -468,7 +468,7 @@ def _check_same_length(message: _BinaryMessage, names: tuple[str, ...]) -> None:
     n = len(getattr(message, names[0]))
     for name in names[1:]:
         rows = len(getattr(message, name))
-        _check(message, rows == n, f"{name} has {rows} rows for {n} {names[0]}")
+        _check(message, rows == n, "%s has %d rows for %d %s", name, rows, n, names[0])
 
 
 def _only(given: Mapping[str, Any], allowed: set[str], what: str) -> None:

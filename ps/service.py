@@ -4,22 +4,27 @@ Each handler takes its route's request message, decoded, and returns its answer 
 `router` binds them to `ps.protocol.ROUTES` in one place. Requests on routes marked
 `incarnation` are checked first: one meant for an earlier process of this shard is answered
 409 ``restarted`` before anything else is done.
+
+Handlers that never wait (a write-back, a fetch whose rows have their versions) answer at
+once, so that the transport serves them without a task; the others return an awaitable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
-from common.metrics import FinalScrape, Registry
+from common.metrics import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
@@ -54,8 +59,8 @@ from ps.waiting import WaitingFetches
 log = logging.getLogger(__name__)
 
 #: A handler of one route: its decoded request message (None for a GET) and the request
-#: itself (headers, body size) in, its answer message out.
-TypedHandler = Callable[[Any, Request], Awaitable[Message]]
+#: itself (headers, body size) in, its answer message (or an awaitable of it) out.
+TypedHandler = Callable[[Any, Request], Message | Awaitable[Message]]
 
 
 class PsService:
@@ -77,6 +82,7 @@ class PsService:
         self._woken: dict[int, asyncio.Event] = {}  # a waiting fetch's ticket → its wake-up
         self._reports: dict[int, tuple[set[int], asyncio.Future[CheckpointSaved]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._counters: dict[str, _OpCounters] = {}  # per op ("fetch", ...), made on first use
         self.incarnation = secrets.token_hex(8)
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
@@ -101,18 +107,21 @@ class PsService:
 
     def _serve(self, route: Route, handler: TypedHandler) -> Handler:
         """`handler` behind `route`: the incarnation checked, the request decoded, the
-        answer encoded."""
+        answer encoded (at once when the handler answered at once)."""
 
-        async def serve(request: Request) -> Response:
+        def serve(request: Request) -> Response | Awaitable[Response]:
             if route.incarnation:
                 self._check_incarnation(request)
             message = None if route.request is None else route.request.from_wire(request.body)
-            answer = await handler(message, request)
-            return Response(body=answer.to_parts(), content_type=answer.CONTENT_TYPE)
+            answer = handler(message, request)
+            if inspect.isawaitable(answer):
+                return _encode_later(answer)
+            return _encode(answer)
 
         return serve
 
-    async def fetch(self, message: FetchRequest, request: Request) -> Rows:
+    def fetch(self, message: FetchRequest, request: Request) -> Rows | Awaitable[Rows]:
+        """The rows at once if each has reached its version, else an awaitable of them."""
         wait_s = self.fetch_timeout_s if message.wait_s is None else message.wait_s
         if wait_s > self.fetch_timeout_s:
             # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
@@ -121,12 +130,22 @@ class PsService:
                 f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
             )
         local = self.store.check_fetch(message.keys, message.min_versions)
-        await self._wait_for_versions(local, message.min_versions, wait_s)
+        if self.store.ready(local, message.min_versions):
+            return self._rows(local, request)
+        return self._rows_later(local, message.min_versions, wait_s, request)
+
+    async def _rows_later(
+        self, local: np.ndarray, min_versions: np.ndarray, wait_s: float, request: Request
+    ) -> Rows:
+        await self._wait_for_versions(local, min_versions, wait_s)
+        return self._rows(local, request)
+
+    def _rows(self, local: np.ndarray, request: Request) -> Rows:
         rows, state, versions = self.store.gather(local)
         self._count("fetch", len(local), request, rows.nbytes + state.nbytes)
         return Rows(rows=rows, state=state, versions=versions)
 
-    async def write_back(self, message: WriteBack, request: Request) -> WriteAck:
+    def write_back(self, message: WriteBack, request: Request) -> WriteAck:
         m = message
         flush, replay = m.kind is WriteKind.FLUSH, m.replay
         local = self.store.check_write(
@@ -222,7 +241,7 @@ class PsService:
         self.restored = checkpoint_id
         self._wake(self._waiting.recheck(self.store.versions))
 
-    async def health(self, message: None, request: Request) -> Health:
+    def health(self, message: None, request: Request) -> Health:
         return Health(role="ps", ok=True)
 
     async def status(self, message: None, request: Request) -> ShardStatus:
@@ -292,9 +311,36 @@ class PsService:
             self._woken[ticket].set()
 
     def _count(self, op: str, rows: int, request: Request, bytes_out: int) -> None:
-        labels = {"op": op}
-        self.metrics.inc("requests_total", labels=labels, help="Requests served")
-        self.metrics.inc("rows_total", rows, labels=labels, help="Rows fetched or written")
-        self.metrics.inc("bytes_in_total", len(request.body), labels=labels, help="Request body bytes")
-        self.metrics.inc("bytes_out_total", bytes_out, labels=labels, help="Row bytes sent")
+        counters = self._counters.get(op) or self._counters_of(op)
+        counters.requests.inc()
+        counters.rows.inc(rows)
+        counters.bytes_in.inc(len(request.body))
+        counters.bytes_out.inc(bytes_out)
 
+    def _counters_of(self, op: str) -> _OpCounters:
+        labels = {"op": op}
+        counters = self._counters[op] = _OpCounters(
+            requests=self.metrics.counter("requests_total", labels, "Requests served"),
+            rows=self.metrics.counter("rows_total", labels, "Rows fetched or written"),
+            bytes_in=self.metrics.counter("bytes_in_total", labels, "Request body bytes"),
+            bytes_out=self.metrics.counter("bytes_out_total", labels, "Row bytes sent"),
+        )
+        return counters
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OpCounters:
+    """What `_count` counts for one op, looked up once."""
+
+    requests: Counter
+    rows: Counter
+    bytes_in: Counter
+    bytes_out: Counter
+
+
+def _encode(answer: Message) -> Response:
+    return Response(body=answer.to_parts(), content_type=answer.CONTENT_TYPE)
+
+
+async def _encode_later(pending: Awaitable[Message]) -> Response:
+    return _encode(await pending)

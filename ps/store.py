@@ -142,6 +142,8 @@ class ShardStore:
         """Local indices of `keys`; BadRequest for a key out of range or on another shard."""
         cfg = self.config
         cfg.layout.check_keys(keys)
+        if cfg.num_shards == 1:
+            return np.asarray(keys, dtype=np.int64)  # every key is ours, at its own index
         foreign = shard_of(keys, cfg.num_shards) != cfg.shard
         if foreign.any():
             bad = int(keys[foreign][0])

@@ -5,6 +5,10 @@ whatever h2 queued goes to the transport). Writers honour the transport's back-p
 (`pause_writing`/`resume_writing` drive `drain`) and the peer's flow-control windows
 (`send_body` waits in one place, `windows_changed`). The first network error is saved and
 re-raised to every waiter, so a stream never hangs on a dead connection.
+
+Small messages cost one write for many: frames queued while handling a read go out in the
+one `flush` that ends `data_received`, and `flush_soon` writes what several callers queued
+in one turn of the event loop together. A small body (`fits_now`) goes as one DATA frame.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-from hyperframe.frame import DataFrame
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    HeadersFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
 
 from common.errors import Unavailable
 
@@ -33,13 +44,25 @@ MAX_CONCURRENT_STREAMS = 4096
 # How many closed streams a connection remembers (h2's default is 2**16): see QuietH2Connection.
 MAX_CLOSED_STREAMS = MAX_CONCURRENT_STREAMS
 _DEFAULT_WINDOW = 65535
+#: Bodies up to this size are sent as one DATA frame without waiting (`fits_now`); larger
+#: ones go frame by frame through `send_body`, which waits for the transport to drain.
+SMALL_BODY = 64 * 1024
 
 
-class _SizedDataFrame(DataFrame):
-    """A DATA frame whose repr states its size instead of hex-encoding its payload."""
+def _quiet(frame_class: type[Frame]) -> type[Frame]:
+    """`frame_class` with a repr that names it and its stream and formats nothing else."""
 
-    def _body_repr(self) -> str:
-        return f"<{len(self.data)} bytes>"
+    def __repr__(self: Frame) -> str:
+        return f"{frame_class.__name__}(stream_id={self.stream_id})"
+
+    return type(frame_class.__name__, (frame_class,), {"__repr__": __repr__})
+
+
+# The frames of every request and answer, and those that come with them.
+_QUIET = {
+    cls: _quiet(cls)
+    for cls in (DataFrame, HeadersFrame, WindowUpdateFrame, SettingsFrame, RstStreamFrame)
+}
 
 
 class QuietH2Connection(h2.connection.H2Connection):
@@ -47,11 +70,12 @@ class QuietH2Connection(h2.connection.H2Connection):
     streams.
 
     h2 4.4.1 `_receive_frame` runs `logger.trace("Received frame: %s", repr(frame))`: the
-    `repr` is evaluated even when the logger is the no-op `DummyLogger`, and a DATA frame's
+    `repr` is evaluated even when the logger is the no-op `DummyLogger`. A DATA frame's
     repr re-serialises and hex-encodes its whole payload (a copy plus 2 bytes of text per
-    byte) before truncating it. That was about half the client CPU on large bodies. Received
-    DATA frames are switched to a subclass whose repr is its size; h2 dispatches frames by
-    exact class, so the subclass is registered to the same handler.
+    byte) before truncating it, which was about half the client CPU on large bodies; a
+    HEADERS frame's hex-encodes its header block, a few percent of a small request. The
+    frames received most are switched to subclasses whose repr formats nothing; h2
+    dispatches frames by exact class, so each subclass is registered to the same handler.
 
     h2 remembers how each closed stream ended (about 120 bytes each) for its last 2**16
     streams, to answer a frame that was already in flight when the stream closed. Every PS
@@ -67,11 +91,14 @@ class QuietH2Connection(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config=config)
-        self._frame_dispatch_table[_SizedDataFrame] = self._receive_data_frame
+        table = self._frame_dispatch_table
+        for cls, quiet in _QUIET.items():
+            table[quiet] = table[cls]
 
     def _receive_frame(self, frame: Any) -> list[h2.events.Event]:
-        if frame.__class__ is DataFrame:
-            frame.__class__ = _SizedDataFrame
+        quiet = _QUIET.get(frame.__class__)
+        if quiet is not None:
+            frame.__class__ = quiet
         return super()._receive_frame(frame)
 
 
@@ -86,7 +113,22 @@ def new_connection(
     in the same read as its SETTINGS ACK, before h2 applies the new limit, and h2 would kill
     the connection with FRAME_SIZE_ERROR (and likewise overrun the 64 KiB stream windows).
     """
-    config = h2.config.H2Configuration(client_side=client_side, header_encoding="utf-8")
+    # h2's header validation and normalisation cost over a quarter of its time per small
+    # request and buy us nothing: we build every header we send (names lower-case, no
+    # connection headers), and a received request is judged by our own checks, which fail
+    # closed (a request needs :method and :path, a route is an exact path, the token an
+    # exact lower-case `authorization`); h2 still enforces content-length. Without
+    # normalisation the client's `authorization` enters the HPACK table like any other
+    # header, sent in full once per connection rather than with every request (and
+    # Huffman-coded and decoded each time): h2c carries it in clear either way.
+    config = h2.config.H2Configuration(
+        client_side=client_side,
+        header_encoding="utf-8",
+        validate_inbound_headers=False,
+        normalize_inbound_headers=False,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+    )
     conn = QuietH2Connection(config)
     codes = h2.settings.SettingCodes
     initial = {
@@ -156,6 +198,7 @@ class H2Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None  # first network error, re-raised to waiters
         self._write_paused = False
+        self._flush_pending = False  # a flush_soon is scheduled
         self._drain_waiters = Waiters()
         self.windows_changed = Waiters()
 
@@ -213,6 +256,17 @@ class H2Protocol(asyncio.Protocol):
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
+    def flush_soon(self) -> None:
+        """Flush once the callers the event loop runs in this turn have queued their frames:
+        one write (and one read for the peer) for all of them."""
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_pending = False
+        self.flush()
+
     def pause_writing(self) -> None:
         self._write_paused = True
 
@@ -231,6 +285,20 @@ class H2Protocol(asyncio.Protocol):
             self.transport.close()
 
     # -- flow-controlled sending ----------------------------------------------------------
+    def fits_now(self, stream_id: int, length: int) -> bool:
+        """Whether a body of `length` bytes is small and may go on `stream_id` at once as one
+        DATA frame: within the peer's windows and frame size, the transport not paused."""
+        if length > SMALL_BODY or self._write_paused:
+            return False
+        window = self.conn.local_flow_control_window(stream_id)
+        return length <= min(window, self.conn.max_outbound_frame_size)
+
+    def send_small_body(self, stream_id: int, parts: Sequence[bytes | memoryview]) -> None:
+        """Queue a body that `fits_now` as one DATA frame ending the stream (parts are joined:
+        h2 copies every payload into its frame anyway)."""
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.conn.send_data(stream_id, body, end_stream=True)
+
     async def send_body(
         self, stream_id: int, parts: Sequence[bytes | memoryview], *, end_stream: bool
     ) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
 
 import h2.errors
 import h2.events
@@ -55,6 +56,15 @@ class _Inbound:
         if not self.ended:
             self.error = error
             self._changed.wake()
+
+    async def complete(self) -> tuple[dict[str, str], bytes]:
+        """The headers and whole body of a response, once it has ended."""
+        while not self.ended:
+            if self.error is not None:
+                raise self.error
+            await self._changed.wait()
+        assert self.headers is not None  # h2 ends no stream before its response headers
+        return self.headers, b"".join(chunk for chunk, _ in self._chunks)
 
     async def response_headers(self) -> dict[str, str]:
         while self.headers is None:
@@ -146,8 +156,11 @@ class _ClientProtocol(H2Protocol):
 
     # -- what callers do --------------------------------------------------------------
     async def open_stream(
-        self, headers: list[tuple[str, str]], *, has_body: bool, streaming: bool
-    ) -> tuple[int, _Inbound]:
+        self, headers: list[tuple[str, str]], parts: Sequence[bytes | memoryview], length: int,
+        *, streaming: bool,
+    ) -> tuple[int, _Inbound, bool]:
+        """Open a stream with `headers`, and with the body too if it `fits_now`: the stream,
+        its response side and whether the body went (else `send_request_body` sends it)."""
         while self.conn.open_outbound_streams >= self.conn.remote_settings.max_concurrent_streams:
             if self.error is not None:
                 raise self.error
@@ -161,9 +174,15 @@ class _ClientProtocol(H2Protocol):
             self.draining = True
             raise
         inbound = self.streams[stream_id] = _Inbound(streaming=streaming)
-        self.conn.send_headers(stream_id, headers, end_stream=not has_body)
-        self.flush()
-        return stream_id, inbound
+        self.conn.send_headers(stream_id, headers, end_stream=length == 0)
+        body_sent = length == 0 or self.fits_now(stream_id, length)
+        if length and body_sent:
+            self.send_small_body(stream_id, parts)
+        if body_sent:
+            self.flush_soon()  # one write for every request opened in this turn
+        else:
+            self.flush()
+        return stream_id, inbound, body_sent
 
     async def send_request_body(
         self, stream_id: int, inbound: _Inbound, parts: Sequence[bytes | memoryview]
@@ -250,15 +269,15 @@ class H2Client(Client):
         headers = self._headers(method, path, length, extra)
         proto = await self._connection()
         try:
-            stream_id, inbound = await proto.open_stream(
-                headers, has_body=length > 0, streaming=streaming
+            stream_id, inbound, body_sent = await proto.open_stream(
+                headers, parts, length, streaming=streaming
             )
         except h2.exceptions.NoAvailableStreamIDError:
             proto = await self._connection()  # the exhausted one is draining: a fresh one
-            stream_id, inbound = await proto.open_stream(
-                headers, has_body=length > 0, streaming=streaming
+            stream_id, inbound, body_sent = await proto.open_stream(
+                headers, parts, length, streaming=streaming
             )
-        if length:
+        if not body_sent:
             try:
                 await proto.send_request_body(stream_id, inbound, parts)
             except BaseException:
@@ -276,19 +295,16 @@ class H2Client(Client):
         timeout: float | None = None,
     ) -> ClientResponse:
         limit = self._timeout if timeout is None else timeout
-        async with _deadline(limit, f"{method} {path} to {self._peer}"):
+        async with _Deadline(limit, f"{method} {path} to {self._peer}"):
             proto, stream_id, inbound = await self._open(
                 method, path, body, headers, streaming=False
             )
             try:
-                answer = await inbound.response_headers()
-                chunks = []
-                while (item := await inbound.next()) is not None:
-                    chunks.append(item[0])
+                answer, data = await inbound.complete()
             except BaseException:
                 proto.cancel(stream_id)
                 raise
-        return _client_response(answer, b"".join(chunks))
+        return _client_response(answer, data)
 
     async def stream(
         self,
@@ -301,16 +317,16 @@ class H2Client(Client):
     ) -> AsyncIterator[bytes]:
         limit = self._timeout if timeout is None else timeout
         what = f"{method} {path} to {self._peer}"
-        async with _deadline(limit, what):
+        async with _Deadline(limit, what):
             proto, stream_id, inbound = await self._open(
                 method, path, body, headers, streaming=True
             )
         try:
-            async with _deadline(limit, what):
+            async with _Deadline(limit, what):
                 answer = await inbound.response_headers()
             status = int(answer.get(":status", "0"))
             while True:
-                async with _deadline(limit, what):
+                async with _Deadline(limit, what):
                     item = await inbound.next()
                 if item is None:
                     break
@@ -342,11 +358,22 @@ def _client_response(headers: dict[str, str], body: bytes) -> ClientResponse:
     return ClientResponse(status=status, headers=plain, body=body)
 
 
-@contextlib.asynccontextmanager
-async def _deadline(seconds: float, what: str) -> AsyncIterator[None]:
-    """`asyncio.timeout` that raises our TimedOut."""
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        raise TimedOut(f"{what} timed out after {seconds}s", timeout=seconds) from None
+class _Deadline:
+    """`asyncio.timeout` that raises our TimedOut (a class: one is entered per request, and
+    a generator-based context manager costs more than the timeout itself)."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self._seconds, self._what = seconds, what
+        self._timeout = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            seconds = self._seconds
+            raise TimedOut(f"{self._what} timed out after {seconds}s", timeout=seconds) from None

@@ -1,17 +1,21 @@
-"""HTTP/2 cleartext (prior knowledge) server over asyncio: one task per request.
+"""HTTP/2 cleartext (prior knowledge) server over asyncio.
 
 A request is admitted on its HEADERS (route, token, declared size) before any of its body
 is read; a refused one is answered at once and the rest of its body dropped unread. Each
 connection is held to `ConnectionLimits`: an idle timeout, a cap on connections per server
 and on streams per connection, and a budget of streams the peer resets (rapid reset).
+
+A request whose handler answers at once with a small body is answered while its read is
+handled, without a task, and every such answer of one read goes out in one write; any
+other request gets a task of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -25,6 +29,7 @@ from common.ratelog import RateLimitedLogs
 from common.transport.h2base import H2Protocol, StreamGone
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
+    Answer,
     Gate,
     Request,
     Response,
@@ -34,7 +39,7 @@ from common.transport.http import (
     body_length,
     body_parts,
     error_response,
-    run_handler,
+    start_handler,
 )
 from common.transport.limits import ConnectionLimits, EventWindow
 
@@ -78,6 +83,7 @@ class _ServerProtocol(H2Protocol):
         self._preface_seen = False
         self._resets = EventWindow(server.limits.max_resets, server.limits.reset_window_s)
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._active_at = 0.0  # loop time of the last activity (`_update_idle`)
         self.peer = "?"
 
     # -- connection lifecycle ---------------------------------------------------------
@@ -155,17 +161,27 @@ class _ServerProtocol(H2Protocol):
             task.cancel()  # nobody is left to read the answers
 
     def _update_idle(self) -> None:
-        """Run the idle timer only while no request is in progress."""
+        """After any activity: run the idle timer only while no request is in progress, and
+        count idleness from now. A timer already running is not moved: it looks at the last
+        activity when it fires (requests answered at once come too often to move it each)."""
+        loop = asyncio.get_running_loop()
+        self._active_at = loop.time()
         busy = bool(self._incoming or self._tasks)
         if busy or self._closing:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
                 self._idle_timer = None
         elif self._idle_timer is None:
-            loop = asyncio.get_running_loop()
-            self._idle_timer = loop.call_later(self._server.limits.idle_timeout_s, self._idle)
+            self._idle_timer = loop.call_at(self._idle_deadline(), self._idle)
+
+    def _idle_deadline(self) -> float:
+        return self._active_at + self._server.limits.idle_timeout_s
 
     def _idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._idle_deadline():  # active since the timer was set
+            self._idle_timer = loop.call_at(self._idle_deadline(), self._idle)
+            return
         self._idle_timer = None
         self._server.logs["idle_timeout_s"].info(
             "closed the connection from %s: idle for %gs (idle_timeout_s)",
@@ -228,8 +244,13 @@ class _ServerProtocol(H2Protocol):
         incoming = self._incoming.pop(stream_id, None)
         if incoming is None or incoming.route is None or incoming.head is None:
             return
-        request = dataclasses.replace(incoming.head, body=b"".join(incoming.chunks))
-        self._spawn(stream_id, self._serve(stream_id, incoming.route, request))
+        head = incoming.head
+        request = Request(method=head.method, path=head.path, query=head.query,
+                          headers=head.headers, body=b"".join(incoming.chunks))
+        answer = start_handler(incoming.route, request)
+        if isinstance(answer, Response) and self._answer_now(stream_id, answer):
+            return
+        self._spawn(stream_id, self._serve(stream_id, answer))
 
     def _stream_reset(self, event: h2.events.StreamReset) -> None:
         self._incoming.pop(event.stream_id, None)
@@ -272,12 +293,27 @@ class _ServerProtocol(H2Protocol):
             logger.error("request task failed", exc_info=exc)
         self._update_idle()
 
-    async def _serve(self, stream_id: int, route: Route, request: Request) -> None:
-        await self._answer(stream_id, await run_handler(route, request))
+    def _answer_now(self, stream_id: int, response: Response) -> bool:
+        """Queue the frames of an answer with a small body, to go out in the write that ends
+        `data_received`; False (nothing sent) if it must wait for a window or the transport."""
+        try:
+            parts = body_parts(response.body)
+            length = body_length(parts)
+            if length and not self.fits_now(stream_id, length):
+                return False
+            self._send_headers(stream_id, response, length)
+            if length:
+                self.send_small_body(stream_id, parts)
+        except Exception as exc:
+            self._answer_failed(stream_id, exc)
+        return True
 
-    async def _answer(
-        self, stream_id: int, result: Response | StreamResponse, *, stop_upload: bool = False
-    ) -> None:
+    async def _serve(self, stream_id: int, answer: Answer | Awaitable[Answer]) -> None:
+        if not isinstance(answer, Response | StreamResponse):
+            answer = await answer
+        await self._answer(stream_id, answer)
+
+    async def _answer(self, stream_id: int, result: Answer, *, stop_upload: bool = False) -> None:
         try:
             if isinstance(result, StreamResponse):
                 await self._send_stream(stream_id, result)
@@ -287,25 +323,32 @@ class _ServerProtocol(H2Protocol):
             if stop_upload and stream is not None and not stream.closed:
                 self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
                 self.flush()
-        except (StreamGone, Unavailable, h2.exceptions.ProtocolError) as exc:
+        except Exception as exc:
+            self._answer_failed(stream_id, exc)
+
+    def _answer_failed(self, stream_id: int, exc: Exception) -> None:
+        if isinstance(exc, StreamGone | Unavailable | h2.exceptions.ProtocolError):
             # The client reset the stream or the connection died: nobody to answer.
             logger.debug("answer on stream %d dropped: %s", stream_id, exc)
-        except Exception:
-            # A malformed Response must not leave the client waiting for its timeout.
-            logger.exception("sending the answer on stream %d failed", stream_id)
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
-                self.flush()
+            return
+        # A malformed Response must not leave the client waiting for its timeout.
+        logger.error("sending the answer on stream %d failed", stream_id, exc_info=exc)
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self.flush()
 
     async def _send_response(self, stream_id: int, response: Response) -> None:
         parts = body_parts(response.body)
         length = body_length(parts)
-        headers = _response_headers(response.status, response.content_type, response.headers)
-        headers.append(("content-length", str(length)))
-        self.conn.send_headers(stream_id, headers, end_stream=length == 0)
+        self._send_headers(stream_id, response, length)
         self.flush()
         if length:
             await self.send_body(stream_id, parts, end_stream=True)
+
+    def _send_headers(self, stream_id: int, response: Response, length: int) -> None:
+        headers = _response_headers(response.status, response.content_type, response.headers)
+        headers.append(("content-length", str(length)))
+        self.conn.send_headers(stream_id, headers, end_stream=length == 0)
 
     async def _send_stream(self, stream_id: int, response: StreamResponse) -> None:
         headers = _response_headers(response.status, response.content_type, response.headers)

@@ -2,15 +2,21 @@
 share.
 
 A request is admitted on its headers (`Gate`) before its body is read; its handler then
-receives a fully buffered `Request` and returns a `Response` or a `StreamResponse`.
-It raises a `BagpipeError` to answer with that error's status and JSON body; any other
-exception becomes a logged 500, so a handler bug never takes a connection down.
+receives a fully buffered `Request` and returns a `Response` or a `StreamResponse`, or an
+awaitable of one. It raises a `BagpipeError` to answer with that error's status and JSON
+body; any other exception becomes a logged 500, so a handler bug never takes a connection
+down.
+
+A handler that can answer at once (a plain function returning a `Response`) is answered
+without a task: the HTTP/2 server sends such answers while it handles the read that
+completed their requests, all in one write. An `async def` handler always gets a task.
 """
 
 from __future__ import annotations
 
 import abc
 import hmac
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -82,7 +88,9 @@ class ClientResponse:
     body: bytes
 
 
-Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+Answer = Response | StreamResponse
+#: A route's handler: its answer, or an awaitable of it when it must wait for something.
+Handler = Callable[[Request], Answer | Awaitable[Answer]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,19 +170,47 @@ class Gate:
         return PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
 
 
-async def run_handler(route: Route, request: Request) -> Response | StreamResponse:
-    """Run an admitted request's handler; every failure becomes an error answer."""
+def start_handler(route: Route, request: Request) -> Answer | Awaitable[Answer]:
+    """Call an admitted request's handler: its answer if it gave one at once, else an
+    awaitable of it. Every failure becomes an error answer."""
     try:
-        result = await route.handler(request)
+        result = route.handler(request)
     except BagpipeError as err:
         return error_response(err)
     except Exception:
         logger.exception("handler for %s %s failed", request.method, request.path)
         return error_response(BagpipeError("internal server error"))
-    if not isinstance(result, Response | StreamResponse):
-        logger.error("handler for %s %s returned %r", request.method, request.path, result)
+    if isinstance(result, Response | StreamResponse):
+        return result
+    if inspect.isawaitable(result):
+        return _finish_handler(result, request)
+    return _not_an_answer(request, result)
+
+
+async def _finish_handler(pending: Awaitable[object], request: Request) -> Answer:
+    try:
+        result = await pending
+    except BagpipeError as err:
+        return error_response(err)
+    except Exception:
+        logger.exception("handler for %s %s failed", request.method, request.path)
         return error_response(BagpipeError("internal server error"))
-    return result
+    if isinstance(result, Response | StreamResponse):
+        return result
+    return _not_an_answer(request, result)
+
+
+def _not_an_answer(request: Request, result: object) -> Response:
+    logger.error("handler for %s %s returned %r", request.method, request.path, result)
+    return error_response(BagpipeError("internal server error"))
+
+
+async def run_handler(route: Route, request: Request) -> Answer:
+    """Run an admitted request's handler to its answer; every failure becomes an error answer."""
+    started = start_handler(route, request)
+    if isinstance(started, Response | StreamResponse):
+        return started
+    return await started
 
 
 def body_parts(body: Body) -> list[bytes | memoryview]:

@@ -23,6 +23,19 @@ def test_registry_renders_prometheus_text() -> None:
     assert reg.value("requests_total", {"route": "/v1/fetch"}) == 3
 
 
+def test_a_counter_handle_counts_into_the_registry() -> None:
+    reg = Registry()
+    fetches = reg.counter("requests_total", {"op": "fetch"}, help="Requests served")
+    fetches.inc()
+    reg.inc("requests_total", 2, labels={"op": "fetch"})
+    fetches.inc(3)
+    assert reg.value("requests_total", {"op": "fetch"}) == 6
+    reg.set_total("requests_total", 10, labels={"op": "fetch"})
+    fetches.inc()
+    assert reg.value("requests_total", {"op": "fetch"}) == 11
+    assert "# HELP bagpipe_requests_total Requests served\n" in reg.render()
+
+
 def test_label_values_are_escaped() -> None:
     reg = Registry("x")
     reg.inc("n", labels={"path": 'a"b\\c\nd'})

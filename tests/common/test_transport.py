@@ -132,6 +132,19 @@ async def test_handler_error_fields_travel(kind: str, pair: tuple[object, Client
     assert (caught.value.message, caught.value.fields) == ("keys out of range", {"table": 3})
 
 
+@pytest.mark.parametrize("path", ["/echo-now", "/echo-later"])
+async def test_handlers_may_answer_at_once_or_later(
+    kind: str, pair: tuple[object, Client], path: str
+) -> None:
+    _, client = pair
+    for size in (0, 10, 1_000_000):  # small bodies go at once on HTTP/2, large ones not
+        assert await client.call("POST", path, body=bytes(size)) == bytes(size)
+    with pytest.raises(BadRequest) as caught:
+        await client.call("POST", "/bad-now")
+    assert (caught.value.message, caught.value.fields) == ("keys out of range", {"table": 3})
+    await _works(client)
+
+
 async def test_timeout_then_connection_still_works(
     kind: str, pair: tuple[object, Client], service: Service
 ) -> None:

@@ -23,6 +23,8 @@ from common.transport import (
     run,
 )
 from common.transport.h2base import MAX_CLOSED_STREAMS, MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2client import _ClientProtocol
+from common.transport.h2server import _ServerProtocol
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -272,6 +274,90 @@ def test_a_long_lived_connection_remembers_a_bounded_number_of_closed_streams() 
     for conn in (client, server):
         assert len(conn._closed_streams) == MAX_CLOSED_STREAMS
         assert len(conn.streams) <= 1  # the last one, closed; dropped when the next one opens
+
+
+# -- writes: one for many small messages ----------------------------------------------------
+class _Writes:
+    """A transport that keeps each write apart, to count them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str) -> object:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _post(path: str) -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "x"),
+            ("authorization", f"Bearer {TOKEN}")]
+
+
+async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Service) -> None:
+    proto = _ServerProtocol(H2Server(service.router(), token=TOKEN))
+    transport = _Writes()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    client = new_connection(client_side=True)
+    initiate(client)
+    proto.data_received(client.data_to_send())
+    client.receive_data(b"".join(transport.writes))
+    transport.writes.clear()
+    sent = {}
+    for i in range(8):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, _post("/echo-now"))
+        client.send_data(stream_id, b"%d" % i, end_stream=True)
+        sent[stream_id] = b"%d" % i
+    proto.data_received(client.data_to_send())  # eight requests in one read
+    assert len(transport.writes) == 1
+    assert not proto.pending()  # answered without a task
+    events = client.receive_data(transport.writes[0])
+    assert {e.stream_id: e.data for e in events if isinstance(e, h2.events.DataReceived)} == sent
+    proto.connection_lost(None)
+
+
+async def test_requests_opened_in_one_turn_go_out_in_one_write() -> None:
+    proto = _ClientProtocol("test")
+    transport = _Writes()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    server = new_connection(client_side=False)
+    initiate(server)
+    server.receive_data(b"".join(transport.writes))
+    proto.data_received(server.data_to_send())
+    transport.writes.clear()
+    opened = await asyncio.gather(
+        *(proto.open_stream(_post("/echo"), [b"x"], 1, streaming=False) for _ in range(4))
+    )
+    await asyncio.sleep(0)
+    assert all(body_sent for _, _, body_sent in opened)
+    assert len(transport.writes) == 1
+    events = server.receive_data(transport.writes[0])
+    assert len([e for e in events if isinstance(e, h2.events.StreamEnded)]) == 4
+    proto.connection_lost(None)
+
+
+async def test_requests_answered_at_once_keep_the_connection_from_idling(service: Service) -> None:
+    server = make_server("h2", service.router(), limits=ConnectionLimits(idle_timeout_s=0.3))
+    await server.start()
+    client = make_client("h2", server.port)
+    try:
+        await client.call("POST", "/echo-now", body=b"x")
+        (connection,) = server.connections
+        for _ in range(20):  # a second: over three idle timeouts, never idle for one
+            await asyncio.sleep(0.05)
+            assert await client.call("POST", "/echo-now", body=b"x") == b"x"
+        assert server.connections == {connection}
+    finally:
+        await client.close()
+        await server.stop()
 
 
 # -- hardening -----------------------------------------------------------------------------

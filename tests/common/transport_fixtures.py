@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import h2.config
@@ -41,6 +41,9 @@ class Service:
         router = Router()
         router.add("GET", "/v1/health", self.health, public=True)
         router.add("POST", "/echo", self.echo)
+        router.add("POST", "/echo-now", self.echo_now)
+        router.add("POST", "/echo-later", self.echo_later)
+        router.add("POST", "/bad-now", self.bad_now)
         router.add("POST", "/bad", self.bad)
         router.add("POST", "/bug", self.bug)
         router.add("POST", "/slow", self.slow)
@@ -52,6 +55,17 @@ class Service:
 
     async def echo(self, request: Request) -> Response:
         return Response(body=request.body, headers={"x-query": request.query.get("q", "")})
+
+    def echo_now(self, request: Request) -> Response:
+        """A handler that answers at once (no task on HTTP/2)."""
+        return Response(body=request.body)
+
+    def echo_later(self, request: Request) -> Awaitable[Response]:
+        """A plain function whose answer is an awaitable."""
+        return self.echo(request)
+
+    def bad_now(self, request: Request) -> Response:
+        raise BadRequest("keys out of range", table=3)
 
     async def bad(self, request: Request) -> Response:
         raise BadRequest("keys out of range", table=3)

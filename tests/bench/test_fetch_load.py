@@ -1,0 +1,56 @@
+"""bench/fetch_load.py against a real PS shard in this process: its prepared requests are
+answered like PsClient's, and its framing-only counting tells right answers from wrong."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.fetch_load import FetchLoad, Fetches
+from common.keys import TableLayout
+from common.transport import H2Server, Http1Server
+from ps.protocol import FETCH, FetchRequest, Rows
+from ps.service import PsService
+from ps.store import ShardConfig, ShardStore
+
+TOKEN = "t"
+KEYS, DIM = 4, 8
+
+
+def _fetches(port: int, service: PsService, token: str = TOKEN) -> Fetches:
+    rng = np.random.default_rng(0)
+    bodies = [
+        FetchRequest(keys=rng.integers(0, 1000, KEYS, dtype=np.int64),
+                     min_versions=np.full(KEYS, -1, np.int64)).to_wire()
+        for _ in range(4)
+    ]
+    answer = Rows(rows=np.zeros((KEYS, DIM), np.float32), state=np.zeros((KEYS, 0), np.float32),
+                  versions=np.zeros(KEYS, np.int64))
+    return Fetches(host="127.0.0.1", port=port, path=FETCH.path, token=token,
+                   incarnation=service.incarnation, bodies=bodies, answer_bytes=len(answer.to_wire()))
+
+
+@pytest.mark.parametrize("kind", ["h2", "http1"])
+@pytest.mark.parametrize("token", [TOKEN, "wrong"])
+async def test_answers_are_counted_right_or_wrong(kind: str, token: str, tmp_path: Path) -> None:
+    config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((1000,)), dim=DIM, state_width=0)
+    service = PsService(ShardStore(config), checkpoint_dir=tmp_path, fetch_timeout_s=5)
+    server = (H2Server if kind == "h2" else Http1Server)(service.router(), token=TOKEN)
+    await server.start()
+    load = await FetchLoad.connect(kind, _fetches(server.port, service, token), in_flight=4)
+    try:
+        await load.run(0.0)  # one fetch per slot
+        right, wrong = await load.run(time.perf_counter() + 0.3)
+    finally:
+        load.close()
+        await server.stop()
+    answered = service.metrics.value("requests_total", {"op": "fetch"})
+    if token == TOKEN:
+        assert right > 0 and wrong == 0
+        assert answered >= right + 4
+    else:  # every fetch refused (401), none served
+        assert right == 0 and wrong > 0
+        assert answered == 0
