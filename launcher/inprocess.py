@@ -107,14 +107,14 @@ class StoreRows:
 
 
 @functools.cache
-def process_groups(world_size: int) -> list[Any]:
-    """`world_size` gloo process groups of one world, one per rank, made once per process
-    (building one takes a TCP mesh; DDP and the engines of later runs share them)."""
+def process_groups(world_size: int, name: str = "main") -> list[Any]:
+    """`world_size` gloo process groups of one world, one per rank, made once per process and
+    `name` (building one takes a TCP mesh; DDP and the engines of later runs share them)."""
     store = dist.HashStore()
     groups: list[Any] = [None] * world_size
 
     def join(rank: int) -> None:
-        prefixed = dist.PrefixStore(f"in-process-{world_size}", store)
+        prefixed = dist.PrefixStore(f"in-process-{world_size}-{name}", store)
         backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
         group = dist.ProcessGroup(prefixed, rank, world_size)
         group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -149,14 +149,14 @@ def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu") -> InProces
     steps = _plan(job)
     local = job.spec.oracle.mode == "local"
     rows = None if local else StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
-    groups = process_groups(world)
+    groups, background = process_groups(world), process_groups(world, "background")
     devices = [select_device(device, 0) for _ in range(world)]
     models = [seeded_model(job, devices[rank]) for rank in range(world)]
     engines: list[Engine | None] = [None] * world
     stats: list[list[IterationStats]] = [[] for _ in range(world)]
 
     def train(rank: int) -> None:
-        comm = Collectives(world_size=world, rank=rank, group=groups[rank])
+        comm = Collectives(world_size=world, rank=rank, group=groups[rank], background=background[rank])
         engine = build_engine(job, devices[rank], comm, rows, models[rank])
         engines[rank] = engine
         for iteration in steps:

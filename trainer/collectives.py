@@ -45,12 +45,21 @@ class RowSum:
 
 @dataclass(frozen=True)
 class Collectives:
-    """The trainers' process group. Data-plane collectives call the group object directly,
-    so a group built in one process (launcher/inprocess.py) runs this code."""
+    """The trainers' process groups. Data-plane collectives call the group objects directly,
+    so groups built in one process (launcher/inprocess.py) run this code.
+
+    `background` (default: `group`) carries the sums that are not waited for at once
+    (sync_later): a process group runs its collectives one after another, so on `group`
+    the next boundary's join and the sync_now after it would queue behind them."""
 
     world_size: int
     rank: int
     group: Any  # torch.distributed.ProcessGroup
+    background: Any = None
+
+    def __post_init__(self) -> None:
+        if self.background is None:
+            object.__setattr__(self, "background", self.group)
 
     def all_reduce(self, tensor: torch.Tensor) -> RowSum:
         """Start summing `tensor` across trainers, in place, in the collective's own order:
@@ -59,7 +68,7 @@ class Collectives:
             return RowSum(None, lambda: tensor)
         return RowSum(self.group.allreduce([tensor]), lambda: tensor)
 
-    def sum_rows(self, tensor: torch.Tensor) -> RowSum:
+    def sum_rows(self, tensor: torch.Tensor, *, background: bool = False) -> RowSum:
         """Start the sum of `tensor` across trainers, added in rank order for every element,
         whatever its position: ((g0 + g1) + g2) + ... . A ring all-reduce adds each chunk
         starting at a different rank, so the same row summed at two positions of a buffer
@@ -70,10 +79,11 @@ class Collectives:
         """
         if self.world_size == 1 or not tensor.numel():
             return RowSum(None, lambda: tensor)
+        group = self.background if background else self.group
         if self.world_size == 2:
-            return RowSum(self.group.allreduce([tensor]), lambda: tensor)
+            return RowSum(group.allreduce([tensor]), lambda: tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        return RowSum(self.group.allgather([parts], [tensor]), lambda: _sum_in_order(parts))
+        return RowSum(group.allgather([parts], [tensor]), lambda: _sum_in_order(parts))
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
@@ -126,7 +136,8 @@ def init_collectives(
                               timeout=timeout)
         dist.init_process_group(backend=backend, store=dist.PrefixStore(rendezvous.prefix, store), rank=rank,
                                 world_size=world_size, timeout=timeout)
-    return Collectives(world_size=world_size, rank=rank, group=dist.group.WORLD)
+    background = dist.new_group(backend=backend) if world_size > 1 else None
+    return Collectives(world_size=world_size, rank=rank, group=dist.group.WORLD, background=background)
 
 
 def gloo_interface(peer_host: str) -> str | None:

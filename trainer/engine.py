@@ -299,7 +299,7 @@ class Engine:
     def _launch_sync_later(self, a: LaunchSyncLater) -> None:
         if not len(a.keys):
             return
-        self._later[a.iteration] = self.comm.sum_rows(self._local_grads(a.positions))
+        self._later[a.iteration] = self.comm.sum_rows(self._local_grads(a.positions), background=True)
         assert self._stats is not None
         self._stats.sync_later_rows = len(a.keys)
 
