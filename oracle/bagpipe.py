@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle import engine
+from oracle.config import PlannerConfig
 from oracle.engine import (
     N_FETCH,
     N_GROUPS,
@@ -16,7 +17,6 @@ from oracle.engine import (
     N_WRITE_PREV,
     RING_SIZE,
 )
-from oracle.config import PlannerConfig
 from oracle.rules import Batch, Planned, check_feasible
 
 _MIN_RING = 1 << 16
@@ -25,11 +25,13 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
 
-    kernels = (engine.ingest, engine.plan_iteration)
+    kernels = (engine.number_pairs, engine.ingest, engine.plan_iteration, engine.rehashed)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
-        self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING)
+        # room for every key resident twice over; the window's keys grow it as they come
+        entries = 2 * config.num_trainers * config.capacity
+        self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0
 
@@ -37,8 +39,9 @@ class BagpipeRules:
         live_from = min(self._base.values(), default=self._next_id)
         live_to = self._next_id + batch.pairs.size
         if live_to - live_from > int(self._state.counters[RING_SIZE]):
-            ring = max(2 * (live_to - live_from), _MIN_RING)
+            ring = max(engine.pow2(2 * (live_to - live_from)), _MIN_RING)
             self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
+        self._state = engine.reserve_entries(self._state, batch.used_keys.size)
         self._base[z] = self._next_id
         engine.ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
         self._next_id = live_to
@@ -48,7 +51,7 @@ class BagpipeRules:
         t = cfg.num_trainers
         check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
         flush = x > 0 and cfg.is_local_checkpoint(x - 1)
-        flush_rows = len(self._state.rec_of) if flush else 0
+        flush_rows = t * cfg.capacity if flush else 0  # one per resident key at most
         ev = engine.new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
         base = self._base.pop(x)
         engine.plan_iteration(

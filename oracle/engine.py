@@ -1,20 +1,36 @@
-"""The bagpipe rules of DESIGN §4, compiled per key with numba.
+"""The planner's numba kernels: the bagpipe rules of DESIGN §4 compiled per key, and the
+reading of a batch that every mode shares.
 
 Same structure as the specification (tests/oracle/reference_planner.py, steps a-f), with the
 slow parts replaced by indexable state:
 
-* next uses: every (key, trainer) *pair* read but not yet planned is an occurrence in a ring;
-  ``head[pair]`` is its earliest unplanned occurrence, ``tail[pair]`` its latest, and each
-  occurrence links to the next, so "next use after x" is one lookup;
-* copies: ``rec_of[key]`` is a record with each trainer's slot; each slot knows its key, its
-  trainer's next use (``slot_next``, NEVER if none is read yet) and when it was last used or
-  filled (``slot_stamp``);
+* keys: every key read and not yet planned to its last use has an *entry*, found through a
+  hash index (`IntMap`). A key with copies always has one, since a copy stays only while some
+  trainer uses its key in the window. The entry holds the version of the key's last planned
+  write-back and, per trainer, the copy's slot and the iteration of the trainer's earliest
+  unplanned use (``head``, NEVER if none). A key whose entry is gone keeps its index cell,
+  which then holds that version: one lookup when a key comes and one when it goes;
+* next uses: every (key, trainer) *pair* read but not yet planned is an occurrence in a ring
+  that knows its key's entry and, once the pair is read again, that next occurrence's
+  iteration. The entry holds each pair's latest occurrence (``tail``), so reading a batch
+  links each pair, and planning moves each pair's head, without a hash lookup per pair;
+* copies: each slot holds its key, its entry, its trainer's next use of the key (NEVER if
+  none is read yet) and when it was last used or filled;
 * free slots: one min-heap per trainer (the smallest free slot is handed out);
-* Belady victims: sorted once per trainer and iteration, only when a trainer must evict.
+* Belady victims: one max-heap per trainer, built only when that trainer must evict at x.
 
-Everything is sized by the caches (T x C) or by the keys in the window, never by the tables.
-The kernels append events to preallocated arrays and return counts; oracle/planner.py turns
-them into directives.
+Everything is sized by the caches (T x C) or by the keys in the window, never by the tables;
+the Python side grows the index, the entries and the ring before a batch that needs more.
+
+Speed. Planning is bound by memory latency and by numba's reference counting. The cells of a
+slot, and those of an entry, sit side by side. numba increfs and decrefs an array (atomic
+calls, tens of ns each, more than the work around them) whenever code takes it out of a
+tuple, and every array of a tuple passed to a function, inlined or not. So each step of
+planning is one function, called once per iteration, that takes the state's arrays out once;
+the helpers it calls per key or per pair take arrays, never the state, and are inlined
+(``inline="always"``). A slice or a view costs the same: hot code indexes cells one at a
+time. The kernels append events to preallocated arrays and return counts;
+oracle/planner.py turns them into directives.
 """
 
 from __future__ import annotations
@@ -23,7 +39,6 @@ from typing import NamedTuple
 
 import numba as nb
 import numpy as np
-from numba import types
 from numba.typed import Dict
 
 NEVER = np.int64(1 << 62)
@@ -35,19 +50,52 @@ NEVER = np.int64(1 << 62)
 # leave stale compiled kernels behind.
 
 # counters, int64 [2]: engine-wide scalars, in an array so that kernels can change them.
-FREE_RECORDS = 0  # records left on the rec_free stack
-RING_SIZE = 1  # entries of the occurrence ring (occ_it, occ_next)
+FREE_ENTRIES = 0  # entries left on the entry_free stack
+RING_SIZE = 1  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
 
-# cand_info, int64 [T, 3]: per trainer, its victim candidates (cand, cand_nu).
-CAND_BUILT_AT = 0  # the iteration they were sorted for; stale at any other
-CAND_COUNT = 1
-CAND_TAKEN = 2  # how many were taken: the next candidate's index
+# slot, int64 [T, C, NUM_SLOT]: the cells of each trainer's cache slot.
+SLOT_KEY = 0  # -1: free
+SLOT_ENTRY = 1
+SLOT_NEXT = 2  # the pair's PAIR_HEAD, kept here too for the victim scan
+SLOT_STAMP = 3  # the last iteration that used or filled the slot
+NUM_SLOT = 4
 
-# rec_drop and rec_vic, int64 [R, 3]: a record's first rule-3 leaver and lowest victim.
-# Both are stamped with the x being planned: rule-3 leavers leave after x, victims after x-1.
+# entry, int64 [E, NUM_ENTRY]: a key's own cells.
+ENTRY_KEY = 0
+ENTRY_COPIES = 1
+ENTRY_LAST_USE = 2  # the last iteration planned that used the key
+ENTRY_LAST_WB = 3  # the version of its last planned write-back, -1 none
+ENTRY_DROP = 4  # 3 cells, LEFT_*: the residency's first rule-3 leaver
+ENTRY_VIC = 7  # 3 cells, LEFT_*: the residency's lowest capacity victim
+NUM_ENTRY = 10
+
+# entry_pair, int64 [E, T, NUM_PAIR]: per trainer, the (key, trainer) pair's cells.
+PAIR_HEAD = 0  # the iteration of its earliest unplanned use, NEVER if none
+PAIR_TAIL = 1  # its latest occurrence read, -1 if none is unplanned
+PAIR_SLOT = 2  # the trainer's copy of the key, -1 if none
+NUM_PAIR = 3
+
+# Offsets from ENTRY_DROP and ENTRY_VIC. Both are stamped with the x being planned: rule-3
+# leavers leave after x, victims after x-1.
 LEFT_ITERATION = 0
 LEFT_TRAINER = 1
 LEFT_SLOT = 2
+
+# victims, int64 [T, C, NUM_VICTIM]: per trainer, a max-heap of its capacity victims at x.
+VICTIM_SLOT = 0
+VICTIM_NEXT = 1  # the copy's next use, NEVER past the window
+VICTIM_KEY = 2
+NUM_VICTIM = 3
+
+# victims_info, int64 [T, 2]
+VICTIMS_BUILT_AT = 0  # the iteration the heap was built for; stale at any other
+VICTIMS_LEFT = 1  # candidates left in it
+
+# IntMap.cells, int64 [cap, 2]: a key and its value side by side, one cache line a probe.
+CELL_KEY = 0  # -1: empty
+CELL_VALUE = 1
+# EngineState.index values: an entry (>= 0), or, for a key without one, -2 - the version of
+# its last write-back (so -1: never written back).
 
 # Event rows (Events.fetch, join_*, leave_*, write_*; `Planned` in oracle/rules.py).
 EV_TRAINER = 0
@@ -75,88 +123,198 @@ STAT_JOINED = 3
 STAT_OCCUPANCY = 4  # slots held during the iteration
 NUM_STATS = 5
 
-# Rows of `_flush_candidates`: the record, then an event row's trainer, key and slot.
-FLUSH_REC = 0
+# Rows of `_flush_candidates`: the entry, then an event row's trainer, key and slot.
+FLUSH_ENTRY = 0
 FLUSH_TRAINER = 1
 FLUSH_KEY = 2
 FLUSH_SLOT = 3
 
-# Join sources of `plan_iteration`, int64 [groups, 2]; trainer -1: the key is admitted.
-SRC_TRAINER = 0
-SRC_SLOT = 1
+# Groups of `plan_iteration`, int64 [keys + 1, NUM_GROUP]: per key used at x, in key order.
+GROUP_START = 0  # its pairs are [GROUP_START of this row, GROUP_START of the next row)
+GROUP_ENTRY = 1
+GROUP_SRC = 2  # the join source: lowest-index holder at the end of x-1; -1 admitted
+GROUP_SRC_SLOT = 3
+NUM_GROUP = 4
 
-# Victim records of one iteration, int64 [1 + n]: how many, then the records.
+# Victim entries of one iteration, int64 [1 + n]: how many, then the entries.
 VIC_COUNT = 0
 
 
-class EngineState(NamedTuple):
-    """Mutable planner state, all arrays and typed dicts (see the module docstring)."""
+# --------------------------------------------------------------------------- hash maps
+class IntMap(NamedTuple):
+    """Hash map from non-negative int64 keys to int64 values, in one array: open addressing
+    with linear probing, no deletion. Keep it at most half full (`reserve`)."""
 
-    slot_key: np.ndarray  # int64 [T, C], -1 free
-    slot_next: np.ndarray  # int64 [T, C]
-    slot_stamp: np.ndarray  # int64 [T, C]
+    cells: np.ndarray  # int64 [cap, 2]: CELL_*; cap a power of two
+    size: np.ndarray  # int64 [1]: keys held
+
+
+# Fibonacci hashing: the golden ratio times the key spreads runs of keys over the table.
+_MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as an int64
+
+
+def new_map(capacity: int) -> IntMap:
+    """An empty map with room for `capacity` // 2 keys (`capacity` a power of two)."""
+    cells = np.empty((capacity, 2), np.int64)
+    cells[:, CELL_KEY] = -1
+    return IntMap(cells=cells, size=np.zeros(1, np.int64))
+
+
+def reserve(m: IntMap, more: int) -> IntMap:
+    """`m`, or a larger copy of it, with room for `more` further keys."""
+    need = 2 * (int(m.size[0]) + more)
+    capacity = m.cells.shape[0]
+    if need <= capacity:
+        return m
+    while capacity < need:
+        capacity *= 2
+    return IntMap(cells=rehashed(m.cells, capacity), size=m.size)
+
+
+@nb.njit(cache=True)
+def rehashed(cells: np.ndarray, capacity: int) -> np.ndarray:
+    """The keys and values of map cells, in new cells of `capacity` (a power of two)."""
+    out = np.empty((capacity, 2), np.int64)
+    for i in range(capacity):
+        out[i, CELL_KEY] = -1
+    for i in range(cells.shape[0]):
+        if cells[i, CELL_KEY] >= 0:
+            c = map_find(out, cells[i, CELL_KEY])
+            out[c, CELL_KEY] = cells[i, CELL_KEY]
+            out[c, CELL_VALUE] = cells[i, CELL_VALUE]
+    return out
+
+
+@nb.njit(cache=True, inline="always")
+def map_find(cells: np.ndarray, key: int) -> int:
+    """The cell of `key` in a map's cells, or the empty cell where it would go."""
+    mask = cells.shape[0] - 1
+    h = key * _MIX
+    i = (h ^ (h >> 32)) & mask
+    while cells[i, CELL_KEY] != key and cells[i, CELL_KEY] >= 0:
+        i = (i + 1) & mask
+    return i
+
+
+@nb.njit(cache=True)
+def lookup(table: Dict, key: int) -> int:
+    """table[key], or -1 if absent (`+ 0` turns get's Optional into a plain int64)."""
+    return table.get(key, -1) + 0
+
+
+# --------------------------------------------------------------------------- batches
+@nb.njit(cache=True)
+def number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (key, trainer) pairs of a global batch int64 [B, F] (pair id key * T + trainer,
+    sample i on trainer i // (B/T)), numbered in order of first appearance: the number of
+    every input (flat), and the pair of every number. A hash table rather than a sort: a
+    batch has several inputs per pair, and only its distinct pairs need sorting."""
+    b, f = keys.shape
+    per = b // num_trainers
+    cells = rehashed(np.empty((0, 2), np.int64), 1 << 12)  # empty; grows with the pairs
+    number = np.empty(b * f, np.int64)
+    pair_of = np.empty(b * f, np.int64)
+    n = 0
+    for i in range(b):
+        owner = i // per
+        for c in range(f):
+            p = keys[i, c] * num_trainers + owner
+            cell = map_find(cells, p)
+            if cells[cell, CELL_KEY] < 0:
+                if 2 * (n + 1) > cells.shape[0]:
+                    cells = rehashed(cells, 2 * cells.shape[0])
+                    cell = map_find(cells, p)
+                cells[cell, CELL_KEY] = p
+                cells[cell, CELL_VALUE] = n
+                pair_of[n] = p
+                n += 1
+            number[i * f + c] = cells[cell, CELL_VALUE]
+    return number, pair_of[:n]
+
+
+# --------------------------------------------------------------------------- state
+class EngineState(NamedTuple):
+    """Mutable planner state, all arrays (see the module docstring)."""
+
+    slot: np.ndarray  # int64 [T, C, NUM_SLOT]: SLOT_*
     heap: np.ndarray  # int32 [T, C] min-heaps of free slots
     heap_size: np.ndarray  # int64 [T]
-    cand: np.ndarray  # int32 [T, C] victim candidates of the current iteration, best first
-    cand_nu: np.ndarray  # int64 [T, C]
-    cand_info: np.ndarray  # int64 [T, 3]: CAND_* of cand, cand_nu
-    rec_of: Dict  # key -> record
-    rec_slot: np.ndarray  # int32 [R, T], -1 no copy
-    rec_n: np.ndarray  # int64 [R] copies
-    rec_key: np.ndarray  # int64 [R]
-    rec_last_use: np.ndarray  # int64 [R]
-    rec_drop: np.ndarray  # int64 [R, 3]: LEFT_* of the first rule-3 leaver
-    rec_vic: np.ndarray  # int64 [R, 3]: LEFT_* of the lowest victim
-    rec_free: np.ndarray  # int64 [R] stack of free records
-    counters: np.ndarray  # int64 [2]: FREE_RECORDS, RING_SIZE
-    last_wb: Dict  # key -> version of its last planned write-back
-    head: Dict  # pair -> earliest unplanned occurrence id
-    tail: Dict  # pair -> latest read occurrence id
-    occ_it: np.ndarray  # int64 [cap] iteration of occurrence id % cap
-    occ_next: np.ndarray  # int64 [cap] next occurrence id of the same pair, -1 unknown
+    victims: np.ndarray  # int64 [T, C, NUM_VICTIM]: VICTIM_*
+    victims_info: np.ndarray  # int64 [T, 2]: VICTIMS_*
+    index: IntMap  # key -> entry, or its last write-back (see CELL_VALUE)
+    entry: np.ndarray  # int64 [E, NUM_ENTRY]: ENTRY_*
+    entry_pair: np.ndarray  # int64 [E, T, NUM_PAIR]: PAIR_*
+    entry_free: np.ndarray  # int64 [E] stack of free entries
+    counters: np.ndarray  # int64 [2]: FREE_ENTRIES, RING_SIZE
+    occ_entry: np.ndarray  # int64 [ring] entry of occurrence id % ring
+    occ_next_use: np.ndarray  # int64 [ring] iteration of the pair's next occurrence, NEVER none yet
 
 
-def new_state(num_trainers: int, capacity: int, ring: int) -> EngineState:
-    """Empty caches: every slot free, no records, an occurrence ring of `ring` entries."""
+def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> EngineState:
+    """Empty caches: every slot free; room for `entries` keys and `ring` occurrences (a power
+    of two)."""
     t, c = num_trainers, capacity
-    # live records: at most T*C residencies, plus keys admitted at x before victims end theirs
-    records = 2 * t * c
+    slot = np.empty((t, c, NUM_SLOT), np.int64)
+    slot[:, :, SLOT_KEY] = slot[:, :, SLOT_ENTRY] = slot[:, :, SLOT_STAMP] = -1
+    slot[:, :, SLOT_NEXT] = NEVER
     return EngineState(
-        slot_key=np.full((t, c), -1, np.int64),
-        slot_next=np.full((t, c), NEVER, np.int64),
-        slot_stamp=np.full((t, c), -1, np.int64),
+        slot=slot,
         heap=np.tile(np.arange(c, dtype=np.int32), (t, 1)),
         heap_size=np.full(t, c, np.int64),
-        cand=np.zeros((t, c), np.int32),
-        cand_nu=np.zeros((t, c), np.int64),
-        cand_info=np.full((t, 3), -1, np.int64),
-        rec_of=Dict.empty(types.int64, types.int64),
-        rec_slot=np.full((records, t), -1, np.int32),
-        rec_n=np.zeros(records, np.int64),
-        rec_key=np.zeros(records, np.int64),
-        rec_last_use=np.zeros(records, np.int64),
-        rec_drop=np.full((records, 3), -1, np.int64),
-        rec_vic=np.full((records, 3), -1, np.int64),
-        rec_free=np.arange(records - 1, -1, -1, dtype=np.int64),
-        counters=np.array([records, ring], np.int64),
-        last_wb=Dict.empty(types.int64, types.int64),
-        head=Dict.empty(types.int64, types.int64),
-        tail=Dict.empty(types.int64, types.int64),
-        occ_it=np.zeros(ring, np.int64),
-        occ_next=np.full(ring, -1, np.int64),
+        victims=np.zeros((t, c, NUM_VICTIM), np.int64),
+        victims_info=np.full((t, 2), -1, np.int64),
+        index=new_map(pow2(2 * entries)),
+        **_entry_arrays(entries, t),
+        entry_free=np.arange(entries - 1, -1, -1, dtype=np.int64),
+        counters=np.array([entries, ring], np.int64),
+        occ_entry=np.zeros(ring, np.int64),
+        occ_next_use=np.full(ring, NEVER, np.int64),
     )
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (and >= 2)."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
+    # uninitialised: `_entry_of` fills an entry's cells when it hands the entry out
+    return {
+        "entry": np.empty((n, NUM_ENTRY), np.int64),
+        "entry_pair": np.empty((n, t, NUM_PAIR), np.int64),
+    }
+
+
+def reserve_entries(state: EngineState, more: int) -> EngineState:
+    """The same state with room for `more` new keys: free entries, and an index at most half
+    full with them."""
+    free = int(state.counters[FREE_ENTRIES])
+    state = state._replace(index=reserve(state.index, more))
+    if free >= more:
+        return state
+    old = state.entry.shape[0]
+    n = max(2 * old, old + more - free)
+    grown = _entry_arrays(n, state.entry_pair.shape[1])
+    for name, array in grown.items():
+        array[:old] = getattr(state, name)
+    stack = np.empty(n, np.int64)  # room for every entry: all may be freed
+    stack[: n - old] = np.arange(n - 1, old - 1, -1)
+    stack[n - old : n - old + free] = state.entry_free[:free]
+    state.counters[FREE_ENTRIES] = n - old + free
+    return state._replace(**grown, entry_free=stack)
+
+
 def grow_ring(state: EngineState, live_from: int, live_to: int, ring: int) -> EngineState:
-    """The same state with an occurrence ring of `ring` entries; ids [live_from, live_to) kept."""
+    """The same state with an occurrence ring of `ring` entries (a power of two); ids
+    [live_from, live_to) kept."""
     ids = np.arange(live_from, live_to, dtype=np.int64)
     old = int(state.counters[RING_SIZE])
-    occ_it = np.zeros(ring, np.int64)
-    occ_next = np.full(ring, -1, np.int64)
-    occ_it[ids % ring] = state.occ_it[ids % old]
-    occ_next[ids % ring] = state.occ_next[ids % old]
+    occ_entry = np.zeros(ring, np.int64)
+    occ_next_use = np.full(ring, NEVER, np.int64)
+    occ_entry[ids % ring] = state.occ_entry[ids % old]
+    occ_next_use[ids % ring] = state.occ_next_use[ids % old]
     state.counters[RING_SIZE] = ring
-    return state._replace(occ_it=occ_it, occ_next=occ_next)
+    return state._replace(occ_entry=occ_entry, occ_next_use=occ_next_use)
 
 
 class Events(NamedTuple):
@@ -196,47 +354,39 @@ def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int
     )
 
 
-@nb.njit(cache=True)
-def lookup(table: Dict, key: int) -> int:
-    """table[key], or -1 if absent (`+ 0` turns get's Optional into a plain int64)."""
-    return table.get(key, -1) + 0
-
-
-# --------------------------------------------------------------------------- heaps
-@nb.njit(cache=True)
+# --------------------------------------------------------------------------- free slots
+@nb.njit(cache=True, inline="always")
 def _heap_push(heap: np.ndarray, size: np.ndarray, j: int, slot: int) -> None:
-    h = heap[j]
     i = size[j]
     size[j] = i + 1
     while i > 0:
         parent = (i - 1) >> 1
-        if h[parent] <= slot:
+        if heap[j, parent] <= slot:
             break
-        h[i] = h[parent]
+        heap[j, i] = heap[j, parent]
         i = parent
-    h[i] = slot
+    heap[j, i] = slot
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always")
 def _heap_pop(heap: np.ndarray, size: np.ndarray, j: int) -> int:
-    h = heap[j]
-    top = h[0]
+    top = heap[j, 0]
     n = size[j] - 1
     size[j] = n
-    last = h[n]
+    last = heap[j, n]
     i = 0
     while True:
         child = 2 * i + 1
         if child >= n:
             break
-        if child + 1 < n and h[child + 1] < h[child]:
+        if child + 1 < n and heap[j, child + 1] < heap[j, child]:
             child += 1
-        if h[child] >= last:
+        if heap[j, child] >= last:
             break
-        h[i] = h[child]
+        heap[j, i] = heap[j, child]
         i = child
     if n > 0:
-        h[i] = last
+        heap[j, i] = last
     return top
 
 
@@ -248,64 +398,124 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
     Links each pair's previous occurrence to this one and, where the pair had no unplanned
     occurrence, tells the pair's copy (if any) that its next use is now known: z.
     """
-    cap = st.counters[RING_SIZE]
+    occ_entry, occ_next_use, entry = st.occ_entry, st.occ_next_use, st.entry
+    entry_pair, slot = st.entry_pair, st.slot
+    cells, free = st.index.cells, st.entry_free
+    mask = st.counters[RING_SIZE] - 1
+    n_free = st.counters[FREE_ENTRIES]
+    new_keys = 0
+    e = -1
+    last_key = -1
     for i in range(pairs.shape[0]):
-        p = pairs[i]
+        key = pairs[i] // num_trainers
+        j = pairs[i] % num_trainers
+        if key != last_key:  # the key's entry, a new one if it has none
+            last_key = key
+            c = map_find(cells, key)
+            known = cells[c, CELL_KEY] >= 0
+            e = cells[c, CELL_VALUE] if known else -1
+            if e < 0:
+                new_keys += not known
+                n_free -= 1
+                e = _new_entry(cells, c, key, free[n_free], entry, entry_pair)
         o = base + i
-        st.occ_it[o % cap] = z
-        st.occ_next[o % cap] = -1
-        prev = lookup(st.tail, p)
-        st.tail[p] = o
+        occ_entry[o & mask] = e
+        occ_next_use[o & mask] = NEVER
+        prev = entry_pair[e, j, PAIR_TAIL]
+        entry_pair[e, j, PAIR_TAIL] = o
         if prev >= 0:
-            st.occ_next[prev % cap] = o
-        else:  # head and tail exist together: no unplanned occurrence of p so far
-            st.head[p] = o
-            rec = lookup(st.rec_of, p // num_trainers)
-            if rec >= 0:
-                slot = st.rec_slot[rec, p % num_trainers]
-                if slot >= 0:
-                    st.slot_next[p % num_trainers, slot] = z
+            occ_next_use[prev & mask] = z
+        else:  # no unplanned occurrence of the pair so far
+            entry_pair[e, j, PAIR_HEAD] = z
+            s = entry_pair[e, j, PAIR_SLOT]
+            if s >= 0:
+                slot[j, s, SLOT_NEXT] = z
+    st.counters[FREE_ENTRIES] = n_free
+    st.index.size[0] += new_keys
 
 
-# --------------------------------------------------------------------------- records
-@nb.njit(cache=True)
-def _alloc_rec(st: EngineState, key: int) -> int:
-    st.counters[FREE_RECORDS] -= 1
-    rec = st.rec_free[st.counters[FREE_RECORDS]]
-    st.rec_of[key] = rec
-    st.rec_key[rec] = key
-    st.rec_n[rec] = 0
-    st.rec_drop[rec, LEFT_ITERATION] = -1
-    st.rec_vic[rec, LEFT_ITERATION] = -1
-    return rec
-
-
-@nb.njit(cache=True)
-def _free_rec(st: EngineState, rec: int) -> None:
-    del st.rec_of[st.rec_key[rec]]
-    st.rec_free[st.counters[FREE_RECORDS]] = rec
-    st.counters[FREE_RECORDS] += 1
-
-
-@nb.njit(cache=True)
-def _add_copy(st: EngineState, rec: int, j: int, slot: int, x: int, nxt: int) -> None:
-    st.rec_slot[rec, j] = slot
-    st.rec_n[rec] += 1
-    st.slot_key[j, slot] = st.rec_key[rec]
-    st.slot_stamp[j, slot] = x
-    st.slot_next[j, slot] = nxt
+@nb.njit(cache=True, inline="always")
+def _new_entry(
+    cells: np.ndarray, c: int, key: int, e: int, entry: np.ndarray, entry_pair: np.ndarray
+) -> int:
+    """Entry e for `key` (index cell c): no copies, no occurrences, the last write-back kept
+    in the cell if it has one."""
+    last_wb = -2 - cells[c, CELL_VALUE] if cells[c, CELL_KEY] >= 0 else -1
+    cells[c, CELL_KEY] = key
+    cells[c, CELL_VALUE] = e
+    entry[e, ENTRY_KEY] = key
+    entry[e, ENTRY_COPIES] = 0
+    entry[e, ENTRY_LAST_USE] = -1
+    entry[e, ENTRY_LAST_WB] = last_wb
+    for t in range(entry_pair.shape[1]):
+        entry_pair[e, t, PAIR_HEAD] = NEVER
+        entry_pair[e, t, PAIR_TAIL] = -1
+        entry_pair[e, t, PAIR_SLOT] = -1
+    return e
 
 
 @nb.njit(cache=True)
-def _remove_copy(st: EngineState, rec: int, j: int, slot: int) -> None:
+def _free_entries(st: EngineState, done: np.ndarray, n: int) -> None:
+    """Keys without copies or unplanned occurrences: their index cells keep only the version
+    of their last write-back."""
+    cells, entry, free, counters = st.index.cells, st.entry, st.entry_free, st.counters
+    for i in range(n):
+        e = done[i]
+        cells[map_find(cells, entry[e, ENTRY_KEY]), CELL_VALUE] = -2 - entry[e, ENTRY_LAST_WB]
+        free[counters[FREE_ENTRIES]] = e
+        counters[FREE_ENTRIES] += 1
+
+
+# --------------------------------------------------------------------------- copies
+@nb.njit(cache=True, inline="always")
+def _add_copy(
+    entry: np.ndarray, entry_pair: np.ndarray, slot: np.ndarray, e: int, j: int, s: int, x: int
+) -> None:
+    entry_pair[e, j, PAIR_SLOT] = s
+    entry[e, ENTRY_COPIES] += 1
+    slot[j, s, SLOT_KEY] = entry[e, ENTRY_KEY]
+    slot[j, s, SLOT_ENTRY] = e
+    slot[j, s, SLOT_NEXT] = entry_pair[e, j, PAIR_HEAD]
+    slot[j, s, SLOT_STAMP] = x
+
+
+@nb.njit(cache=True, inline="always")
+def _remove_copy(
+    entry: np.ndarray,
+    entry_pair: np.ndarray,
+    slot: np.ndarray,
+    heap: np.ndarray,
+    heap_size: np.ndarray,
+    e: int,
+    j: int,
+    s: int,
+) -> None:
     """The copy leaves; its slot is free (callers decide from which iteration on)."""
-    st.rec_slot[rec, j] = -1
-    st.rec_n[rec] -= 1
-    st.slot_key[j, slot] = -1
-    _heap_push(st.heap, st.heap_size, j, slot)
+    entry_pair[e, j, PAIR_SLOT] = -1
+    entry[e, ENTRY_COPIES] -= 1
+    slot[j, s, SLOT_KEY] = -1
+    slot[j, s, SLOT_ENTRY] = -1
+    _heap_push(heap, heap_size, j, s)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always")
+def _holder(entry_pair: np.ndarray, e: int) -> int:
+    """The lowest-index trainer with a copy of the entry's key, or -1."""
+    for t in range(entry_pair.shape[1]):
+        if entry_pair[e, t, PAIR_SLOT] >= 0:
+            return t
+    return -1
+
+
+@nb.njit(cache=True, inline="always")
+def _left(entry: np.ndarray, e: int, which: int, x: int, j: int, s: int) -> None:
+    """Stamp the ENTRY_DROP or ENTRY_VIC cells of entry e."""
+    entry[e, which + LEFT_ITERATION] = x
+    entry[e, which + LEFT_TRAINER] = j
+    entry[e, which + LEFT_SLOT] = s
+
+
+@nb.njit(cache=True, inline="always")
 def _emit(
     buf: np.ndarray, counts: np.ndarray, which: int, trainer: int, key: int, slot: int
 ) -> None:
@@ -316,68 +526,120 @@ def _emit(
     counts[which] = n + 1
 
 
+@nb.njit(cache=True, inline="always")
+def _fetch(
+    fetch: np.ndarray, counts: np.ndarray, entry: np.ndarray, j: int, e: int, s: int
+) -> None:
+    n = counts[N_FETCH]
+    fetch[n, EV_TRAINER] = j
+    fetch[n, EV_KEY] = entry[e, ENTRY_KEY]
+    fetch[n, EV_SLOT] = s
+    fetch[n, EV_MIN_VERSION] = entry[e, ENTRY_LAST_WB]
+    counts[N_FETCH] = n + 1
+
+
 # --------------------------------------------------------------------------- victims
+@nb.njit(cache=True, inline="always")
+def _top_victim(
+    slot: np.ndarray, heaps: np.ndarray, info: np.ndarray, j: int, x: int, horizon: int
+) -> int:
+    """Trainer j's best remaining capacity victim at x (a slot), or -1. Rule 4's order:
+    its copies not used at x, farthest next use first (none in the window = NEVER), ties
+    larger key first; the next use is `heaps[j, 0, VICTIM_NEXT]`."""
+    if info[j, VICTIMS_BUILT_AT] != x:
+        _build_victims(slot, heaps, info, j, x, horizon)
+    return heaps[j, 0, VICTIM_SLOT] if info[j, VICTIMS_LEFT] > 0 else -1
+
+
 @nb.njit(cache=True)
-def _build_candidates(st: EngineState, j: int, x: int, horizon: int) -> None:
-    """Rule 4 order of trainer j's copies not used at x: farthest next use first (none in
-    the window = NEVER), ties larger key first."""
-    capacity = st.slot_key.shape[1]
-    slots = np.empty(capacity, np.int64)
+def _build_victims(
+    slot: np.ndarray, heaps: np.ndarray, info: np.ndarray, j: int, x: int, horizon: int
+) -> None:
+    """Heap of trainer j's copies not used at x. A heap, not a sorted list: an iteration
+    takes few victims from tens of thousands of copies."""
     n = 0
-    for s in range(capacity):
-        if st.slot_key[j, s] >= 0 and st.slot_stamp[j, s] < x:
-            slots[n] = s
+    for s in range(slot.shape[1]):
+        if slot[j, s, SLOT_KEY] >= 0 and slot[j, s, SLOT_STAMP] < x:
+            nxt = slot[j, s, SLOT_NEXT]
+            heaps[j, n, VICTIM_SLOT] = s
+            heaps[j, n, VICTIM_NEXT] = nxt if nxt <= horizon else NEVER
+            heaps[j, n, VICTIM_KEY] = slot[j, s, SLOT_KEY]
             n += 1
-    slots = slots[:n]
-    keys = st.slot_key[j][slots]
-    nus = st.slot_next[j][slots]
-    for i in range(n):
-        if nus[i] > horizon:
-            nus[i] = NEVER
-    if n and keys.max() < np.int64(1) << 40 and horizon - x < (1 << 21):
-        # one sort on (distance to the next use, key): both fit one int64, keys are unique
-        score = np.empty(n, np.int64)
-        for i in range(n):
-            ahead = min(nus[i], horizon + 1) - x
-            score[i] = (ahead << 40) | keys[i]
-        order = np.argsort(score)
-    else:
-        order = np.argsort(keys, kind="mergesort")
-        order = order[np.argsort(nus[order], kind="mergesort")]
-    for i in range(n):
-        st.cand[j, i] = slots[order[n - 1 - i]]
-        st.cand_nu[j, i] = nus[order[n - 1 - i]]
-    st.cand_info[j, CAND_BUILT_AT] = x
-    st.cand_info[j, CAND_COUNT] = n
-    st.cand_info[j, CAND_TAKEN] = 0
+    for i in range(n // 2 - 1, -1, -1):
+        _sift_victim(heaps, j, i, n)
+    info[j, VICTIMS_BUILT_AT] = x
+    info[j, VICTIMS_LEFT] = n
 
 
-@nb.njit(cache=True)
-def _evict(st: EngineState, ev: Events, j: int, slot: int, x: int, vic_recs: np.ndarray) -> None:
-    """Capacity victim: leaves after x-1, its slot is free for x."""
-    key = st.slot_key[j, slot]
-    rec = st.rec_of[key]
-    _remove_copy(st, rec, j, slot)
-    _emit(ev.leave_prev, ev.counts, N_LEAVE_PREV, j, key, slot)
-    if st.rec_vic[rec, LEFT_ITERATION] != x:
-        vic_recs[vic_recs[VIC_COUNT] + 1] = rec
-        vic_recs[VIC_COUNT] += 1
-        st.rec_vic[rec, LEFT_ITERATION] = x
-        st.rec_vic[rec, LEFT_TRAINER] = j
-        st.rec_vic[rec, LEFT_SLOT] = slot
-    elif j < st.rec_vic[rec, LEFT_TRAINER]:
-        st.rec_vic[rec, LEFT_TRAINER] = j
-        st.rec_vic[rec, LEFT_SLOT] = slot
+@nb.njit(cache=True, inline="always")
+def _pop_victim(heaps: np.ndarray, info: np.ndarray, j: int) -> int:
+    """Take trainer j's top victim off its heap; its slot."""
+    top = heaps[j, 0, VICTIM_SLOT]
+    n = info[j, VICTIMS_LEFT] - 1
+    info[j, VICTIMS_LEFT] = n
+    for c in range(NUM_VICTIM):
+        heaps[j, 0, c] = heaps[j, n, c]
+    _sift_victim(heaps, j, 0, n)
+    return top
 
 
-@nb.njit(cache=True)
-def _next_candidate(st: EngineState, j: int, x: int, horizon: int) -> int:
-    """Index of trainer j's best remaining victim candidate, or -1."""
-    if st.cand_info[j, CAND_BUILT_AT] != x:
-        _build_candidates(st, j, x, horizon)
-    if st.cand_info[j, CAND_TAKEN] >= st.cand_info[j, CAND_COUNT]:
-        return -1
-    return st.cand_info[j, CAND_TAKEN]
+@nb.njit(cache=True, inline="always")
+def _sift_victim(heaps: np.ndarray, j: int, i: int, n: int) -> None:
+    """Move victim i down trainer j's heap of n until both children come after it."""
+    s, nxt, key = heaps[j, i, VICTIM_SLOT], heaps[j, i, VICTIM_NEXT], heaps[j, i, VICTIM_KEY]
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        right = child + 1
+        if right < n and _goes_first(
+            heaps[j, right, VICTIM_NEXT],
+            heaps[j, right, VICTIM_KEY],
+            heaps[j, child, VICTIM_NEXT],
+            heaps[j, child, VICTIM_KEY],
+        ):
+            child = right
+        if not _goes_first(heaps[j, child, VICTIM_NEXT], heaps[j, child, VICTIM_KEY], nxt, key):
+            break
+        for c in range(NUM_VICTIM):
+            heaps[j, i, c] = heaps[j, child, c]
+        i = child
+    heaps[j, i, VICTIM_SLOT] = s
+    heaps[j, i, VICTIM_NEXT] = nxt
+    heaps[j, i, VICTIM_KEY] = key
+
+
+@nb.njit(cache=True, inline="always")
+def _goes_first(next_a: int, key_a: int, next_b: int, key_b: int) -> bool:
+    """Whether victim a goes before victim b (keys differ: a trainer holds a key once)."""
+    return next_a > next_b or (next_a == next_b and key_a > key_b)
+
+
+@nb.njit(cache=True, inline="always")
+def _evict(
+    entry: np.ndarray,
+    entry_pair: np.ndarray,
+    slot: np.ndarray,
+    heap: np.ndarray,
+    heap_size: np.ndarray,
+    leave_prev: np.ndarray,
+    counts: np.ndarray,
+    ended: np.ndarray,
+    j: int,
+    s: int,
+    x: int,
+) -> None:
+    """Trainer j's copy in slot s is a capacity victim: it leaves after x-1, its slot is free
+    for x, and its residency may end (`ended`: VIC_COUNT, then the entries)."""
+    e = slot[j, s, SLOT_ENTRY]
+    _emit(leave_prev, counts, N_LEAVE_PREV, j, slot[j, s, SLOT_KEY], s)
+    _remove_copy(entry, entry_pair, slot, heap, heap_size, e, j, s)
+    if entry[e, ENTRY_VIC + LEFT_ITERATION] != x:
+        ended[ended[VIC_COUNT] + 1] = e
+        ended[VIC_COUNT] += 1
+        _left(entry, e, ENTRY_VIC, x, j, s)
+    elif j < entry[e, ENTRY_VIC + LEFT_TRAINER]:
+        _left(entry, e, ENTRY_VIC, x, j, s)
 
 
 # --------------------------------------------------------------------------- planning
@@ -398,51 +660,30 @@ def plan_iteration(
     `flush`: iteration x-1 is a checkpoint; residencies used after `flush_after` are flushed.
     The rows filled in each event buffer are in ev.counts (N_*).
     """
-    t_count = num_trainers
     horizon = x + lookahead
-    n_pairs = pairs.shape[0]
-    # a. classify keys: group g spans pairs [gstart[g], gstart[g+1])
-    gstart = np.empty(n_pairs + 1, np.int64)
-    grec = np.empty(n_pairs, np.int64)
-    gsrc = np.empty((n_pairs, 2), np.int64)  # join source trainer and slot, or -1
-    need = np.zeros(t_count, np.int64)
-    n_groups = _classify(st, ev, x, pairs, t_count, gstart, grec, gsrc, need)
-    flush = _flush_candidates(st, t_count, flush, flush_after)
+    # a. classify keys
+    groups = np.empty((pairs.shape[0] + 1, NUM_GROUP), np.int64)
+    need = np.zeros(num_trainers, np.int64)
+    n_groups = _classify(st, ev, x, pairs, base, groups, need)
+    groups = groups[: n_groups + 1]
+    flush_rows = _flush_candidates(st, flush, flush_after)
     # b. mandatory victims, then slots for the new copies in key order
-    vic_recs = np.zeros(ev.fetch.shape[0] + 1, np.int64)
-    for j in range(t_count):
-        excess = (st.slot_key.shape[1] - st.heap_size[j]) + need[j] - st.slot_key.shape[1]
-        for _ in range(excess):
-            c = _next_candidate(st, j, x, horizon)
-            _evict(st, ev, j, st.cand[j, c], x, vic_recs)
-            st.cand_info[j, CAND_TAKEN] += 1
-    _assign_new(st, ev, x, pairs, t_count, n_groups, gstart, grec, gsrc)
+    ended = np.empty(ev.fetch.shape[0] + 1, np.int64)
+    ended[VIC_COUNT] = 0
+    _evict_for(st, ev, x, horizon, need, ended)
+    _assign_new(st, ev, x, pairs, groups)
     # c. admission prefetches for later uses in the window
-    for g in range(n_groups):
-        if gsrc[g, SRC_TRAINER] < 0:
-            _prefetch_later(st, ev, x, pairs[gstart[g]] // t_count, grec[g], t_count, horizon, vic_recs)
+    _prefetch_later(st, ev, x, horizon, groups, ended)
     # d. residencies whose last copies were victims end after x-1; checkpoint flushes
-    _end_victims(st, ev, x, vic_recs)
-    for i in range(flush.shape[0]):
-        if st.rec_n[flush[i, FLUSH_REC]] > 0:
-            _emit(
-                ev.write_prev, ev.counts, N_WRITE_PREV,
-                flush[i, FLUSH_TRAINER], flush[i, FLUSH_KEY], flush[i, FLUSH_SLOT],
-            )
-    # e. G_x
-    for g in range(n_groups):
-        rec = grec[g]
-        if st.rec_n[rec] >= 2:
-            n = ev.counts[N_GROUPS]
-            ev.group_keys[n] = st.rec_key[rec]
-            ev.group_slots[n, :] = st.rec_slot[rec, :]
-            ev.counts[N_GROUPS] = n + 1
-    for j in range(t_count):
-        ev.stats[j, STAT_OCCUPANCY] = st.slot_key.shape[1] - st.heap_size[j]
-    # f. residency after the use
-    _advance(st, ev, pairs, base, t_count)
-    for g in range(n_groups):
-        _after_use(st, ev, x, grec[g], t_count, horizon)
+    _end_victims(st, ev, x, ended)
+    _flush(st, ev, flush_rows)
+    capacity = st.slot.shape[1]
+    for j in range(num_trainers):
+        ev.stats[j, STAT_OCCUPANCY] = capacity - st.heap_size[j]
+    # e, f. G_x and residency after the use; then forget the keys that are done
+    done = np.empty(n_groups, np.int64)
+    n_done = _after_use(st, ev, x, pairs, base, horizon, groups, done)
+    _free_entries(st, done, n_done)
 
 
 @nb.njit(cache=True)
@@ -451,224 +692,273 @@ def _classify(
     ev: Events,
     x: int,
     pairs: np.ndarray,
-    t_count: int,
-    gstart: np.ndarray,
-    grec: np.ndarray,
-    gsrc: np.ndarray,
+    base: int,
+    groups: np.ndarray,
     need: np.ndarray,
 ) -> int:
-    """Rules 1-2: per key, its record (or -1: admitted) and the lowest-index holder at the
-    end of x-1 with its slot (the join source, read before any victim leaves), or -1."""
+    """Rules 1-2: per key, its entry and the lowest-index holder at the end of x-1 with its
+    slot (the join source, read before any victim leaves), or -1: admitted. Fills `groups`
+    and each trainer's `need` of new copies; returns the number of keys."""
+    occ_entry, entry_pair, slot = st.occ_entry, st.entry_pair, st.slot
+    pair_slot, stats = ev.pair_slot, ev.stats
+    t_count = slot.shape[0]
+    mask = st.counters[RING_SIZE] - 1
     n_groups = 0
+    e = -1
     last_key = -1
     for i in range(pairs.shape[0]):
         key = pairs[i] // t_count
         j = pairs[i] % t_count
         if key != last_key:
             last_key = key
-            rec = lookup(st.rec_of, key)
-            gstart[n_groups] = i
-            grec[n_groups] = rec
-            gsrc[n_groups, SRC_TRAINER] = -1
-            if rec >= 0:
-                for t in range(t_count):
-                    if st.rec_slot[rec, t] >= 0:
-                        gsrc[n_groups, SRC_TRAINER] = t
-                        gsrc[n_groups, SRC_SLOT] = st.rec_slot[rec, t]
-                        break
+            e = occ_entry[(base + i) & mask]
+            holder = _holder(entry_pair, e)
+            groups[n_groups, GROUP_START] = i
+            groups[n_groups, GROUP_ENTRY] = e
+            groups[n_groups, GROUP_SRC] = holder
+            if holder >= 0:
+                groups[n_groups, GROUP_SRC_SLOT] = entry_pair[e, holder, PAIR_SLOT]
             n_groups += 1
-        g = n_groups - 1
-        ev.stats[j, STAT_USES] += 1
-        rec = grec[g]
-        if rec >= 0 and st.rec_slot[rec, j] >= 0:
-            slot = st.rec_slot[rec, j]
-            ev.pair_slot[i] = slot
-            st.slot_stamp[j, slot] = x
-            ev.stats[j, STAT_HITS] += 1
+        stats[j, STAT_USES] += 1
+        s = entry_pair[e, j, PAIR_SLOT]
+        if s >= 0:
+            pair_slot[i] = s
+            slot[j, s, SLOT_STAMP] = x
+            stats[j, STAT_HITS] += 1
         else:
             need[j] += 1
-    gstart[n_groups] = pairs.shape[0]
+    groups[n_groups, GROUP_START] = pairs.shape[0]
     return n_groups
 
 
 @nb.njit(cache=True)
-def _flush_candidates(st: EngineState, t_count: int, flush: bool, flush_after: int) -> np.ndarray:
-    """Rows [record, trainer, key, slot]: residencies at the end of x-1 used after
+def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndarray:
+    """Rows [entry, trainer, key, slot]: residencies at the end of x-1 used after
     `flush_after`, with their lowest-index copy as writer."""
+    slot, entry, entry_pair = st.slot, st.entry, st.entry_pair
+    t_count, capacity = slot.shape[0], slot.shape[1]
     if not flush:
         return np.empty((0, 4), np.int64)
-    out = np.empty((len(st.rec_of), 4), np.int64)
+    out = np.empty((t_count * capacity, 4), np.int64)
     n = 0
-    for rec in st.rec_of.values():
-        if st.rec_last_use[rec] > flush_after:
-            for t in range(t_count):
-                if st.rec_slot[rec, t] >= 0:
-                    out[n, FLUSH_REC] = rec
-                    out[n, FLUSH_TRAINER] = t
-                    out[n, FLUSH_KEY] = st.rec_key[rec]
-                    out[n, FLUSH_SLOT] = st.rec_slot[rec, t]
-                    n += 1
-                    break
+    for j in range(t_count):
+        for s in range(capacity):
+            e = slot[j, s, SLOT_ENTRY]
+            if e < 0 or entry[e, ENTRY_LAST_USE] <= flush_after or _holder(entry_pair, e) != j:
+                continue
+            out[n, FLUSH_ENTRY] = e
+            out[n, FLUSH_TRAINER] = j
+            out[n, FLUSH_KEY] = entry[e, ENTRY_KEY]
+            out[n, FLUSH_SLOT] = s
+            n += 1
     return out[:n]
 
 
 @nb.njit(cache=True)
-def _assign_new(
-    st: EngineState,
-    ev: Events,
-    x: int,
-    pairs: np.ndarray,
-    t_count: int,
-    n_groups: int,
-    gstart: np.ndarray,
-    grec: np.ndarray,
-    gsrc: np.ndarray,
+def _evict_for(
+    st: EngineState, ev: Events, x: int, horizon: int, need: np.ndarray, ended: np.ndarray
 ) -> None:
-    """Rule 5 for the mandatory new copies (fetches and joins), in key order."""
-    for g in range(n_groups):
-        key = pairs[gstart[g]] // t_count
-        joined = False
-        for i in range(gstart[g], gstart[g + 1]):
-            if ev.pair_slot[i] >= 0:
-                continue
-            j = pairs[i] % t_count
-            slot = _heap_pop(st.heap, st.heap_size, j)
-            if grec[g] < 0:
-                grec[g] = _alloc_rec(st, key)
-            if gsrc[g, SRC_TRAINER] >= 0 and not joined:
-                _emit(
-                    ev.join_src, ev.counts, N_JOIN_SRC, gsrc[g, SRC_TRAINER], key, gsrc[g, SRC_SLOT]
-                )
-                joined = True
-            _add_copy(st, grec[g], j, slot, x, NEVER)
-            ev.pair_slot[i] = slot
-            if gsrc[g, SRC_TRAINER] >= 0:
-                _emit(ev.join_dst, ev.counts, N_JOIN_DST, j, key, slot)
-                ev.stats[j, STAT_JOINED] += 1
-            else:
-                _fetch(st, ev, j, key, slot)
-                ev.stats[j, STAT_FETCHED] += 1
+    """Rule 4: each trainer evicts until its `need` new copies at x fit."""
+    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    heap_size = st.heap_size
+    heaps, info, leave_prev, counts = st.victims, st.victims_info, ev.leave_prev, ev.counts
+    capacity = slot.shape[1]
+    for j in range(need.shape[0]):
+        for _ in range((capacity - heap_size[j]) + need[j] - capacity):
+            _top_victim(slot, heaps, info, j, x, horizon)  # builds the heap on the first call
+            s = _pop_victim(heaps, info, j)
+            _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
 
 
 @nb.njit(cache=True)
-def _fetch(st: EngineState, ev: Events, j: int, key: int, slot: int) -> None:
-    n = ev.counts[N_FETCH]
-    ev.fetch[n, EV_TRAINER] = j
-    ev.fetch[n, EV_KEY] = key
-    ev.fetch[n, EV_SLOT] = slot
-    ev.fetch[n, EV_MIN_VERSION] = lookup(st.last_wb, key)
-    ev.counts[N_FETCH] = n + 1
+def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: np.ndarray) -> None:
+    """Rule 5 for the mandatory new copies (fetches and joins), in key order."""
+    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    heap_size = st.heap_size
+    pair_slot, fetch, join_src, join_dst = ev.pair_slot, ev.fetch, ev.join_src, ev.join_dst
+    counts, stats = ev.counts, ev.stats
+    t_count = slot.shape[0]
+    for g in range(groups.shape[0] - 1):
+        e, src = groups[g, GROUP_ENTRY], groups[g, GROUP_SRC]
+        key = entry[e, ENTRY_KEY]
+        admitted = src < 0
+        if admitted:  # a new residency: no leaver or victim of it yet
+            entry[e, ENTRY_DROP + LEFT_ITERATION] = -1
+            entry[e, ENTRY_VIC + LEFT_ITERATION] = -1
+        joined = False
+        for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
+            if pair_slot[i] >= 0:
+                continue
+            j = pairs[i] % t_count
+            s = _heap_pop(heap, heap_size, j)
+            if not admitted and not joined:
+                _emit(join_src, counts, N_JOIN_SRC, src, key, groups[g, GROUP_SRC_SLOT])
+                joined = True
+            _add_copy(entry, entry_pair, slot, e, j, s, x)
+            pair_slot[i] = s
+            if admitted:
+                _fetch(fetch, counts, entry, j, e, s)
+                stats[j, STAT_FETCHED] += 1
+            else:
+                _emit(join_dst, counts, N_JOIN_DST, j, key, s)
+                stats[j, STAT_JOINED] += 1
 
 
 @nb.njit(cache=True)
 def _prefetch_later(
-    st: EngineState,
-    ev: Events,
-    x: int,
-    key: int,
-    rec: int,
-    t_count: int,
-    horizon: int,
-    vic_recs: np.ndarray,
+    st: EngineState, ev: Events, x: int, horizon: int, groups: np.ndarray, ended: np.ndarray
 ) -> None:
     """Rule 1: a trainer using an admitted key at u in (x, x+L] fetches it now if it has a
     free slot or a victim whose next use is strictly later than u."""
-    for j in range(t_count):
-        o = lookup(st.head, key * t_count + j)
-        if o < 0:
+    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    heap_size = st.heap_size
+    heaps, info, fetch, leave_prev = st.victims, st.victims_info, ev.fetch, ev.leave_prev
+    counts = ev.counts
+    for g in range(groups.shape[0] - 1):
+        if groups[g, GROUP_SRC] >= 0:
             continue
-        u = st.occ_it[o % st.counters[RING_SIZE]]
-        # heads are not advanced yet: a trainer using the key at x has u == x
-        if u <= x or u > horizon:
-            continue
-        if st.heap_size[j] == 0:
-            c = _next_candidate(st, j, x, horizon)
-            if c < 0 or st.cand_nu[j, c] <= u:
+        e = groups[g, GROUP_ENTRY]
+        for j in range(slot.shape[0]):
+            # heads are not advanced yet: a trainer using the key at x has u == x
+            u = entry_pair[e, j, PAIR_HEAD]
+            if u <= x or u > horizon:
                 continue
-            _evict(st, ev, j, st.cand[j, c], x, vic_recs)
-            st.cand_info[j, CAND_TAKEN] += 1
-        slot = _heap_pop(st.heap, st.heap_size, j)
-        _add_copy(st, rec, j, slot, x, u)
-        _fetch(st, ev, j, key, slot)
+            if heap_size[j] == 0:
+                if (
+                    _top_victim(slot, heaps, info, j, x, horizon) < 0
+                    or heaps[j, 0, VICTIM_NEXT] <= u
+                ):
+                    continue
+                s = _pop_victim(heaps, info, j)
+                _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
+            s = _heap_pop(heap, heap_size, j)
+            _add_copy(entry, entry_pair, slot, e, j, s, x)
+            _fetch(fetch, counts, entry, j, e, s)
 
 
 @nb.njit(cache=True)
-def _end_victims(st: EngineState, ev: Events, x: int, vic_recs: np.ndarray) -> None:
+def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None:
     """Rule 4: a residency whose last copies were victims ends after x-1; its writer is the
-    lowest-index trainer among the copies leaving after x-1 (rule-3 leavers included)."""
-    for i in range(1, vic_recs[VIC_COUNT] + 1):
-        rec = vic_recs[i]
-        if st.rec_n[rec] > 0:
+    lowest-index trainer among the copies leaving after x-1 (rule-3 leavers included). The
+    key stays in the window (it had a copy at the end of x-1), so its entry stays."""
+    entry, write_prev, counts = st.entry, ev.write_prev, ev.counts
+    for i in range(1, ended[VIC_COUNT] + 1):
+        e = ended[i]
+        if entry[e, ENTRY_COPIES] > 0:
             continue
-        writer = st.rec_vic[rec, LEFT_TRAINER]
-        slot = st.rec_vic[rec, LEFT_SLOT]
-        if st.rec_drop[rec, LEFT_ITERATION] == x - 1 and st.rec_drop[rec, LEFT_TRAINER] < writer:
-            writer = st.rec_drop[rec, LEFT_TRAINER]
-            slot = st.rec_drop[rec, LEFT_SLOT]
-        key = st.rec_key[rec]
-        _emit(ev.write_prev, ev.counts, N_WRITE_PREV, writer, key, slot)
-        st.last_wb[key] = x - 1
-        _free_rec(st, rec)
+        writer = entry[e, ENTRY_VIC + LEFT_TRAINER]
+        s = entry[e, ENTRY_VIC + LEFT_SLOT]
+        if (
+            entry[e, ENTRY_DROP + LEFT_ITERATION] == x - 1
+            and entry[e, ENTRY_DROP + LEFT_TRAINER] < writer
+        ):
+            writer = entry[e, ENTRY_DROP + LEFT_TRAINER]
+            s = entry[e, ENTRY_DROP + LEFT_SLOT]
+        _emit(write_prev, counts, N_WRITE_PREV, writer, entry[e, ENTRY_KEY], s)
+        entry[e, ENTRY_LAST_WB] = x - 1
 
 
 @nb.njit(cache=True)
-def _advance(st: EngineState, ev: Events, pairs: np.ndarray, base: int, t_count: int) -> None:
-    """Move every pair used at x to its next occurrence; its copy learns its next use."""
-    cap = st.counters[RING_SIZE]
-    for i in range(pairs.shape[0]):
-        p = pairs[i]
-        o = base + i
-        nid = st.occ_next[o % cap]
-        nxt = NEVER
-        if nid >= 0:
-            st.head[p] = nid
-            nxt = st.occ_it[nid % cap]
-        else:  # o was also the latest occurrence read
-            del st.head[p]
-            del st.tail[p]
-        st.slot_next[p % t_count, ev.pair_slot[i]] = nxt
+def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
+    """Checkpoint flushes (`_flush_candidates`) of the residencies still going."""
+    entry, write_prev, counts = st.entry, ev.write_prev, ev.counts
+    for i in range(rows.shape[0]):
+        j, key, s = rows[i, FLUSH_TRAINER], rows[i, FLUSH_KEY], rows[i, FLUSH_SLOT]
+        if entry[rows[i, FLUSH_ENTRY], ENTRY_COPIES] > 0:
+            _emit(write_prev, counts, N_WRITE_PREV, j, key, s)
 
 
 @nb.njit(cache=True)
-def _after_use(st: EngineState, ev: Events, x: int, rec: int, t_count: int, horizon: int) -> None:
-    """Rule 3: copies without a use by their trainer in (x, x+L] leave after x, except the
-    lowest-index one as keeper when another trainer uses the key in the window."""
-    key = st.rec_key[rec]
-    stays = 0
-    keeper = -1
-    for t in range(t_count):
-        slot = st.rec_slot[rec, t]
-        if slot >= 0:
-            if keeper < 0:
-                keeper = t
-            if st.slot_next[t, slot] <= horizon:
-                stays += 1
-    if stays == 0:
-        used_later = False
+def _after_use(
+    st: EngineState,
+    ev: Events,
+    x: int,
+    pairs: np.ndarray,
+    base: int,
+    horizon: int,
+    groups: np.ndarray,
+    done: np.ndarray,
+) -> int:
+    """Per key used at x, while its cells are in cache (no key's steps read another key's
+    cells): rule 6, G_x; its pairs move to their next occurrences; rule 3, which copies leave
+    after x. Returns how many keys are done (no copies, no unplanned use), listed in `done`."""
+    occ_next_use, entry, entry_pair, slot = st.occ_next_use, st.entry, st.entry_pair, st.slot
+    heap, heap_size = st.heap, st.heap_size
+    pair_slot, group_keys, group_slots = ev.pair_slot, ev.group_keys, ev.group_slots
+    leave_now, write_now, counts = ev.leave_now, ev.write_now, ev.counts
+    t_count = slot.shape[0]
+    mask = st.counters[RING_SIZE] - 1
+    n_done = 0
+    for g in range(groups.shape[0] - 1):
+        e = groups[g, GROUP_ENTRY]
+        key = entry[e, ENTRY_KEY]
+        if entry[e, ENTRY_COPIES] >= 2:
+            _group(group_keys, group_slots, counts, entry, entry_pair, e)
+        for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
+            j = pairs[i] % t_count
+            nxt = occ_next_use[(base + i) & mask]
+            entry_pair[e, j, PAIR_HEAD] = nxt
+            if nxt == NEVER:  # this was also the latest occurrence read
+                entry_pair[e, j, PAIR_TAIL] = -1
+            slot[j, pair_slot[i], SLOT_NEXT] = nxt
+        keeper = _keeper(entry_pair, e, horizon)
+        first = -1
         for t in range(t_count):
-            o = lookup(st.head, key * t_count + t)
-            if o >= 0 and st.occ_it[o % st.counters[RING_SIZE]] <= horizon:
-                used_later = True
-                break
-        if not used_later:
-            keeper = -1
-    first = -1
-    first_slot = -1
-    for t in range(t_count):
-        slot = st.rec_slot[rec, t]
-        if slot < 0 or t == keeper and stays == 0 or st.slot_next[t, slot] <= horizon:
-            continue
-        _remove_copy(st, rec, t, slot)
-        _emit(ev.leave_now, ev.counts, N_LEAVE_NOW, t, key, slot)
-        if first < 0:
-            first = t
-            first_slot = slot
-    st.rec_last_use[rec] = x
-    if st.rec_n[rec] == 0:
-        _emit(ev.write_now, ev.counts, N_WRITE_NOW, first, key, first_slot)
-        st.last_wb[key] = x
-        _free_rec(st, rec)
-    elif first >= 0:
-        st.rec_drop[rec, LEFT_ITERATION] = x
-        st.rec_drop[rec, LEFT_TRAINER] = first
-        st.rec_drop[rec, LEFT_SLOT] = first_slot
+            s = entry_pair[e, t, PAIR_SLOT]
+            if s < 0 or t == keeper or entry_pair[e, t, PAIR_HEAD] <= horizon:
+                continue
+            _emit(leave_now, counts, N_LEAVE_NOW, t, key, s)
+            _remove_copy(entry, entry_pair, slot, heap, heap_size, e, t, s)
+            if first < 0:
+                first = t
+                _left(entry, e, ENTRY_DROP, x, t, s)
+        entry[e, ENTRY_LAST_USE] = x
+        if entry[e, ENTRY_COPIES] == 0:  # the residency ends: its first leaver writes
+            _emit(write_now, counts, N_WRITE_NOW, first, key, entry[e, ENTRY_DROP + LEFT_SLOT])
+            entry[e, ENTRY_LAST_WB] = x
+            if not _unplanned_use(entry_pair, e):
+                done[n_done] = e
+                n_done += 1
+    return n_done
+
+
+@nb.njit(cache=True, inline="always")
+def _group(
+    group_keys: np.ndarray,
+    group_slots: np.ndarray,
+    counts: np.ndarray,
+    entry: np.ndarray,
+    entry_pair: np.ndarray,
+    e: int,
+) -> None:
+    """Add the entry's key to G_x, with every trainer's slot."""
+    n = counts[N_GROUPS]
+    group_keys[n] = entry[e, ENTRY_KEY]
+    for t in range(group_slots.shape[1]):
+        group_slots[n, t] = entry_pair[e, t, PAIR_SLOT]
+    counts[N_GROUPS] = n + 1
+
+
+@nb.njit(cache=True, inline="always")
+def _keeper(entry_pair: np.ndarray, e: int, horizon: int) -> int:
+    """Rule 3's keeper after the use: if no copy has a use by its own trainer in the window
+    but some trainer uses the key there, the lowest-index copy's trainer; else -1."""
+    holder = -1
+    used_later = False
+    for t in range(entry_pair.shape[1]):
+        in_window = entry_pair[e, t, PAIR_HEAD] <= horizon
+        if entry_pair[e, t, PAIR_SLOT] >= 0:
+            if in_window:
+                return -1
+            if holder < 0:
+                holder = t
+        used_later |= in_window
+    return holder if used_later else -1
+
+
+@nb.njit(cache=True, inline="always")
+def _unplanned_use(entry_pair: np.ndarray, e: int) -> bool:
+    for t in range(entry_pair.shape[1]):
+        if entry_pair[e, t, PAIR_TAIL] >= 0:
+            return True
+    return False

@@ -17,7 +17,15 @@ from numba import types
 from numba.typed import Dict
 
 from oracle.config import PlannerConfig
-from oracle.engine import NUM_STATS, STAT_FETCHED, STAT_HITS, STAT_OCCUPANCY, STAT_USES, lookup
+from oracle.engine import (
+    NUM_STATS,
+    STAT_FETCHED,
+    STAT_HITS,
+    STAT_OCCUPANCY,
+    STAT_USES,
+    lookup,
+    number_pairs,
+)
 from oracle.rules import Batch, Planned, check_feasible, rows
 
 
@@ -34,7 +42,7 @@ def _swap_versions(last_wb: Dict, keys: np.ndarray, version: int) -> np.ndarray:
 class StaticRules:
     """Pinned hot rows plus synchronous fetches of the rest (FAE-style)."""
 
-    kernels = (_swap_versions,)
+    kernels = (number_pairs, _swap_versions)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
@@ -139,7 +147,7 @@ class StaticRules:
 class LocalRules:
     """Full tables in every trainer: slot = key; only the sync lists are planned."""
 
-    kernels = ()
+    kernels = (number_pairs,)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config

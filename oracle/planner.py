@@ -169,17 +169,20 @@ class Planner:
         assert p.pair_slot is not None and p.group_keys is not None and p.group_slots is not None
         slots = p.pair_slot[p.batch.inverse].reshape(p.batch.keys.shape)
         per = slots.shape[0] // t
-        fetch = _cat(p.fetch, 5)
-        join_dst, join_src = _cat(p.join_dst, 3), _cat(p.join_src, 3)
-        leave, write = _cat(p.leave, 3), _cat(p.write, 3)
-        join_keys = np.unique(join_dst[:, EV_KEY])
-        now = np.isin(p.group_keys, next_keys)
+        # each event list sorted once, then cut per trainer: [at[j], at[j + 1]) is trainer j's
+        fetch, fetch_at = _by_trainer(_cat(p.fetch, 5), t, by_target=True)
+        leave, leave_at = _by_trainer(_cat(p.leave, 3), t)
+        write, write_at = _by_trainer(_cat(p.write, 3), t)
+        join_dst = _cat(p.join_dst, 3)
+        join_keys, send, recv = _joins(_cat(p.join_src, 3), join_dst, t)
+        now = _in_sorted(p.group_keys, next_keys)
+        now_slots = np.ascontiguousarray(p.group_slots[now].T, dtype=np.int32)  # [T, n]
+        later_slots = np.ascontiguousarray(p.group_slots[~now].T, dtype=np.int32)
         directives = []
         for j in range(t):
-            f = fetch[fetch[:, EV_TRAINER] == j]
-            f = f[np.lexsort((f[:, EV_KEY], f[:, EV_TARGET]))]
-            lv = _by_key(leave, j)
-            wr = _by_key(write, j)
+            f = fetch[fetch_at[j] : fetch_at[j + 1]]
+            lv = leave[leave_at[j] : leave_at[j + 1]]
+            wr = write[write_at[j] : write_at[j + 1]]
             directives.append(
                 Directive(
                     iteration=g,
@@ -190,12 +193,12 @@ class Planner:
                     prefetch_min_versions=_global_versions(f[:, EV_MIN_VERSION], first),
                     prefetch_targets=(f[:, EV_TARGET] + first).astype(np.int32),
                     join_keys=join_keys,
-                    join_send_slots=_slots_at(join_keys, join_src, j),
-                    join_recv_slots=_slots_at(join_keys, join_dst, j),
+                    join_send_slots=send[j],
+                    join_recv_slots=recv[j],
                     sync_now_keys=p.group_keys[now],
-                    sync_now_slots=np.ascontiguousarray(p.group_slots[now, j], dtype=np.int32),
+                    sync_now_slots=now_slots[j],
                     sync_later_keys=p.group_keys[~now],
-                    sync_later_slots=np.ascontiguousarray(p.group_slots[~now, j], dtype=np.int32),
+                    sync_later_slots=later_slots[j],
                     leave_slots=lv[:, EV_SLOT].astype(np.int32),
                     write_keys=wr[:, EV_KEY].copy(),
                     write_slots=wr[:, EV_SLOT].astype(np.int32),
@@ -225,18 +228,46 @@ def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, width), np.int64)
 
 
-def _by_key(events: np.ndarray, trainer: int) -> np.ndarray:
-    """Rows of one trainer, ordered by key."""
-    mine = events[events[:, EV_TRAINER] == trainer]
-    return mine[np.argsort(mine[:, EV_KEY], kind="stable")]
+def _by_trainer(
+    events: np.ndarray, num_trainers: int, by_target: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows ordered by trainer, then key (by trainer, target, key if `by_target`), and
+    where each trainer's rows start. One sort of the keys, then a stable sort of the small
+    group numbers, rather than a mask and a sort per trainer; a directive has each key of a
+    trainer (at a target) once, so the first sort needs no stability."""
+    order = np.argsort(events[:, EV_KEY])
+    group = events[order, EV_TRAINER]
+    span = 1
+    if by_target and events.shape[0]:
+        first, last = int(events[:, EV_TARGET].min()), int(events[:, EV_TARGET].max())
+        span = last - first + 1
+        group = group * span + (events[order, EV_TARGET] - first)
+    # numpy sorts 16-bit integers stably by radix, in linear time
+    small = group.astype(np.int16) if num_trainers * span <= np.iinfo(np.int16).max else group
+    by_group = np.argsort(small, kind="stable")
+    starts = np.searchsorted(group[by_group], np.arange(num_trainers + 1) * span)
+    return events[order[by_group]], starts
 
 
-def _slots_at(keys: np.ndarray, events: np.ndarray, trainer: int) -> np.ndarray:
-    """Per position of `keys`, this trainer's slot in `events`, or -1."""
-    out = np.full(keys.size, -1, np.int32)
-    mine = events[events[:, EV_TRAINER] == trainer]
-    out[np.searchsorted(keys, mine[:, EV_KEY])] = mine[:, EV_SLOT]
-    return out
+def _joins(
+    src: np.ndarray, dst: np.ndarray, num_trainers: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The keys joined (ascending), and per trainer and key the slot it sends and the slot it
+    receives into, or -1: int32 [T, keys] each."""
+    keys = np.unique(dst[:, EV_KEY])
+    send = np.full((num_trainers, keys.size), -1, np.int32)
+    recv = np.full((num_trainers, keys.size), -1, np.int32)
+    send[src[:, EV_TRAINER], np.searchsorted(keys, src[:, EV_KEY])] = src[:, EV_SLOT]
+    recv[dst[:, EV_TRAINER], np.searchsorted(keys, dst[:, EV_KEY])] = dst[:, EV_SLOT]
+    return keys, send, recv
+
+
+def _in_sorted(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """np.isin(values, pool) for an ascending `pool`, by binary search: no hashing, no sort."""
+    at = np.searchsorted(pool, values)
+    found = at < pool.size
+    found[found] = pool[at[found]] == values[found]
+    return found
 
 
 def _iteration_stats(

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from oracle.config import PlannerConfig, infeasible_capacity
+from oracle.engine import number_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,12 +32,17 @@ class Batch:
 
     @classmethod
     def read(cls, keys: np.ndarray, num_trainers: int) -> Batch:
-        per = keys.shape[0] // num_trainers
-        owner = np.repeat(np.arange(num_trainers, dtype=np.int64), per * keys.shape[1])
-        pairs, inverse = np.unique(keys.reshape(-1) * num_trainers + owner, return_inverse=True)
+        """`keys` int64 C-contiguous. Hashing numbers the inputs by pair; only the distinct
+        pairs are sorted (np.unique would sort every input)."""
+        number, pair_of = number_pairs(keys, num_trainers)
+        order = np.argsort(pair_of)
+        pairs = pair_of[order]
+        rank = np.empty(order.size, np.int64)
+        rank[order] = np.arange(order.size)
+        inverse = rank[number]
         used = pairs // num_trainers
         used_keys = used[np.concatenate(([True], used[1:] != used[:-1]))] if used.size else used
-        return cls(keys=keys, pairs=pairs, inverse=inverse.reshape(-1), used_keys=used_keys)
+        return cls(keys=keys, pairs=pairs, inverse=inverse, used_keys=used_keys)
 
 
 @dataclass(frozen=True, kw_only=True)
