@@ -29,8 +29,9 @@ class BagpipeRules:
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
-        # room for every key resident twice over; the window's keys grow it as they come
-        entries = 2 * config.num_trainers * config.capacity
+        # room for every key resident and three times as many more in the window, in memory
+        # touched only as keys come; the window's keys grow it beyond that
+        entries = 4 * config.num_trainers * config.capacity
         self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0

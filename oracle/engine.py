@@ -49,9 +49,10 @@ NEVER = np.int64(1 << 62)
 # to the source file of a compiled function: a constant edited in another module would
 # leave stale compiled kernels behind.
 
-# counters, int64 [2]: engine-wide scalars, in an array so that kernels can change them.
-FREE_ENTRIES = 0  # entries left on the entry_free stack
-RING_SIZE = 1  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
+# counters, int64 [3]: engine-wide scalars, in an array so that kernels can change them.
+FREED_ENTRIES = 0  # entries on the entry_free stack, handed out again first
+USED_ENTRIES = 1  # entries ever handed out: [USED_ENTRIES, E) are untouched memory
+RING_SIZE = 2  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
 
 # slot, int64 [T, C, NUM_SLOT]: the cells of each trainer's cache slot.
 SLOT_KEY = 0  # -1: free
@@ -208,27 +209,30 @@ def number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.nd
     """The (key, trainer) pairs of a global batch int64 [B, F] (pair id key * T + trainer,
     sample i on trainer i // (B/T)), numbered in order of first appearance: the number of
     every input (flat), and the pair of every number. A hash table rather than a sort: a
-    batch has several inputs per pair, and only its distinct pairs need sorting."""
+    batch has several inputs per pair, and only its distinct pairs need sorting. One table
+    per trainer, since trainers share no pair: a smaller table stays in cache."""
     b, f = keys.shape
     per = b // num_trainers
-    cells = rehashed(np.empty((0, 2), np.int64), 1 << 12)  # empty; grows with the pairs
     number = np.empty(b * f, np.int64)
     pair_of = np.empty(b * f, np.int64)
     n = 0
-    for i in range(b):
-        owner = i // per
-        for c in range(f):
-            p = keys[i, c] * num_trainers + owner
-            cell = map_find(cells, p)
-            if cells[cell, CELL_KEY] < 0:
-                if 2 * (n + 1) > cells.shape[0]:
-                    cells = rehashed(cells, 2 * cells.shape[0])
-                    cell = map_find(cells, p)
-                cells[cell, CELL_KEY] = p
-                cells[cell, CELL_VALUE] = n
-                pair_of[n] = p
-                n += 1
-            number[i * f + c] = cells[cell, CELL_VALUE]
+    for j in range(num_trainers):
+        cells = rehashed(np.empty((0, 2), np.int64), 1 << 12)  # empty; grows with the pairs
+        held = 0
+        for i in range(j * per, (j + 1) * per):
+            for c in range(f):
+                p = keys[i, c] * num_trainers + j
+                cell = map_find(cells, p)
+                if cells[cell, CELL_KEY] < 0:
+                    if 2 * (held + 1) > cells.shape[0]:
+                        cells = rehashed(cells, 2 * cells.shape[0])
+                        cell = map_find(cells, p)
+                    cells[cell, CELL_KEY] = p
+                    cells[cell, CELL_VALUE] = n
+                    pair_of[n] = p
+                    n += 1
+                    held += 1
+                number[i * f + c] = cells[cell, CELL_VALUE]
     return number, pair_of[:n]
 
 
@@ -244,15 +248,16 @@ class EngineState(NamedTuple):
     index: IntMap  # key -> entry, or its last write-back (see CELL_VALUE)
     entry: np.ndarray  # int64 [E, NUM_ENTRY]: ENTRY_*
     entry_pair: np.ndarray  # int64 [E, T, NUM_PAIR]: PAIR_*
-    entry_free: np.ndarray  # int64 [E] stack of free entries
-    counters: np.ndarray  # int64 [2]: FREE_ENTRIES, RING_SIZE
+    entry_free: np.ndarray  # int64 [E] stack of freed entries
+    counters: np.ndarray  # int64 [3]: FREED_ENTRIES, USED_ENTRIES, RING_SIZE
     occ_entry: np.ndarray  # int64 [ring] entry of occurrence id % ring
     occ_next_use: np.ndarray  # int64 [ring] iteration of the pair's next occurrence, NEVER none yet
 
 
 def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> EngineState:
-    """Empty caches: every slot free; room for `entries` keys and `ring` occurrences (a power
-    of two)."""
+    """Empty caches: every slot free; room for `entries` keys in the window (memory that is
+    only touched as keys come) and `ring` occurrences (a power of two); an index with room
+    for the keys of full caches."""
     t, c = num_trainers, capacity
     slot = np.empty((t, c, NUM_SLOT), np.int64)
     slot[:, :, SLOT_KEY] = slot[:, :, SLOT_ENTRY] = slot[:, :, SLOT_STAMP] = -1
@@ -263,12 +268,12 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Engi
         heap_size=np.full(t, c, np.int64),
         victims=np.zeros((t, c, NUM_VICTIM), np.int64),
         victims_info=np.full((t, 2), -1, np.int64),
-        index=new_map(pow2(2 * entries)),
+        index=new_map(pow2(2 * t * c)),
         **_entry_arrays(entries, t),
-        entry_free=np.arange(entries - 1, -1, -1, dtype=np.int64),
-        counters=np.array([entries, ring], np.int64),
-        occ_entry=np.zeros(ring, np.int64),
-        occ_next_use=np.full(ring, NEVER, np.int64),
+        entry_free=np.empty(entries, np.int64),
+        counters=np.array([0, 0, ring], np.int64),
+        occ_entry=np.empty(ring, np.int64),  # ingest writes an occurrence before any read
+        occ_next_use=np.empty(ring, np.int64),
     )
 
 
@@ -278,7 +283,7 @@ def pow2(n: int) -> int:
 
 
 def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
-    # uninitialised: `_entry_of` fills an entry's cells when it hands the entry out
+    # uninitialised: ingest fills an entry's cells when it hands the entry out
     return {
         "entry": np.empty((n, NUM_ENTRY), np.int64),
         "entry_pair": np.empty((n, t, NUM_PAIR), np.int64),
@@ -288,33 +293,37 @@ def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
 def reserve_entries(state: EngineState, more: int) -> EngineState:
     """The same state with room for `more` new keys: free entries, and an index at most half
     full with them."""
-    free = int(state.counters[FREE_ENTRIES])
+    freed, used = int(state.counters[FREED_ENTRIES]), int(state.counters[USED_ENTRIES])
     state = state._replace(index=reserve(state.index, more))
-    if free >= more:
-        return state
     old = state.entry.shape[0]
-    n = max(2 * old, old + more - free)
+    if freed + old - used >= more:
+        return state
+    n = max(2 * old, used + more)
     grown = _entry_arrays(n, state.entry_pair.shape[1])
     for name, array in grown.items():
-        array[:old] = getattr(state, name)
-    stack = np.empty(n, np.int64)  # room for every entry: all may be freed
-    stack[: n - old] = np.arange(n - 1, old - 1, -1)
-    stack[n - old : n - old + free] = state.entry_free[:free]
-    state.counters[FREE_ENTRIES] = n - old + free
+        array[:used] = getattr(state, name)[:used]
+    stack = np.empty(n, np.int64)
+    stack[:freed] = state.entry_free[:freed]
     return state._replace(**grown, entry_free=stack)
 
 
 def grow_ring(state: EngineState, live_from: int, live_to: int, ring: int) -> EngineState:
     """The same state with an occurrence ring of `ring` entries (a power of two); ids
     [live_from, live_to) kept."""
-    ids = np.arange(live_from, live_to, dtype=np.int64)
-    old = int(state.counters[RING_SIZE])
-    occ_entry = np.zeros(ring, np.int64)
-    occ_next_use = np.full(ring, NEVER, np.int64)
-    occ_entry[ids % ring] = state.occ_entry[ids % old]
-    occ_next_use[ids % ring] = state.occ_next_use[ids % old]
+    grown = {"occ_entry": np.empty(ring, np.int64), "occ_next_use": np.empty(ring, np.int64)}
+    for name, array in grown.items():
+        _copy_ids(getattr(state, name), array, live_from, live_to)
     state.counters[RING_SIZE] = ring
-    return state._replace(occ_entry=occ_entry, occ_next_use=occ_next_use)
+    return state._replace(**grown)
+
+
+def _copy_ids(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
+    """Ring cells of ids [start, stop) from ring `src` into ring `dst`, in contiguous runs."""
+    while start < stop:
+        a, b = start % src.size, start % dst.size
+        run = min(stop - start, src.size - a, dst.size - b)
+        dst[b : b + run] = src[a : a + run]
+        start += run
 
 
 class Events(NamedTuple):
@@ -400,9 +409,8 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
     """
     occ_entry, occ_next_use, entry = st.occ_entry, st.occ_next_use, st.entry
     entry_pair, slot = st.entry_pair, st.slot
-    cells, free = st.index.cells, st.entry_free
-    mask = st.counters[RING_SIZE] - 1
-    n_free = st.counters[FREE_ENTRIES]
+    cells, freed, counters = st.index.cells, st.entry_free, st.counters
+    mask = counters[RING_SIZE] - 1
     new_keys = 0
     e = -1
     last_key = -1
@@ -416,8 +424,13 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
             e = cells[c, CELL_VALUE] if known else -1
             if e < 0:
                 new_keys += not known
-                n_free -= 1
-                e = _new_entry(cells, c, key, free[n_free], entry, entry_pair)
+                if counters[FREED_ENTRIES] > 0:
+                    counters[FREED_ENTRIES] -= 1
+                    e = freed[counters[FREED_ENTRIES]]
+                else:
+                    e = counters[USED_ENTRIES]
+                    counters[USED_ENTRIES] += 1
+                _new_entry(cells, c, key, e, entry, entry_pair)
         o = base + i
         occ_entry[o & mask] = e
         occ_next_use[o & mask] = NEVER
@@ -430,14 +443,13 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
             s = entry_pair[e, j, PAIR_SLOT]
             if s >= 0:
                 slot[j, s, SLOT_NEXT] = z
-    st.counters[FREE_ENTRIES] = n_free
     st.index.size[0] += new_keys
 
 
 @nb.njit(cache=True, inline="always")
 def _new_entry(
     cells: np.ndarray, c: int, key: int, e: int, entry: np.ndarray, entry_pair: np.ndarray
-) -> int:
+) -> None:
     """Entry e for `key` (index cell c): no copies, no occurrences, the last write-back kept
     in the cell if it has one."""
     last_wb = -2 - cells[c, CELL_VALUE] if cells[c, CELL_KEY] >= 0 else -1
@@ -451,19 +463,18 @@ def _new_entry(
         entry_pair[e, t, PAIR_HEAD] = NEVER
         entry_pair[e, t, PAIR_TAIL] = -1
         entry_pair[e, t, PAIR_SLOT] = -1
-    return e
 
 
 @nb.njit(cache=True)
 def _free_entries(st: EngineState, done: np.ndarray, n: int) -> None:
     """Keys without copies or unplanned occurrences: their index cells keep only the version
     of their last write-back."""
-    cells, entry, free, counters = st.index.cells, st.entry, st.entry_free, st.counters
+    cells, entry, freed, counters = st.index.cells, st.entry, st.entry_free, st.counters
     for i in range(n):
         e = done[i]
         cells[map_find(cells, entry[e, ENTRY_KEY]), CELL_VALUE] = -2 - entry[e, ENTRY_LAST_WB]
-        free[counters[FREE_ENTRIES]] = e
-        counters[FREE_ENTRIES] += 1
+        freed[counters[FREED_ENTRIES]] = e
+        counters[FREED_ENTRIES] += 1
 
 
 # --------------------------------------------------------------------------- copies
@@ -780,13 +791,14 @@ def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: 
     t_count = slot.shape[0]
     for g in range(groups.shape[0] - 1):
         e, src = groups[g, GROUP_ENTRY], groups[g, GROUP_SRC]
-        key = entry[e, ENTRY_KEY]
+        start, stop = groups[g, GROUP_START], groups[g + 1, GROUP_START]
+        key = pairs[start] // t_count  # not the entry's: a key all of whose uses hit skips it
         admitted = src < 0
         if admitted:  # a new residency: no leaver or victim of it yet
             entry[e, ENTRY_DROP + LEFT_ITERATION] = -1
             entry[e, ENTRY_VIC + LEFT_ITERATION] = -1
         joined = False
-        for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
+        for i in range(start, stop):
             if pair_slot[i] >= 0:
                 continue
             j = pairs[i] % t_count

@@ -37,8 +37,8 @@ class Batch:
         number, pair_of = number_pairs(keys, num_trainers)
         order = np.argsort(pair_of)
         pairs = pair_of[order]
-        rank = np.empty(order.size, np.int64)
-        rank[order] = np.arange(order.size)
+        rank = np.empty(order.size, np.int32)  # int32: the batch keeps `inverse` until planned
+        rank[order] = np.arange(order.size, dtype=np.int32)
         inverse = rank[number]
         used = pairs // num_trainers
         used_keys = used[np.concatenate(([True], used[1:] != used[:-1]))] if used.size else used
