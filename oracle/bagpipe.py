@@ -25,7 +25,7 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
 
-    kernels = (engine.number_pairs, engine.ingest, engine.plan_iteration, engine.rehashed)
+    kernels = (engine.read_pairs, engine.ingest, engine.plan_iteration, engine.rehashed)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config

@@ -205,15 +205,30 @@ def lookup(table: Dict, key: int) -> int:
 
 # --------------------------------------------------------------------------- batches
 @nb.njit(cache=True)
-def number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (key, trainer) pairs of a global batch int64 [B, F] (pair id key * T + trainer,
-    sample i on trainer i // (B/T)), numbered in order of first appearance: the number of
-    every input (flat), and the pair of every number. A hash table rather than a sort: a
-    batch has several inputs per pair, and only its distinct pairs need sorting. One table
-    per trainer, since trainers share no pair: a smaller table stays in cache."""
+def read_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (key, trainer) pairs of a global batch int64 [B, F], ascending (pair id
+    key * T + trainer, sample i on trainer i // (B/T)), and the index of every input's pair
+    (int32 [B * F]). Hashing, then sorting the distinct pairs only: np.unique would sort every
+    input, and a batch has several inputs per pair."""
+    number, pair_of = _number_pairs(keys, num_trainers)
+    order = _radix_order(pair_of)
+    rank = np.empty(order.size, np.int32)
+    for r in range(order.size):
+        rank[order[r]] = r
+    inverse = np.empty(number.size, np.int32)
+    for i in range(number.size):
+        inverse[i] = rank[number[i]]
+    return pair_of[order], inverse
+
+
+@nb.njit(cache=True)
+def _number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's pairs numbered in order of first appearance: the number of every input
+    (flat), and the pair of every number. One table per trainer, since trainers share no
+    pair: a smaller table stays in cache."""
     b, f = keys.shape
     per = b // num_trainers
-    number = np.empty(b * f, np.int64)
+    number = np.empty(b * f, np.int32)
     pair_of = np.empty(b * f, np.int64)
     n = 0
     for j in range(num_trainers):
@@ -234,6 +249,31 @@ def number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.nd
                     held += 1
                 number[i * f + c] = cells[cell, CELL_VALUE]
     return number, pair_of[:n]
+
+
+@nb.njit(cache=True)
+def _radix_order(values: np.ndarray) -> np.ndarray:
+    """The order that sorts non-negative `values`: LSD radix sort, 11 bits a pass (about
+    five times np.argsort's speed on a batch's pairs)."""
+    n = values.size
+    order = np.arange(n)
+    spare = np.empty(n, np.int64)
+    top = values.max() if n else 0
+    shift = 0
+    while shift < 63 and (shift == 0 or top >> shift > 0):
+        starts = np.zeros(2049, np.int64)
+        for i in range(n):
+            starts[((values[i] >> shift) & 2047) + 1] += 1
+        for d in range(2048):
+            starts[d + 1] += starts[d]
+        for i in range(n):
+            o = order[i]
+            d = (values[o] >> shift) & 2047
+            spare[starts[d]] = o
+            starts[d] += 1
+        order, spare = spare, order
+        shift += 11
+    return order
 
 
 # --------------------------------------------------------------------------- state

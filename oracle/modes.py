@@ -24,7 +24,7 @@ from oracle.engine import (
     STAT_OCCUPANCY,
     STAT_USES,
     lookup,
-    number_pairs,
+    read_pairs,
 )
 from oracle.rules import Batch, Planned, check_feasible, rows
 
@@ -42,7 +42,7 @@ def _swap_versions(last_wb: Dict, keys: np.ndarray, version: int) -> np.ndarray:
 class StaticRules:
     """Pinned hot rows plus synchronous fetches of the rest (FAE-style)."""
 
-    kernels = (number_pairs, _swap_versions)
+    kernels = (read_pairs, _swap_versions)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
@@ -147,7 +147,7 @@ class StaticRules:
 class LocalRules:
     """Full tables in every trainer: slot = key; only the sync lists are planned."""
 
-    kernels = (number_pairs,)
+    kernels = (read_pairs,)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config

@@ -233,9 +233,9 @@ def _by_trainer(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows ordered by trainer, then key (by trainer, target, key if `by_target`), and
     where each trainer's rows start. One sort of the keys, then a stable sort of the small
-    group numbers, rather than a mask and a sort per trainer; a directive has each key of a
-    trainer (at a target) once, so the first sort needs no stability."""
-    order = np.argsort(events[:, EV_KEY])
+    group numbers, rather than a mask and a sort per trainer. Stable sorts: the events come
+    in a few runs already ordered by key, which timsort merges in linear time."""
+    order = np.argsort(events[:, EV_KEY], kind="stable")
     group = events[order, EV_TRAINER]
     span = 1
     if by_target and events.shape[0]:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from oracle.config import PlannerConfig, infeasible_capacity
-from oracle.engine import number_pairs
+from oracle.engine import read_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +32,8 @@ class Batch:
 
     @classmethod
     def read(cls, keys: np.ndarray, num_trainers: int) -> Batch:
-        """`keys` int64 C-contiguous. Hashing numbers the inputs by pair; only the distinct
-        pairs are sorted (np.unique would sort every input)."""
-        number, pair_of = number_pairs(keys, num_trainers)
-        order = np.argsort(pair_of)
-        pairs = pair_of[order]
-        rank = np.empty(order.size, np.int32)  # int32: the batch keeps `inverse` until planned
-        rank[order] = np.arange(order.size, dtype=np.int32)
-        inverse = rank[number]
+        """`keys` int64, C-contiguous."""
+        pairs, inverse = read_pairs(keys, num_trainers)
         used = pairs // num_trainers
         used_keys = used[np.concatenate(([True], used[1:] != used[:-1]))] if used.size else used
         return cls(keys=keys, pairs=pairs, inverse=inverse, used_keys=used_keys)
