@@ -167,7 +167,7 @@ class Planner:
         t, first = self.config.num_trainers, self.config.first_iteration
         g = first + e  # the global iteration of local e
         assert p.pair_slot is not None and p.group_keys is not None and p.group_slots is not None
-        slots = p.pair_slot[p.batch.inverse].reshape(p.batch.keys.shape)
+        slots = np.take(p.pair_slot, p.batch.inverse).reshape(p.batch.keys.shape)
         per = slots.shape[0] // t
         # each event list sorted once, then cut per trainer: [at[j], at[j + 1]) is trainer j's
         fetch, fetch_at = _by_trainer(_cat(p.fetch, 5), t, by_target=True)
@@ -246,7 +246,7 @@ def _by_trainer(
     small = group.astype(np.int16) if num_trainers * span <= np.iinfo(np.int16).max else group
     by_group = np.argsort(small, kind="stable")
     starts = np.searchsorted(group[by_group], np.arange(num_trainers + 1) * span)
-    return events[order[by_group]], starts
+    return np.take(events, order[by_group], axis=0), starts  # take: 4x events[...] here
 
 
 def _joins(
