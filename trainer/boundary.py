@@ -309,9 +309,8 @@ class _UsedSlots:
 
     def __init__(self, d: Directive, fetched: np.ndarray) -> None:
         flat = d.input_slots.ravel()
-        self._size = 1 + max((int(a.max()) for a in (flat, fetched, d.join_recv_slots, d.sync_now_slots,
-                                                    d.sync_later_slots) if a.size), default=0)
-        self._index = np.full(self._size + 1, -1, np.int64)  # the last entry answers slot -1
+        size = _table_size(flat, fetched, d.join_recv_slots, d.sync_now_slots, d.sync_later_slots)
+        self._index = np.full(size + 1, -1, np.int64)  # the last entry answers slot -1
         self._index[flat] = 0
         self.slots = np.flatnonzero(self._index[:-1] == 0)
         self._index[self.slots] = np.arange(len(self.slots))
@@ -337,10 +336,15 @@ def _train(d: Directive, used: _UsedSlots, fetched: np.ndarray) -> Train:
 def _slot_mask(slots: np.ndarray, *queried: np.ndarray) -> np.ndarray:
     """A boolean table over slots, True at `slots` (ignoring -1), long enough for every slot
     of `queried` to be looked up."""
-    size = 1 + max((int(a.max()) for a in (slots, *queried) if a.size), default=0)
-    mask = np.zeros(max(size, 1), bool)  # where every slot is -1, -1 reads the one False
+    mask = np.zeros(_table_size(slots, *queried), bool)
     mask[slots[slots >= 0]] = True
     return mask
+
+
+def _table_size(*slot_lists: np.ndarray) -> int:
+    """Entries a table needs to be indexed by every slot of the lists; at least 1, so that
+    where every slot is -1, -1 reads the one entry."""
+    return max(1, 1 + max((int(a.max()) for a in slot_lists if a.size), default=0))
 
 
 def _sorted_isin(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
