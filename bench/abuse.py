@@ -10,6 +10,7 @@ and the server's RSS before, at its peak and after. The abuses:
 * ``rapid_reset``: HEADERS + RST_STREAM floods on unauthenticated connections (HTTP/2 only);
 * ``held_connections``: idle connections up to the server's cap, and some past it;
 * ``unauth_bodies``: unauthenticated 15 MiB uploads (40 streams a connection on HTTP/2);
+  ``bytes_written`` counts what the attacker's sockets accepted, not what the server read;
 * ``health_flood``: public health requests from many concurrent loops.
 
     python bench/abuse.py --quick --json runs/bench/abuse.json
@@ -120,13 +121,14 @@ def _h2_headers(path: str, method: str = "POST", length: int | None = None) -> l
 
 class _Peer:
     """One raw h2c connection: `pump` sends what h2 queued; a reader task feeds h2 and
-    notices GOAWAY or the server hanging up."""
+    notices answers, GOAWAY and the server hanging up."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.writer = writer
         self.gone = asyncio.Event()
         self.goaway = False
+        self.refused = 0  # answers with a 4xx status
         self.changed = asyncio.Event()
         self.conn.initiate_connection()
         self._reading = asyncio.create_task(self._read(reader))
@@ -149,6 +151,8 @@ class _Peer:
                     if isinstance(event, h2.events.DataReceived):
                         self.conn.acknowledge_received_data(event.flow_controlled_length,
                                                             event.stream_id)
+                    if isinstance(event, h2.events.ResponseReceived):
+                        self.refused += dict(event.headers or [])[b":status"].startswith(b"4")
                     self.goaway |= isinstance(event, h2.events.ConnectionTerminated)
                 self.changed.set()
                 await self.pump()
@@ -221,6 +225,7 @@ async def _unauth_h2_upload(port: int, counts: dict[str, int]) -> None:
     chunk = bytes(1 << 20)
     while True:
         peer = await _Peer.open(port)
+        counts["connections"] += 1
         try:
             streams = []
             for _ in range(40):
@@ -237,37 +242,48 @@ async def _unauth_h2_upload(port: int, counts: dict[str, int]) -> None:
                                        peer.conn.max_outbound_frame_size)
                             if size > 0:
                                 peer.conn.send_data(stream_id, chunk[:size])
-                                counts["bytes_sent"] += size
+                                counts["bytes_written"] += size
                                 continue
                         if peer.conn.streams.get(stream_id) is None or peer.conn.streams[stream_id].closed:
                             streams.remove(stream_id)
-                            counts["uploads_refused"] += 1
                     await peer.pump()
                     peer.changed.clear()
                     if streams:
+                        # Not asyncio.wait_for: in 3.11 it can swallow the attack's cancellation.
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(peer.changed.wait(), 0.5)
+                            async with asyncio.timeout(0.5):
+                                await peer.changed.wait()
         finally:
+            counts["uploads_refused"] += peer.refused
             peer.close()
 
 
 async def _unauth_http1_upload(port: int, counts: dict[str, int]) -> None:
+    """Uploads that read the answer while sending, as curl and aiohttp do."""
     chunk = bytes(1 << 20)
     head = f"POST /v1/fetch HTTP/1.1\r\nhost: ps\r\ncontent-length: {UPLOAD}\r\n\r\n".encode()
+
+    async def status(reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(OSError):
+            line = await reader.readline()
+            counts["uploads_refused"] += line.startswith(b"HTTP/1.1 4")
+
     while True:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        counts["connections"] += 1
+        answer = asyncio.create_task(status(reader))
         try:
             with contextlib.suppress(OSError):
                 writer.write(head)
                 for _ in range(UPLOAD // len(chunk)):
+                    if answer.done():
+                        break
                     writer.write(chunk)
                     await writer.drain()
-                    counts["bytes_sent"] += len(chunk)
-                    if reader.at_eof():
-                        break
-                status = await reader.readline()
-                counts["uploads_refused"] += status.startswith(b"HTTP/1.1 401")
+                    counts["bytes_written"] += len(chunk)
+            await answer
         finally:
+            answer.cancel()
             writer.close()
 
 

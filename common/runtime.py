@@ -69,6 +69,8 @@ def connection_limits(cluster: ClusterSection) -> ConnectionLimits:
         max_concurrent_streams=cluster.max_concurrent_streams,
         max_resets=cluster.max_resets,
         reset_window_s=cluster.reset_window_s,
+        unauthenticated_rate=cluster.unauthenticated_rate,
+        unauthenticated_burst=cluster.unauthenticated_burst,
     )
 
 

@@ -1,7 +1,10 @@
 """The asyncio shell both HTTP/2 ends share around a sans-IO `h2` connection.
 
 One method reads (`data_received` → h2 events → `handle_event`), one writes (`flush`:
-whatever h2 queued goes to the transport). Writers honour the transport's back-pressure
+whatever h2 queued goes to the transport). A read handles at most `FRAMES_PER_TURN` frames;
+frames beyond wait, with the socket's reading paused, for the next turn of the event loop,
+so that a peer flooding small frames (a rapid-reset attack) delays every other connection
+by a bounded amount of work rather than by all it sent. Writers honour the transport's back-pressure
 (`pause_writing`/`resume_writing` drive `drain`) and the peer's flow-control windows
 (`send_body` waits in one place, `windows_changed`). The first network error is saved and
 re-raised to every waiter, so a stream never hangs on a dead connection.
@@ -23,6 +26,8 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+from h2.errors import ErrorCodes
+from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import (
     DataFrame,
     Frame,
@@ -44,6 +49,9 @@ MAX_CONCURRENT_STREAMS = 4096
 # How many closed streams a connection remembers (h2's default is 2**16): see QuietH2Connection.
 MAX_CLOSED_STREAMS = MAX_CONCURRENT_STREAMS
 _DEFAULT_WINDOW = 65535
+#: Frames one read handles before the connection yields to the event loop (`H2Protocol`): a
+#: peer flooding small frames costs the others at most this many frames' work per turn.
+FRAMES_PER_TURN = 64
 #: Bodies up to this size are sent as one DATA frame without waiting (`fits_now`); larger
 #: ones go frame by frame through `send_body`, which waits for the transport to drain.
 SMALL_BODY = 64 * 1024
@@ -94,6 +102,28 @@ class QuietH2Connection(h2.connection.H2Connection):
         table = self._frame_dispatch_table
         for cls, quiet in _QUIET.items():
             table[quiet] = table[cls]
+
+    def receive_frames(self, data: bytes, limit: int) -> tuple[list[h2.events.Event], bool]:
+        """`receive_data` handling at most `limit` frames: the rest stay buffered for the next
+        call. Returns the events and whether the limit stopped it (frames may remain)."""
+        buffer = self.incoming_buffer
+        if data:
+            buffer.add_data(data)
+        buffer.max_frame_size = self.max_inbound_frame_size
+        events: list[h2.events.Event] = []
+        try:
+            for _ in range(limit):
+                frame = next(buffer, None)
+                if frame is None:
+                    return events, False
+                events.extend(self._receive_frame(frame))
+        except InvalidPaddingError as exc:  # as receive_data does
+            self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
+            raise h2.exceptions.ProtocolError("Received frame with invalid padding.") from exc
+        except h2.exceptions.ProtocolError as exc:
+            self._terminate_connection(exc.error_code)
+            raise
+        return events, True
 
     def _receive_frame(self, frame: Any) -> list[h2.events.Event]:
         quiet = _QUIET.get(frame.__class__)
@@ -201,6 +231,9 @@ class H2Protocol(asyncio.Protocol):
         self._flush_pending = False  # a flush_soon is scheduled
         self._drain_waiters = Waiters()
         self.windows_changed = Waiters()
+        self._backlog = False  # frames may be waiting in h2's buffer
+        self._held: asyncio.TimerHandle | None = None  # reading held back (`hold_reading`)
+        self._reading_paused = False
 
     # -- the one reader ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -214,8 +247,13 @@ class H2Protocol(asyncio.Protocol):
         self.flush()
 
     def data_received(self, data: bytes) -> None:
+        self._receive(data)
+
+    def _receive(self, data: bytes = b"") -> None:
+        if not self.wants_frames():
+            return
         try:
-            events = self.conn.receive_data(data)
+            events, more = self.conn.receive_frames(data, FRAMES_PER_TURN)
         except h2.exceptions.ProtocolError as exc:
             self.protocol_error(exc)
             self.flush()  # h2 queued a GOAWAY naming the error
@@ -227,6 +265,55 @@ class H2Protocol(asyncio.Protocol):
                 self.windows_changed.wake()
             self.handle_event(event)
         self.flush()
+        self._pace(more)
+
+    def _pace(self, more: bool) -> None:
+        """With frames left over, stop reading the socket and handle them on the next turn of
+        the loop, after what the other connections sent; read again once none are left. While
+        reading is held (`hold_reading`) nothing is handled: the timer resumes. A connection
+        that no longer wants frames keeps its reading as it is."""
+        if not self.wants_frames():
+            return
+        self._backlog = more
+        if self._held is not None:
+            return
+        if self._backlog:
+            self._pause_reading()
+            asyncio.get_running_loop().call_soon(self._receive)
+        else:
+            self._resume_reading()
+
+    def hold_reading(self, seconds: float) -> None:
+        """Read and handle nothing more from this peer for `seconds` (a rate limit): what it
+        sends waits in the kernel, and TCP's flow control slows it down."""
+        if self._held is not None:
+            self._held.cancel()
+        self._pause_reading()
+        self._held = asyncio.get_running_loop().call_later(seconds, self._release)
+
+    def _release(self) -> None:
+        self._held = None
+        if not self.wants_frames():
+            return
+        if self._backlog:
+            self._receive()
+        else:
+            self._resume_reading()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        transport = self.transport
+        if self._reading_paused and transport is not None and not transport.is_closing():
+            self._reading_paused = False
+            transport.resume_reading()
+
+    def wants_frames(self) -> bool:
+        """Whether received frames are still handled (False: dropped unread)."""
+        return self.error is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(Unavailable(f"connection lost: {exc or 'closed'}"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
-from common.errors import BadRequest, BagpipeError, Unavailable
+from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable
 from common.ratelog import RateLimitedLogs
 from common.transport.h2base import H2Protocol, StreamGone
 from common.transport.http import (
@@ -41,7 +42,7 @@ from common.transport.http import (
     error_response,
     start_handler,
 )
-from common.transport.limits import ConnectionLimits, EventWindow
+from common.transport.limits import ConnectionLimits, EventWindow, TokenBucket
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,13 @@ class _ServerProtocol(H2Protocol):
                 return
             data, self._head = self._head, b""
         super().data_received(data)
+
+    def _receive(self, data: bytes = b"") -> None:
+        super()._receive(data)
         self._update_idle()
+
+    def wants_frames(self) -> bool:
+        return not self._closing and super().wants_frames()
 
     def _check_preface(self) -> bool:
         """True once the client's bytes start with the HTTP/2 preface; a client speaking
@@ -205,21 +212,30 @@ class _ServerProtocol(H2Protocol):
             self.close()
 
     def _request_received(self, event: h2.events.RequestReceived) -> None:
+        """Admit a request on its headers. A stream the peer already reset is judged too: a
+        rapid-reset flood without the token ends at its first stream."""
         stream_id = event.stream_id
         stream = self.conn.streams.get(stream_id)
-        if stream is None or stream.closed:
-            return  # reset in the same read (its StreamReset follows): nothing to answer
-        if self._refusing:
+        live = stream is not None and not stream.closed
+        if self._refusing and live:
             self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             self._count_reset()
             return
         try:
             head = _request_head(dict(event.headers or []))
             route = self._server.gate.admit(head.method, head.path, head.headers)
-        except BagpipeError as err:
-            self._refuse(stream_id, err)
+        except Unauthorized as err:
+            self._turn_away(stream_id if live else None, err)
             return
-        self._incoming[stream_id] = _Incoming(route=route, head=head)
+        except BagpipeError as err:
+            self._charge_unauthenticated()
+            if live:
+                self._refuse(stream_id, err)
+            return
+        if route.public:
+            self._charge_unauthenticated()
+        if live:
+            self._incoming[stream_id] = _Incoming(route=route, head=head)
 
     def _data_received(self, event: h2.events.DataReceived) -> None:
         stream_id, size = event.stream_id, event.flow_controlled_length
@@ -250,7 +266,7 @@ class _ServerProtocol(H2Protocol):
         answer = start_handler(incoming.route, request)
         if isinstance(answer, Response) and self._answer_now(stream_id, answer):
             return
-        self._spawn(stream_id, self._serve(stream_id, answer))
+        self._spawn(stream_id, self._serve(stream_id, answer), awaiting=answer)
 
     def _stream_reset(self, event: h2.events.StreamReset) -> None:
         self._incoming.pop(event.stream_id, None)
@@ -264,6 +280,30 @@ class _ServerProtocol(H2Protocol):
         9113 §8.1); the connection and its other streams carry on."""
         self._incoming[stream_id] = _Incoming(route=None)
         self._spawn(stream_id, self._answer(stream_id, error_response(err), stop_upload=True))
+
+    def _turn_away(self, stream_id: int | None, err: Unauthorized) -> None:
+        """A request without the token: answered (if its stream is still open), then GOAWAY.
+        A peer without the token gets one answer per connection, and what it sends after is
+        left unread (`goaway`), so floods of unauthenticated streams or uploads cost a
+        connection set-up each."""
+        self._server.logs["unauthorized"].warning(
+            "closed the connection from %s: a request without the bearer token", self.peer
+        )
+        if stream_id is not None:
+            self._answer_now(stream_id, error_response(err))
+        self._fail(Unavailable("connection closed: a request without the token"))
+        self.goaway(linger=True)
+
+    def _charge_unauthenticated(self) -> None:
+        """One more request answered without the token; past the server's budget this
+        connection is read again only once the rate allows (`ConnectionLimits`)."""
+        wait = self._server.unauthenticated.take(asyncio.get_running_loop().time())
+        if wait > 0:
+            self._server.logs["unauthenticated_rate"].warning(
+                "unauthenticated requests over %g/s (unauthenticated_rate): reading from %s "
+                "held for %.0f ms", self._server.limits.unauthenticated_rate, self.peer, wait * 1e3,
+            )
+            self.hold_reading(wait)
 
     def _count_reset(self) -> None:
         """One more stream reset by the peer or refused; past the budget the peer is
@@ -279,13 +319,17 @@ class _ServerProtocol(H2Protocol):
         self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, linger=True)
 
     # -- request tasks --------------------------------------------------------------------
-    def _spawn(self, stream_id: int, coro: object) -> None:
+    def _spawn(self, stream_id: int, coro: object, awaiting: object = None) -> None:
+        """Run `coro` as the stream's task; `awaiting` is a coroutine it takes over, closed if
+        the task is cancelled before it started (so that it is not left never awaited)."""
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks[stream_id] = task
         self._server.tasks.add(task)
-        task.add_done_callback(lambda t: self._task_done(stream_id, t))
+        task.add_done_callback(lambda t: self._task_done(stream_id, t, awaiting))
 
-    def _task_done(self, stream_id: int, task: asyncio.Task[None]) -> None:
+    def _task_done(self, stream_id: int, task: asyncio.Task[None], awaiting: object) -> None:
+        if task.cancelled() and inspect.iscoroutine(awaiting):
+            awaiting.close()  # a no-op once it has run
         self._tasks.pop(stream_id, None)
         self._incoming.pop(stream_id, None)  # answered: the rest of an upload is not read
         self._server.tasks.discard(task)
@@ -389,7 +433,8 @@ class _ServerProtocol(H2Protocol):
         """Send GOAWAY and close. With `linger`, the connection is half-closed and the peer's
         further bytes dropped unread until it closes too (at most `LINGER_S`): closing with
         its frames still unread makes the kernel reset the connection, which can destroy
-        the GOAWAY before the peer reads it."""
+        the GOAWAY before the peer reads it. Reading stops: a peer that goes on sending is
+        held back by TCP's flow control, not read at our expense."""
         self._closing = True
         if self._preface_seen:
             with contextlib.suppress(Exception):
@@ -397,6 +442,7 @@ class _ServerProtocol(H2Protocol):
                 self.flush()
         transport = self.transport
         if linger and transport is not None and transport.can_write_eof():
+            self._pause_reading()
             transport.write_eof()
             asyncio.get_running_loop().call_later(LINGER_S, self.close)
         else:
@@ -450,6 +496,7 @@ class H2Server:
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes)
         self.limits = limits
+        self.unauthenticated = TokenBucket(limits.unauthenticated_rate, limits.unauthenticated_burst)
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 from aiohttp import web
 
-from common.errors import BagpipeError, TimedOut, Unavailable
+from common.errors import BagpipeError, TimedOut, Unauthorized, Unavailable
 from common.ratelog import RateLimitedLog, RateLimitedLogs
 from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -30,7 +30,7 @@ from common.transport.http import (
     raise_for_answer,
     run_handler,
 )
-from common.transport.limits import ConnectionLimits
+from common.transport.limits import ConnectionLimits, TokenBucket
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Http1Server:
     ) -> None:
         self._gate = Gate(router, token, max_body_bytes)
         self._limits = limits
+        self._unauthenticated = TokenBucket(limits.unauthenticated_rate, limits.unauthenticated_burst)
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -112,6 +113,18 @@ class Http1Server:
         headers = {k.lower(): v for k, v in raw.headers.items()}
         try:
             route = self._gate.admit(raw.method, raw.path, headers)
+        except Unauthorized as err:
+            # One answer per connection without the token, as on HTTP/2.
+            self._logs["unauthorized"].warning(
+                "closed the connection from %s: a request without the bearer token", raw.remote
+            )
+            return _turned_away(raw, error_response(err))
+        except BagpipeError as err:
+            self._charge_unauthenticated(raw)
+            return _early(raw, error_response(err))
+        if route.public:
+            self._charge_unauthenticated(raw)
+        try:
             body = await raw.read()
         except BagpipeError as err:
             return _early(raw, error_response(err))
@@ -128,6 +141,27 @@ class Http1Server:
         if isinstance(result, Response):
             return _plain(result)
         return await _stream(raw, result)
+
+
+    def _charge_unauthenticated(self, raw: web.Request) -> None:
+        """One more request answered without the token; past the budget the connection is
+        read again only once the rate allows (`ConnectionLimits`)."""
+        loop = asyncio.get_running_loop()
+        wait = self._unauthenticated.take(loop.time())
+        transport = raw.transport
+        if wait <= 0 or transport is None:
+            return
+        self._logs["unauthenticated_rate"].warning(
+            "unauthenticated requests over %g/s (unauthenticated_rate): reading from %s held "
+            "for %.0f ms", self._limits.unauthenticated_rate, raw.remote, wait * 1e3,
+        )
+        transport.pause_reading()
+        loop.call_later(wait, _resume_reading, transport)
+
+
+def _resume_reading(transport: asyncio.BaseTransport) -> None:
+    if not transport.is_closing():
+        transport.resume_reading()  # type: ignore[attr-defined]
 
 
 class _Refused(asyncio.Protocol):
@@ -162,6 +196,18 @@ def _early(raw: web.Request, response: Response) -> web.Response:
     out = _plain(response)
     if not raw.content.is_eof():
         out.force_close()
+    return out
+
+
+def _turned_away(raw: web.Request, response: Response) -> web.Response:
+    """The answer to a request without the token, after which the connection closes. Its
+    body is not read at all: reading stops and the body is marked ended, as aiohttp would
+    otherwise read and drop the rest of it (lingering close) at our expense."""
+    out = _plain(response)
+    out.force_close()
+    if not raw.content.is_eof() and raw.transport is not None:
+        raw.transport.pause_reading()
+        raw.content.feed_eof()
     return out
 
 

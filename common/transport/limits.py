@@ -1,5 +1,6 @@
-"""Connection hygiene both servers enforce, and the sliding-window counter behind the
-HTTP/2 rapid-reset guard (sans-IO: the caller passes the time)."""
+"""Connection hygiene both servers enforce, the sliding-window counter behind the HTTP/2
+rapid-reset guard and the token bucket behind the unauthenticated-request budget (sans-IO:
+the caller passes the time)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class ConnectionLimits:
       refused) on one connection; past it the connection gets GOAWAY ENHANCE_YOUR_CALM
       (CVE-2023-44487). A client whose requests time out resets a handful a second; a
       rapid-reset attacker thousands, so it is cut off within milliseconds.
+    * `unauthenticated_rate`: requests a server answers without the bearer token (public
+      routes such as health and metrics, and refusals), per second on average over all its
+      connections, `unauthenticated_burst` at once. Each is still answered, but past the
+      budget the connection that sent it is not read again until the rate allows: a flood
+      of cheap requests takes a bounded share of the CPU the trainers' requests need.
+      Probes and scrapes ask a few times a second.
     """
 
     idle_timeout_s: float = 300.0
@@ -27,6 +34,8 @@ class ConnectionLimits:
     max_concurrent_streams: int = 256
     max_resets: int = 200
     reset_window_s: float = 10.0
+    unauthenticated_rate: float = 200.0
+    unauthenticated_burst: int = 200
 
 
 class EventWindow:
@@ -42,3 +51,23 @@ class EventWindow:
         self._times.append(now)
         full = len(self._times) == self._times.maxlen
         return full and now - self._times[0] <= self._window_s
+
+
+class TokenBucket:
+    """`rate` events a second on average, `burst` at once. `take` always counts the event and
+    says how long its sender should wait so that the events so far keep to the rate."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def take(self, now: float) -> float:
+        """Spend one token at `now`; the seconds until the budget is no longer overdrawn
+        (0.0: within it)."""
+        if self._at is not None:
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0.0 else -self._tokens / self._rate

@@ -233,6 +233,60 @@ async def test_unauthenticated_upload_is_refused_before_its_body(
     await _works(client)
 
 
+async def test_a_request_without_the_token_is_answered_and_its_connection_closed(
+    kind: str, pair: tuple[object, Client]
+) -> None:
+    """One answer per connection without the token: what the peer sends next is not read."""
+    server, client = pair
+    port = server.port  # type: ignore[attr-defined]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if kind == "h2":
+            raw = RawH2(reader, writer)
+            raw.conn.initiate_connection()
+            raw.request("GET", "/v1/health")  # public: answered, the connection stays
+            await raw.flush()
+            await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+            raw.request("POST", "/echo")
+            raw.request("POST", "/echo", token=TOKEN)
+            await raw.flush()
+            events = await raw.events_until(lambda e: False)  # until the server hangs up
+            answers = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+            assert [dict(e.headers)[":status"] for e in answers] == ["401"]
+        else:
+            request = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+            authorized = request.replace(b"host: x", f"host: x\r\nauthorization: Bearer {TOKEN}".encode())
+            writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n" + request + authorized)
+            answers = (await read_until_closed(reader)).split(b"HTTP/1.1 ")[1:]
+            assert [a[:3] for a in answers] == [b"200", b"401"]
+    finally:
+        writer.close()
+    await _works(client)
+
+
+async def test_unauthenticated_requests_past_the_budget_wait_for_the_rate(
+    kind: str, service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Health is public: each request is answered, but past `unauthenticated_burst` the
+    connection is read again only as `unauthenticated_rate` allows."""
+    limits = ConnectionLimits(unauthenticated_rate=20.0, unauthenticated_burst=2)
+    server = make_server(kind, service.router(), limits=limits)
+    await server.start()
+    client = make_client(kind, server.port)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for _ in range(12):
+            assert orjson.loads(await client.call("GET", "/v1/health")) == {"ok": True}
+        # The 12th was read only once 12 - 2 tokens had refilled, less the one it spent.
+        assert loop.time() - started >= (12 - 2 - 1) / 20.0
+        assert any("unauthenticated_rate" in r.getMessage() for r in caplog.records)
+        await _works(client)  # authenticated requests never spend the budget
+    finally:
+        await client.close()
+        await server.stop()
+
+
 async def test_declared_oversized_body_is_refused_before_it_is_sent(
     kind: str, pair: tuple[object, Client]
 ) -> None:

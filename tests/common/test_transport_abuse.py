@@ -12,11 +12,7 @@ from common.transport import ConnectionLimits
 HELD_EXTRA = 8
 
 
-# Nightly for now: about one run in six, bench/abuse.py's HTTP/2 upload attacker does not stop
-# within 60 s of being told to (the test then fails naming it, it does not hang); until that
-# is found this test stays out of CI's command.
 @pytest.mark.slow
-@pytest.mark.nightly
 def test_fetches_stay_fast_and_memory_flat_under_abuse() -> None:
     rows = measure(seconds=1.5, limits=ConnectionLimits(max_connections=64),
                    held_extra=HELD_EXTRA)

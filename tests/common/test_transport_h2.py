@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import h2.connection
 import h2.errors
 import h2.events
 import pytest
@@ -22,9 +23,10 @@ from common.transport import (
     StreamResponse,
     run,
 )
-from common.transport.h2base import MAX_CLOSED_STREAMS, MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2base import FRAMES_PER_TURN, MAX_CLOSED_STREAMS, MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
 from common.transport.h2client import _ClientProtocol
 from common.transport.h2server import _ServerProtocol
+from tests.common.test_transport import UPLOAD
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -282,12 +284,19 @@ class _Writes:
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
+        self.reading = True
 
     def write(self, data: bytes) -> None:
         self.writes.append(data)
 
     def is_closing(self) -> bool:
         return False
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def get_extra_info(self, name: str) -> object:
         return None
@@ -301,7 +310,8 @@ def _post(path: str) -> list[tuple[str, str]]:
             ("authorization", f"Bearer {TOKEN}")]
 
 
-async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Service) -> None:
+def _connected(service: Service) -> tuple[_ServerProtocol, _Writes, h2.connection.H2Connection]:
+    """A server protocol on a `_Writes` transport and a client past the preface."""
     proto = _ServerProtocol(H2Server(service.router(), token=TOKEN))
     transport = _Writes()
     proto.connection_made(transport)  # type: ignore[arg-type]
@@ -310,6 +320,11 @@ async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Servi
     proto.data_received(client.data_to_send())
     client.receive_data(b"".join(transport.writes))
     transport.writes.clear()
+    return proto, transport, client
+
+
+async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Service) -> None:
+    proto, transport, client = _connected(service)
     sent = {}
     for i in range(8):
         stream_id = client.get_next_available_stream_id()
@@ -321,6 +336,34 @@ async def test_answers_given_at_once_go_out_in_one_write_per_read(service: Servi
     assert not proto.pending()  # answered without a task
     events = client.receive_data(transport.writes[0])
     assert {e.stream_id: e.data for e in events if isinstance(e, h2.events.DataReceived)} == sent
+    proto.connection_lost(None)
+
+
+async def test_a_read_of_many_frames_is_handled_a_bounded_number_a_turn(service: Service) -> None:
+    """200 requests in one read: `FRAMES_PER_TURN` frames are handled per turn of the loop
+    (reading paused meanwhile, so other connections' reads come between), and all answered."""
+    proto, transport, client = _connected(service)
+    streams = set()
+    for _ in range(200):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, _post("/echo-now"), end_stream=True)
+        streams.add(stream_id)
+    proto.data_received(client.data_to_send())
+    answered: set[int] = set()
+    per_turn = []
+    while True:
+        events = client.receive_data(b"".join(transport.writes))
+        transport.writes.clear()
+        ended = {e.stream_id for e in events if isinstance(e, h2.events.StreamEnded)}
+        per_turn.append(len(ended))
+        answered |= ended
+        if transport.reading:  # resumed: nothing left over
+            break
+        await asyncio.sleep(0)
+    assert answered == streams
+    # (The first turn also handles the client's SETTINGS acknowledgement.)
+    assert max(per_turn) <= FRAMES_PER_TURN and len(per_turn) == -(-201 // FRAMES_PER_TURN)
+    assert transport.reading
     proto.connection_lost(None)
 
 
@@ -365,17 +408,22 @@ def _goaway(events: list[h2.events.Event]) -> h2.events.ConnectionTerminated | N
     return next((e for e in events if isinstance(e, h2.events.ConnectionTerminated)), None)
 
 
+async def _rapid_reset(raw: RawH2, token: str | None) -> None:
+    with contextlib.suppress(ConnectionError):  # the server may hang up mid-flood
+        for _ in range(50):  # 5,000 streams: the server must give up well before
+            for _ in range(100):
+                stream_id = raw.request("POST", "/echo", token=token, end_stream=False,
+                                        content_length=10)
+                raw.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            await raw.flush()
+
+
 async def test_rapid_reset_gets_goaway_enhance_your_calm(
     server: H2Server, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = await RawH2.open(server.port)
     try:
-        with contextlib.suppress(ConnectionError):  # the server may hang up mid-flood
-            for _ in range(50):  # 5,000 streams: the server must give up well before
-                for _ in range(100):
-                    stream_id = raw.request("POST", "/echo", end_stream=False, content_length=10)
-                    raw.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
-                await raw.flush()
+        await _rapid_reset(raw, TOKEN)  # a peer with the token: the reset budget stops it
         events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated))
         goaway = _goaway(events)
         assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
@@ -383,6 +431,37 @@ async def test_rapid_reset_gets_goaway_enhance_your_calm(
         assert any("max_resets" in r.getMessage() for r in caplog.records)
     finally:
         await raw.close()
+    client = make_client("h2", server.port)
+    try:
+        await _works(client)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+
+
+async def test_streams_without_the_token_end_the_connection_at_the_first(
+    server: H2Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reset or not, a request without the token is judged on its HEADERS: the first one is
+    answered 401 if it is still open, then GOAWAY; nothing after its turn is read."""
+    for reset in (True, False):
+        raw = await RawH2.open(server.port)
+        try:
+            if reset:
+                await _rapid_reset(raw, None)
+            else:
+                raw.request("POST", "/echo", end_stream=False, content_length=UPLOAD)
+                raw.request("POST", "/echo", token=TOKEN, end_stream=False, content_length=10)
+                await raw.flush()
+            events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated))
+            goaway = _goaway(events)
+            assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+            assert goaway.last_stream_id < 2 * FRAMES_PER_TURN  # what one turn reads at most
+            answers = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+            assert [dict(e.headers)[":status"] for e in answers] == ([] if reset else ["401"])
+            await read_until_closed(raw.reader)
+        finally:
+            await raw.close()
+    assert sum("without the bearer token" in r.getMessage() for r in caplog.records) == 2
     client = make_client("h2", server.port)
     try:
         await _works(client)  # type: ignore[arg-type]
