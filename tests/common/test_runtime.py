@@ -27,9 +27,10 @@ def test_file_limit_is_raised_to_the_hard_limit() -> None:
 def test_connection_limits_come_from_the_spec() -> None:
     spec = parse_spec({"cluster": {"idle_timeout_s": 5, "max_connections": 9,
                                    "max_concurrent_streams": 7, "max_resets": 50,
-                                   "reset_window_s": 2.5}}, Path("/tmp/specs/x.toml"))
+                                   "reset_window_s": 2.5, "unauthenticated_rate": 30,
+                                   "unauthenticated_burst": 4}}, Path("/tmp/specs/x.toml"))
     assert connection_limits(spec.cluster) == ConnectionLimits(
         idle_timeout_s=5.0, max_connections=9, max_concurrent_streams=7, max_resets=50,
-        reset_window_s=2.5,
+        reset_window_s=2.5, unauthenticated_rate=30.0, unauthenticated_burst=4,
     )
     assert connection_limits(parse_spec({}, Path("/tmp/specs/x.toml")).cluster) == ConnectionLimits()

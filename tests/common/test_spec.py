@@ -57,6 +57,8 @@ def test_values_are_read_and_typed() -> None:
         ({"cluster": {"max_concurrent_streams": -1}}, "cluster.max_concurrent_streams"),
         ({"cluster": {"max_resets": 0}}, "cluster.max_resets"),
         ({"cluster": {"reset_window_s": -2.0}}, "cluster.reset_window_s"),
+        ({"cluster": {"unauthenticated_rate": 0}}, "cluster.unauthenticated_rate"),
+        ({"cluster": {"unauthenticated_burst": 0}}, "cluster.unauthenticated_burst"),
         ({"cluster": {"max_connections": "lots"}}, "cluster.max_connections"),
         ({"ps": {"shards": 2, "addresses": ["a:1"]}}, "ps.addresses"),
         ({"ps": {"shards": 1, "addresses": ["nohost"]}}, "ps.addresses[0]"),
