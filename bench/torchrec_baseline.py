@@ -113,7 +113,7 @@ def _rank_main(rank: int, spec_path: Path, run_dir: Path, init_method: str | Non
     job = build_job(load_spec(spec_path))
     world = job.spec.trainers.count
     torch.set_num_threads(job.spec.trainers.threads)
-    rendezvous = init_method or (run_dir / "rendezvous").as_uri()
+    rendezvous = init_method or (run_dir / "rendezvous").resolve().as_uri()
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
     try:
