@@ -24,12 +24,13 @@ with the median samples/s (with an even N, the lower of the middle two) and the 
 (min..max) of samples/s, with the median of each mode's per-round ratio to TorchRec: on a
 shared machine one run says little, and runs of one round share the load of their minutes.
 
-Memory: the launcher samples every role's RSS about once a second (`launcher.memory`); for
-each mode's reported run the benchmark prints, per role (oracle, each PS shard, each
-trainer), the RSS at the end of the warm-up, at the end of training, the peak, and the
-growth per 1,000 iterations after the warm-up (a least-squares slope); `--json` adds the
-curve points, and each run's folder gets `memory.png`. TorchRec's run is not sampled. A long
-run with a small batch checks that memory stays flat:
+Memory and CPU: the launcher samples every role's RSS and CPU time about once a second
+(`launcher.memory`); for each mode's reported run the benchmark prints, per role (oracle,
+each PS shard, each trainer), the RSS at the end of the warm-up, at the end of training, the
+peak, the growth per 1,000 iterations after the warm-up (a least-squares slope) and the CPU
+time per iteration after the warm-up, which shows where the machine's cores went; `--json`
+adds the curve points, and each run's folder gets `memory.png`. TorchRec's run is not
+sampled. A long run with a small batch checks that memory stays flat:
 
     python bench/e2e.py --quick
     python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
@@ -151,15 +152,18 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
 
 def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
-    and final saves included) and its fitted growth per 1,000 iterations after the warm-up
-    (n/a in a run with fewer than 1,000 iterations after it)."""
-    head = f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}"
-    lines = [f"RSS in MB (after iteration {warmup:,}, until training ended)", head, "-" * len(head)]
+    and final saves included), its fitted growth per 1,000 iterations after the warm-up
+    (n/a in a run with fewer than 1,000 iterations after it) and its CPU time per iteration
+    after the warm-up."""
+    head = f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}{'CPU ms/it':>11}"
+    lines = [f"RSS in MB and CPU time per iteration (after iteration {warmup:,}, until training ended)",
+             head, "-" * len(head)]
     for name, run in runs.items():
         for i, f in enumerate(run.rss.values()):
             growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"
+            cpu = "n/a" if math.isnan(f.cpu_ms_per_iter) else f"{f.cpu_ms_per_iter:.1f}"
             lines.append(f"{name if i == 0 else '':<14}{f.role:<12}{f.warm_mb:>13,.1f}{f.end_mb:>10,.1f}"
-                         f"{f.peak_mb:>10,.1f}{growth:>10}")
+                         f"{f.peak_mb:>10,.1f}{growth:>10}{cpu:>11}")
     return "\n".join(lines)
 
 

@@ -1,17 +1,23 @@
-"""Every role's resident memory over a run: sampled by the launcher, summarised per role.
+"""Every role's resident memory and CPU time over a run: sampled by the launcher, summarised
+per role.
 
 A local run's launcher (`launcher.cluster.run_cluster`) reads each live role's ``VmRSS`` from
-``/proc/<pid>/status`` about once a second and appends one line per sample to
-``RUN_DIR/rss.jsonl``: ``{"time": unix seconds, "rss_mb": {role: MB}}``. Nothing in the roles
-changes, and the file grows by about 0.4 MB an hour.
+``/proc/<pid>/status`` and its CPU time (user + system, ``/proc/<pid>/stat``) about once a
+second and appends one line per sample to ``RUN_DIR/rss.jsonl``: ``{"time": unix seconds,
+"rss_mb": {role: MB}, "cpu_s": {role: seconds}}`` (files from before CPU time was sampled
+have no ``cpu_s``). Nothing in the roles changes, and the file grows by about 0.7 MB an hour.
+
+The CPU time tells where a machine's cores go: on a small machine the PS shards and the
+oracle take theirs from the trainers, and a trainer's CPU time against its iteration time
+says how much of the iteration it waited.
 
 `rss_curves` puts the samples on the iteration axis with the trainers' records (the
 iterations every trainer had finished when the sample was taken) and `summarise_rss` gives,
 per role, the RSS once the warm-up is over, at the end of training, its peak, and its growth
 per 1,000 iterations after the warm-up: the slope of a least-squares line through the
 samples, so that one allocation spike or a short plateau does not decide it, given only when
-the samples span 1,000 iterations or more (a shorter run says nothing about the long term).
-Sizes are decimal: 1 MB = 10^6 bytes.
+the samples span 1,000 iterations or more (a shorter run says nothing about the long term),
+and its CPU time per iteration after the warm-up. Sizes are decimal: 1 MB = 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +54,50 @@ def read_rss_mb(pid: int) -> float | None:
     return None
 
 
+def read_cpu_s(pid: int) -> float | None:
+    """Process `pid`'s CPU time so far (user + system, its threads included) in seconds, or
+    None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()  # the name in (...) may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 class RssRecorder:
-    """Appends the RSS of the roles it is shown to ``rss.jsonl``, at most once per
-    `interval_s`; `sample` is cheap to call more often (the launcher polls every 0.2 s)."""
+    """Appends the RSS and CPU time of the roles it is shown to ``rss.jsonl``, at most once
+    per `interval_s`; `sample` is cheap to call more often (the launcher polls every 0.2 s)."""
 
     def __init__(
         self, path: str | os.PathLike[str], *, interval_s: float = SAMPLE_INTERVAL_S,
         clock: Callable[[], float] = time.time, read: Callable[[int], float | None] = read_rss_mb,
+        read_cpu: Callable[[int], float | None] = read_cpu_s,
     ) -> None:
         self.path = Path(path)
         self.interval_s = interval_s
         self._clock = clock
         self._read = read
+        self._read_cpu = read_cpu
         self._last = -math.inf
 
     def sample(self, roles: Iterable[tuple[str, int]]) -> None:
-        """Record the RSS of each (name, pid) still running, if `interval_s` has passed."""
+        """Record the RSS and CPU time of each (name, pid) still running, if `interval_s`
+        has passed."""
         now = self._clock()
         if now - self._last < self.interval_s:
             return
         self._last = now
+        roles = list(roles)
         rss = {name: mb for name, pid in roles if (mb := self._read(pid)) is not None}
         if not rss:
             return
-        line = orjson.dumps({"time": now, "rss_mb": {k: round(v, 3) for k, v in rss.items()}}) + b"\n"
+        cpu = {name: s for name, pid in roles if name in rss and (s := self._read_cpu(pid)) is not None}
+        line = orjson.dumps({"time": now, "rss_mb": {k: round(v, 3) for k, v in rss.items()},
+                             "cpu_s": {k: round(v, 3) for k, v in cpu.items()}}) + b"\n"
         try:
             with open(self.path, "ab") as f:
                 f.write(line)
@@ -83,6 +109,7 @@ class RssRecorder:
 class RssSample:
     time: float  # unix seconds
     rss_mb: Mapping[str, float]  # role -> MB
+    cpu_s: Mapping[str, float] = field(default_factory=dict)  # role -> CPU seconds so far
 
 
 def read_rss(run_dir: str | os.PathLike[str]) -> list[RssSample]:
@@ -97,7 +124,8 @@ def read_rss(run_dir: str | os.PathLike[str]) -> list[RssSample]:
     for line in data.splitlines():
         try:
             record = orjson.loads(line)
-            out.append(RssSample(time=float(record["time"]), rss_mb=dict(record["rss_mb"])))
+            out.append(RssSample(time=float(record["time"]), rss_mb=dict(record["rss_mb"]),
+                                 cpu_s=dict(record.get("cpu_s", {}))))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return out
@@ -114,6 +142,7 @@ class RssCurve:
     done: np.ndarray  # (n,) int64
     rss_mb: np.ndarray  # (n,) float64
     training: np.ndarray  # (n,) bool
+    cpu_s: np.ndarray  # (n,) float64: CPU seconds so far, NaN where the sample has none
 
     def points(self, limit: int = 1000) -> list[tuple[int, float]]:
         """(done, MB) pairs for a report, every k-th one so that at most `limit` remain (the
@@ -141,6 +170,7 @@ def rss_curves(samples: Sequence[RssSample], iterations: np.ndarray, end_time: n
         curves[role] = RssCurve(
             role=role, time=t, done=next_of[np.searchsorted(ends, t, side="right")],
             rss_mb=np.array([s.rss_mb[role] for s in mine], dtype=np.float64), training=t <= ends[-1],
+            cpu_s=np.array([s.cpu_s.get(role, math.nan) for s in mine], dtype=np.float64),
         )
     return curves
 
@@ -155,10 +185,12 @@ class RssFigures:
     peak_mb: float  # the highest sample of the run, start-up and final saves included
     growth_mb_per_1k: float  # least-squares slope over training after the warm-up, or NaN
     samples: int  # samples the slope was fitted to
+    cpu_ms_per_iter: float = math.nan  # CPU time per iteration over the same samples, or NaN
 
     def to_json(self) -> dict[str, Any]:
         return {"role": self.role, "warm_mb": self.warm_mb, "end_mb": self.end_mb, "peak_mb": self.peak_mb,
-                "growth_mb_per_1k": self.growth_mb_per_1k, "samples": self.samples}
+                "growth_mb_per_1k": self.growth_mb_per_1k, "samples": self.samples,
+                "cpu_ms_per_iter": self.cpu_ms_per_iter}
 
 
 def summarise_rss(
@@ -166,7 +198,8 @@ def summarise_rss(
 ) -> dict[str, RssFigures]:
     """Per role, `RssFigures` with the warm-up ending once `warm_from` iterations (a global
     index) were done by every trainer; the growth is NaN unless the samples after it span
-    `min_span` iterations."""
+    `min_span` iterations, the CPU time per iteration unless two of them have one and span
+    an iteration."""
     out = {}
     for role, c in curves.items():
         fit = c.training & (c.done >= warm_from)
@@ -177,17 +210,30 @@ def summarise_rss(
             role=role, warm_mb=float(y[0]) if y.size else math.nan, end_mb=float(y[-1]) if y.size else math.nan,
             peak_mb=float(c.rss_mb.max()) if c.rss_mb.size else math.nan,
             growth_mb_per_1k=1000 * slope, samples=int(fit.sum()),
+            cpu_ms_per_iter=_cpu_ms_per_iter(c.done[fit], c.cpu_s[fit]),
         )
     return out
 
 
+def _cpu_ms_per_iter(done: np.ndarray, cpu_s: np.ndarray) -> float:
+    """CPU milliseconds per iteration between the first and the last sample that has a CPU
+    time (the counter only grows, so two samples say as much as a fit)."""
+    have = ~np.isnan(cpu_s)
+    done, cpu_s = done[have], cpu_s[have]
+    if done.size < 2 or done[-1] == done[0]:
+        return math.nan
+    return float(1e3 * (cpu_s[-1] - cpu_s[0]) / (done[-1] - done[0]))
+
+
 def format_rss(figures: Mapping[str, RssFigures], warm_from: int, title: str = "Memory") -> str:
     """A table of `figures`: one line per role."""
-    head = f"  {'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'growth per 1k it':>18}"
-    lines = [f"{title} (RSS in MB; after iteration {warm_from:,}, until training ended)", head]
+    head = f"  {'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'growth per 1k it':>18}{'CPU ms/it':>11}"
+    lines = [f"{title} (RSS in MB, CPU time per iteration; after iteration {warm_from:,}, until training ended)",
+             head]
     for f in figures.values():
         growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+,.2f}"
-        lines.append(f"  {f.role:<12}{_mb(f.warm_mb):>13}{_mb(f.end_mb):>10}{_mb(f.peak_mb):>10}{growth:>18}")
+        lines.append(f"  {f.role:<12}{_mb(f.warm_mb):>13}{_mb(f.end_mb):>10}{_mb(f.peak_mb):>10}{growth:>18}"
+                     f"{_mb(f.cpu_ms_per_iter):>11}")
     return "\n".join(lines)
 
 

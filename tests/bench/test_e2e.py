@@ -13,7 +13,8 @@ from launcher.report import RunSummary
 def bagpipe_run() -> ModeRun:
     iterations = np.arange(50)
     end_time = 100.0 + iterations
-    samples = [RssSample(time=float(t), rss_mb={"oracle": 300.0, "trainer-0": 400.0 + (t - 99)})
+    samples = [RssSample(time=float(t), rss_mb={"oracle": 300.0, "trainer-0": 400.0 + (t - 99)},
+                         cpu_s={"oracle": 0.002 * t, "trainer-0": 0.5 * t})
                for t in np.arange(99.0, 151.0)]
     curves = rss_curves(samples, iterations, end_time)
     summary = RunSummary.from_json({"mode": "bagpipe", "samples_per_s": 1000.0, "phase_s": {}})
@@ -22,16 +23,17 @@ def bagpipe_run() -> ModeRun:
 
 def test_the_rss_table_has_a_line_per_role_under_its_mode() -> None:
     lines = rss_table({"bagpipe": bagpipe_run()}, 10).splitlines()
-    assert lines[0] == "RSS in MB (after iteration 10, until training ended)"
-    assert lines[3].split() == ["bagpipe", "oracle", "300.0", "300.0", "300.0", "+0.00"]
+    assert lines[0] == "RSS in MB and CPU time per iteration (after iteration 10, until training ended)"
+    # One iteration a second: 2 ms and 500 ms of CPU an iteration.
+    assert lines[3].split() == ["bagpipe", "oracle", "300.0", "300.0", "300.0", "+0.00", "2.0"]
     # 10 iterations done at t = 109 (400 + 10 MB); training ends at t = 149, with 50 done.
-    assert lines[4].split() == ["trainer-0", "410.0", "450.0", "451.0", "+1000.00"]
+    assert lines[4].split() == ["trainer-0", "410.0", "450.0", "451.0", "+1000.00", "500.0"]
 
 
 def test_a_growth_the_run_was_too_short_for_is_n_a() -> None:
     run = bagpipe_run()
     short = ModeRun(run.summary, summarise_rss(run.curves, 10), run.curves)  # 40 iterations after 10
-    assert rss_table({"bagpipe": short}, 10).splitlines()[3].split()[-1] == "n/a"
+    assert rss_table({"bagpipe": short}, 10).splitlines()[3].split()[-2] == "n/a"
 
 
 def test_the_json_of_a_mode_holds_each_roles_figures_and_curve() -> None:

@@ -20,7 +20,7 @@ TOKEN = "t"
 KEYS, DIM = 4, 8
 
 
-def _fetches(port: int, service: PsService, token: str = TOKEN) -> Fetches:
+def _fetches(port: int, service: PsService, token: str = TOKEN, incarnation: str | None = None) -> Fetches:
     rng = np.random.default_rng(0)
     bodies = [
         FetchRequest(keys=rng.integers(0, 1000, KEYS, dtype=np.int64),
@@ -30,17 +30,22 @@ def _fetches(port: int, service: PsService, token: str = TOKEN) -> Fetches:
     answer = Rows(rows=np.zeros((KEYS, DIM), np.float32), state=np.zeros((KEYS, 0), np.float32),
                   versions=np.zeros(KEYS, np.int64))
     return Fetches(host="127.0.0.1", port=port, path=FETCH.path, token=token,
-                   incarnation=service.incarnation, bodies=bodies, answer_bytes=len(answer.to_wire()))
+                   incarnation=incarnation or service.incarnation, bodies=bodies,
+                   answer_bytes=len(answer.to_wire()))
+
+
+def _shard(kind: str, tmp_path: Path) -> tuple[PsService, H2Server | Http1Server]:
+    config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((1000,)), dim=DIM, state_width=0)
+    service = PsService(ShardStore(config), checkpoint_dir=tmp_path, fetch_timeout_s=5)
+    return service, (H2Server if kind == "h2" else Http1Server)(service.router(), token=TOKEN)
 
 
 @pytest.mark.parametrize("kind", ["h2", "http1"])
-@pytest.mark.parametrize("token", [TOKEN, "wrong"])
-async def test_answers_are_counted_right_or_wrong(kind: str, token: str, tmp_path: Path) -> None:
-    config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((1000,)), dim=DIM, state_width=0)
-    service = PsService(ShardStore(config), checkpoint_dir=tmp_path, fetch_timeout_s=5)
-    server = (H2Server if kind == "h2" else Http1Server)(service.router(), token=TOKEN)
+@pytest.mark.parametrize("incarnation", [None, "an-earlier-process"])
+async def test_answers_are_counted_right_or_wrong(kind: str, incarnation: str | None, tmp_path: Path) -> None:
+    service, server = _shard(kind, tmp_path)
     await server.start()
-    load = await FetchLoad.connect(kind, _fetches(server.port, service, token), in_flight=4)
+    load = await FetchLoad.connect(kind, _fetches(server.port, service, incarnation=incarnation), in_flight=4)
     try:
         await load.run(0.0)  # one fetch per slot
         right, wrong = await load.run(time.perf_counter() + 0.3)
@@ -48,9 +53,27 @@ async def test_answers_are_counted_right_or_wrong(kind: str, token: str, tmp_pat
         load.close()
         await server.stop()
     answered = service.metrics.value("requests_total", {"op": "fetch"})
-    if token == TOKEN:
+    if incarnation is None:
         assert right > 0 and wrong == 0
         assert answered >= right + 4
-    else:  # every fetch refused (401), none served
+    else:  # every fetch refused (409: meant for an earlier process), none served
         assert right == 0 and wrong > 0
         assert answered == 0
+
+
+@pytest.mark.parametrize("kind", ["h2", "http1"])
+async def test_a_wrong_token_fails_the_load_at_once(kind: str, tmp_path: Path) -> None:
+    """The shard answers the first fetch of a connection without the token 401 and closes it:
+    the HTTP/2 load fails in its first round, the HTTP/1.1 one (a fetch per connection,
+    each answered 401) when it sends again."""
+    service, server = _shard(kind, tmp_path)
+    await server.start()
+    load = await FetchLoad.connect(kind, _fetches(server.port, service, token="wrong"), in_flight=4)
+    try:
+        with pytest.raises(ConnectionError, match="connection to the shard lost"):
+            await load.run(0.0)
+            await load.run(time.perf_counter() + 0.3)
+    finally:
+        load.close()
+        await server.stop()
+    assert service.metrics.value("requests_total", {"op": "fetch"}) == 0
