@@ -155,9 +155,10 @@ def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
     and final saves included), its fitted growth per 1,000 iterations after the warm-up
     (n/a in a run with fewer than 1,000 iterations after it) and its CPU time per iteration
     after the warm-up."""
-    head = f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}{'CPU ms/it':>11}"
-    lines = [f"RSS in MB and CPU time per iteration (after iteration {warmup:,}, until training ended)",
-             head, "-" * len(head)]
+    head = (f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}"
+            f"{'CPU ms/it':>11}")
+    lines = [f"RSS in MB and CPU time per iteration (after iteration {warmup:,}, until training "
+             "ended)", head, "-" * len(head)]
     for name, run in runs.items():
         for i, f in enumerate(run.rss.values()):
             growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"

@@ -70,7 +70,8 @@ class ClusterSection:
     def __post_init__(self) -> None:
         if not self.metrics_linger_s >= 0:
             raise ConfigError("cluster.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
-        for name in ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst"):
+        counts = ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "reset_window_s", "unauthenticated_rate"):

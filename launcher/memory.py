@@ -95,7 +95,9 @@ class RssRecorder:
         rss = {name: mb for name, pid in roles if (mb := self._read(pid)) is not None}
         if not rss:
             return
-        cpu = {name: s for name, pid in roles if name in rss and (s := self._read_cpu(pid)) is not None}
+        cpu = {
+            name: s for name, pid in roles if name in rss and (s := self._read_cpu(pid)) is not None
+        }
         line = orjson.dumps({"time": now, "rss_mb": {k: round(v, 3) for k, v in rss.items()},
                              "cpu_s": {k: round(v, 3) for k, v in cpu.items()}}) + b"\n"
         try:
@@ -227,9 +229,10 @@ def _cpu_ms_per_iter(done: np.ndarray, cpu_s: np.ndarray) -> float:
 
 def format_rss(figures: Mapping[str, RssFigures], warm_from: int, title: str = "Memory") -> str:
     """A table of `figures`: one line per role."""
-    head = f"  {'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'growth per 1k it':>18}{'CPU ms/it':>11}"
-    lines = [f"{title} (RSS in MB, CPU time per iteration; after iteration {warm_from:,}, until training ended)",
-             head]
+    head = (f"  {'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'growth per 1k it':>18}"
+            f"{'CPU ms/it':>11}")
+    lines = [f"{title} (RSS in MB, CPU time per iteration; after iteration {warm_from:,}, "
+             "until training ended)", head]
     for f in figures.values():
         growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+,.2f}"
         lines.append(f"  {f.role:<12}{_mb(f.warm_mb):>13}{_mb(f.end_mb):>10}{_mb(f.peak_mb):>10}{growth:>18}"

@@ -4,8 +4,8 @@ One method reads (`data_received` → h2 events → `handle_event`), one writes 
 whatever h2 queued goes to the transport). A read handles at most `FRAMES_PER_TURN` frames;
 frames beyond wait, with the socket's reading paused, for the next turn of the event loop,
 so that a peer flooding small frames (a rapid-reset attack) delays every other connection
-by a bounded amount of work rather than by all it sent. Writers honour the transport's back-pressure
-(`pause_writing`/`resume_writing` drive `drain`) and the peer's flow-control windows
+by a bounded amount of work rather than by all it sent. Writers honour the transport's
+back-pressure (`pause_writing`/`resume_writing` drive `drain`) and the peer's flow-control windows
 (`send_body` waits in one place, `windows_changed`). The first network error is saved and
 re-raised to every waiter, so a stream never hangs on a dead connection.
 

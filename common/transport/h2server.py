@@ -496,7 +496,9 @@ class H2Server:
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes)
         self.limits = limits
-        self.unauthenticated = TokenBucket(limits.unauthenticated_rate, limits.unauthenticated_burst)
+        self.unauthenticated = TokenBucket(
+            limits.unauthenticated_rate, limits.unauthenticated_burst
+        )
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()

@@ -58,7 +58,9 @@ class Http1Server:
     ) -> None:
         self._gate = Gate(router, token, max_body_bytes)
         self._limits = limits
-        self._unauthenticated = TokenBucket(limits.unauthenticated_rate, limits.unauthenticated_burst)
+        self._unauthenticated = TokenBucket(
+            limits.unauthenticated_rate, limits.unauthenticated_burst
+        )
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None

@@ -23,7 +23,14 @@ from common.transport import (
     StreamResponse,
     run,
 )
-from common.transport.h2base import FRAMES_PER_TURN, MAX_CLOSED_STREAMS, MAX_FRAME_SIZE, STREAM_WINDOW, initiate, new_connection
+from common.transport.h2base import (
+    FRAMES_PER_TURN,
+    MAX_CLOSED_STREAMS,
+    MAX_FRAME_SIZE,
+    STREAM_WINDOW,
+    initiate,
+    new_connection,
+)
 from common.transport.h2client import _ClientProtocol
 from common.transport.h2server import _ServerProtocol
 from tests.common.test_transport import UPLOAD
