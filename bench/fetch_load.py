@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 
 import hpack
+import numpy as np
 
 from common.transport.h2server import PREFACE
-from ps.protocol import INCARNATION_HEADER
+from ps.protocol import FETCH, INCARNATION_HEADER, FetchRequest, Rows
 
 _FRAME_HEAD = struct.Struct(">I")
 DATA, HEADERS, RST_STREAM, SETTINGS, WINDOW_UPDATE = 0, 1, 3, 4, 8
@@ -40,6 +41,21 @@ class Fetches:
     incarnation: str
     bodies: list[bytes]
     answer_bytes: int
+
+    @classmethod
+    def of_keys(
+        cls, keys: list[np.ndarray], *, dim: int, state_width: int, host: str, port: int, token: str,
+        incarnation: str,
+    ) -> Fetches:
+        """One fetch (any version) per array of `keys`, all of one length, for rows of `dim`
+        and optimizer state of `state_width`."""
+        n = len(keys[0])
+        answer = Rows(rows=np.zeros((n, dim), np.float32), state=np.zeros((n, state_width), np.float32),
+                      versions=np.zeros(n, np.int64))
+        any_version = np.full(n, -1, np.int64)
+        return cls(host=host, port=port, path=FETCH.path, token=token, incarnation=incarnation,
+                   bodies=[FetchRequest(keys=k, min_versions=any_version).to_wire() for k in keys],
+                   answer_bytes=len(answer.to_wire()))
 
     def h2_headers(self) -> list[tuple[str, str]]:
         return [(":method", "POST"), (":scheme", "http"), (":authority", f"{self.host}:{self.port}"),

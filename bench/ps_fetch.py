@@ -45,7 +45,6 @@ from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import H2Server, Http1Server, run  # noqa: E402
 from ps.client import PsClient  # noqa: E402
-from ps.protocol import FETCH, FetchRequest, Rows  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
 
@@ -170,14 +169,8 @@ async def _start_load(
     if load == "psclient":
         return _PsClientLoad(client, keys)
     (status,) = await client.status()
-    answer = Rows(rows=np.zeros((SMALL_KEYS, SMALL_DIM), np.float32),
-                  state=np.zeros((SMALL_KEYS, 0), np.float32), versions=np.zeros(SMALL_KEYS, np.int64))
-    min_versions = np.full(SMALL_KEYS, -1, np.int64)
-    fetches = Fetches(
-        host="127.0.0.1", port=port, path=FETCH.path, token=TOKEN, incarnation=status.incarnation,
-        bodies=[FetchRequest(keys=k, min_versions=min_versions).to_wire() for k in keys],
-        answer_bytes=len(answer.to_wire()),
-    )
+    fetches = Fetches.of_keys(keys, dim=SMALL_DIM, state_width=0, host="127.0.0.1", port=port,
+                              token=TOKEN, incarnation=status.incarnation)
     return await FetchLoad.connect(transport, fetches, len(keys))
 
 

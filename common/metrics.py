@@ -68,17 +68,20 @@ class Registry:
             raise ValueError(f"metric {full} is a {fam.kind}, not a {kind}")
         return fam
 
+    def _counter_cell(self, name: str, labels: dict[str, str] | None, help: str) -> list[float]:
+        return self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])
+
     def inc(self, name: str, amount: float = 1.0, labels: dict[str, str] | None = None, help: str = "") -> None:
-        self.counter(name, labels, help).inc(amount)
+        self._counter_cell(name, labels, help)[0] += amount
 
     def counter(self, name: str, labels: dict[str, str] | None = None, help: str = "") -> Counter:
         """The counter `name` with `labels`, to count into without looking it up each time
         (a request path counting per request)."""
-        return Counter(self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0]))
+        return Counter(self._counter_cell(name, labels, help))
 
     def set_total(self, name: str, total: float, labels: dict[str, str] | None = None, help: str = "") -> None:
         """A counter whose running total is kept elsewhere: set it to `total`."""
-        self._family(name, "counter", help).values.setdefault(_labels(labels), [0.0])[0] = float(total)
+        self._counter_cell(name, labels, help)[0] = float(total)
 
     def set(self, name: str, value: float, labels: dict[str, str] | None = None, help: str = "") -> None:
         self._family(name, "gauge", help).values[_labels(labels)] = [float(value)]

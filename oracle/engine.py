@@ -19,8 +19,10 @@ slow parts replaced by indexable state:
 * free slots: one min-heap per trainer (the smallest free slot is handed out);
 * Belady victims: one max-heap per trainer, built only when that trainer must evict at x.
 
-Everything is sized by the caches (T x C) or by the keys in the window, never by the tables;
-the Python side grows the index, the entries and the ring before a batch that needs more.
+Everything is sized by the caches (T x C) or by the keys in the window, but the index: it
+keeps a cell for every key ever read (its last write-back's version), so it grows with the
+distinct keys of the run, bounded by the tables' rows. The Python side grows the index, the
+entries and the ring before a batch that needs more.
 
 Speed. Planning is bound by memory latency and by numba's reference counting. The cells of a
 slot, and those of an entry, sit side by side. numba increfs and decrefs an array (atomic
@@ -42,7 +44,6 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
-from numba.typed import Dict
 
 NEVER = np.int64(1 << 62)
 
@@ -198,12 +199,6 @@ def map_find(cells: np.ndarray, key: int) -> int:
     while cells[i, CELL_KEY] != key and cells[i, CELL_KEY] >= 0:
         i = (i + 1) & mask
     return i
-
-
-@nb.njit(cache=True)
-def lookup(table: Dict, key: int) -> int:
-    """table[key], or -1 if absent (`+ 0` turns get's Optional into a plain int64)."""
-    return table.get(key, -1) + 0
 
 
 @intrinsic
@@ -849,9 +844,8 @@ def _evict_for(
     entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
     heap_size = st.heap_size
     heaps, info, leave_prev, counts = st.victims, st.victims_info, ev.leave_prev, ev.counts
-    capacity = slot.shape[1]
     for j in range(need.shape[0]):
-        for _ in range((capacity - heap_size[j]) + need[j] - capacity):
+        for _ in range(need[j] - heap_size[j]):
             _top_victim(slot, heaps, info, j, x, horizon)  # builds the heap on the first call
             s = _pop_victim(heaps, info, j)
             _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)

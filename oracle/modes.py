@@ -23,10 +23,15 @@ from oracle.engine import (
     STAT_HITS,
     STAT_OCCUPANCY,
     STAT_USES,
-    lookup,
     read_pairs,
 )
 from oracle.rules import Batch, Planned, check_feasible, rows
+
+
+@nb.njit(cache=True)
+def _lookup(table: Dict, key: int) -> int:
+    """table[key], or -1 if absent (`+ 0` turns get's Optional into a plain int64)."""
+    return table.get(key, -1) + 0
 
 
 @nb.njit(cache=True)
@@ -34,7 +39,7 @@ def _swap_versions(last_wb: Dict, keys: np.ndarray, version: int) -> np.ndarray:
     """Each key's last write-back version (-1 if none), then record `version` for all."""
     out = np.empty(keys.shape[0], np.int64)
     for i in range(keys.shape[0]):
-        out[i] = lookup(last_wb, keys[i])
+        out[i] = _lookup(last_wb, keys[i])
         last_wb[keys[i]] = version
     return out
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.arrays import in_sorted
 from common.directive import Directive
 from common.spec import Mode
 from oracle.bagpipe import BagpipeRules
@@ -175,9 +176,11 @@ class Planner:
         write, write_at = _by_trainer(_cat(p.write, 3), t)
         join_dst = _cat(p.join_dst, 3)
         join_keys, send, recv = _joins(_cat(p.join_src, 3), join_dst, t)
-        now = _in_sorted(p.group_keys, next_keys)
+        now = in_sorted(p.group_keys, next_keys)
+        later = ~now
+        now_keys, later_keys = p.group_keys[now], p.group_keys[later]  # shared, as join_keys
         now_slots = np.ascontiguousarray(p.group_slots[now].T, dtype=np.int32)  # [T, n]
-        later_slots = np.ascontiguousarray(p.group_slots[~now].T, dtype=np.int32)
+        later_slots = np.ascontiguousarray(p.group_slots[later].T, dtype=np.int32)
         directives = []
         for j in range(t):
             f = fetch[fetch_at[j] : fetch_at[j + 1]]
@@ -195,9 +198,9 @@ class Planner:
                     join_keys=join_keys,
                     join_send_slots=send[j],
                     join_recv_slots=recv[j],
-                    sync_now_keys=p.group_keys[now],
+                    sync_now_keys=now_keys,
                     sync_now_slots=now_slots[j],
-                    sync_later_keys=p.group_keys[~now],
+                    sync_later_keys=later_keys,
                     sync_later_slots=later_slots[j],
                     leave_slots=lv[:, EV_SLOT].astype(np.int32),
                     write_keys=wr[:, EV_KEY].copy(),
@@ -260,14 +263,6 @@ def _joins(
     send[src[:, EV_TRAINER], np.searchsorted(keys, src[:, EV_KEY])] = src[:, EV_SLOT]
     recv[dst[:, EV_TRAINER], np.searchsorted(keys, dst[:, EV_KEY])] = dst[:, EV_SLOT]
     return keys, send, recv
-
-
-def _in_sorted(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
-    """np.isin(values, pool) for an ascending `pool`, by binary search: no hashing, no sort."""
-    at = np.searchsorted(pool, values)
-    found = at < pool.size
-    found[found] = pool[at[found]] == values[found]
-    return found
 
 
 def _iteration_stats(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.arrays import in_sorted
 from common.directive import Directive
 
 _NO_I32 = np.zeros(0, np.int32)
@@ -265,7 +266,7 @@ class Boundary:
         if prev is None:
             return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
         keys = prev.write_keys
-        hold = _sorted_isin(keys, prev.sync_later_keys)
+        hold = in_sorted(keys, prev.sync_later_keys)
         flush = ~_slot_mask(prev.leave_slots, prev.write_slots)[prev.write_slots]
         if hold.any():
             later = self._later[prev.iteration]
@@ -345,14 +346,6 @@ def _table_size(*slot_lists: np.ndarray) -> int:
     """Entries a table needs to be indexed by every slot of the lists; at least 1, so that
     where every slot is -1, -1 reads the one entry."""
     return max(1, 1 + max((int(a.max()) for a in slot_lists if a.size), default=0))
-
-
-def _sorted_isin(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """`np.isin` for an ascending `sorted_set`, without sorting anything."""
-    if not len(sorted_set):
-        return np.zeros(len(values), bool)
-    pos = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
-    return sorted_set[pos] == values
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -333,6 +333,9 @@ class H2Protocol(asyncio.Protocol):
         if self.error is not None:
             return
         self.error = error
+        if self._held is not None:  # nothing more will be read
+            self._held.cancel()
+            self._held = None
         self._drain_waiters.fail(error)
         self.windows_changed.fail(error)
         self.connection_failed(error)

@@ -42,7 +42,7 @@ from common.transport.http import (
     error_response,
     start_handler,
 )
-from common.transport.limits import ConnectionLimits, EventWindow, TokenBucket
+from common.transport.limits import ConnectionLimits, EventWindow
 
 logger = logging.getLogger(__name__)
 
@@ -286,23 +286,18 @@ class _ServerProtocol(H2Protocol):
         A peer without the token gets one answer per connection, and what it sends after is
         left unread (`goaway`), so floods of unauthenticated streams or uploads cost a
         connection set-up each."""
-        self._server.logs["unauthorized"].warning(
-            "closed the connection from %s: a request without the bearer token", self.peer
-        )
+        self._server.gate.turned_away(self.peer, self._server.logs)
         if stream_id is not None:
             self._answer_now(stream_id, error_response(err))
         self._fail(Unavailable("connection closed: a request without the token"))
-        self.goaway(linger=True)
+        self.goaway(linger=True, unread=True)
 
     def _charge_unauthenticated(self) -> None:
         """One more request answered without the token; past the server's budget this
         connection is read again only once the rate allows (`ConnectionLimits`)."""
-        wait = self._server.unauthenticated.take(asyncio.get_running_loop().time())
+        server = self._server
+        wait = server.gate.unauthenticated(asyncio.get_running_loop().time(), self.peer, server.logs)
         if wait > 0:
-            self._server.logs["unauthenticated_rate"].warning(
-                "unauthenticated requests over %g/s (unauthenticated_rate): reading from %s "
-                "held for %.0f ms", self._server.limits.unauthenticated_rate, self.peer, wait * 1e3,
-            )
             self.hold_reading(wait)
 
     def _count_reset(self) -> None:
@@ -316,7 +311,7 @@ class _ServerProtocol(H2Protocol):
             "ENHANCE_YOUR_CALM", self.peer, limits.max_resets, limits.reset_window_s,
         )
         self._fail(Unavailable("connection closed: too many streams reset"))  # cancels the work
-        self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, linger=True)
+        self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, linger=True, unread=True)
 
     # -- request tasks --------------------------------------------------------------------
     def _spawn(self, stream_id: int, coro: object, awaiting: object = None) -> None:
@@ -428,13 +423,15 @@ class _ServerProtocol(H2Protocol):
 
     def goaway(
         self, error_code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR, *,
-        linger: bool = False,
+        linger: bool = False, unread: bool = False,
     ) -> None:
         """Send GOAWAY and close. With `linger`, the connection is half-closed and the peer's
         further bytes dropped unread until it closes too (at most `LINGER_S`): closing with
         its frames still unread makes the kernel reset the connection, which can destroy
-        the GOAWAY before the peer reads it. Reading stops: a peer that goes on sending is
-        held back by TCP's flow control, not read at our expense."""
+        the GOAWAY before the peer reads it. With `unread` (a peer cut off for abuse), the
+        socket is not even read meanwhile: a peer that goes on sending is held back by TCP's
+        flow control rather than read at our expense, and the close waits the full
+        `LINGER_S`."""
         self._closing = True
         if self._preface_seen:
             with contextlib.suppress(Exception):
@@ -442,7 +439,8 @@ class _ServerProtocol(H2Protocol):
                 self.flush()
         transport = self.transport
         if linger and transport is not None and transport.can_write_eof():
-            self._pause_reading()
+            if unread:
+                self._pause_reading()
             transport.write_eof()
             asyncio.get_running_loop().call_later(LINGER_S, self.close)
         else:
@@ -494,11 +492,8 @@ class H2Server:
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
     ) -> None:
-        self.gate = Gate(router, token, max_body_bytes)
+        self.gate = Gate(router, token, max_body_bytes, limits)
         self.limits = limits
-        self.unauthenticated = TokenBucket(
-            limits.unauthenticated_rate, limits.unauthenticated_burst
-        )
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()

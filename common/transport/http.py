@@ -32,6 +32,8 @@ from common.errors import (
     Unauthorized,
     error_from_json,
 )
+from common.ratelog import RateLimitedLogs
+from common.transport.limits import ConnectionLimits, TokenBucket
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +148,18 @@ def error_response(err: BagpipeError) -> Response:
 
 class Gate:
     """What a server decides from a request's headers alone, before it reads any body: an
-    unauthenticated or oversized upload is refused without being buffered."""
+    unauthenticated or oversized upload is refused without being buffered. It also keeps the
+    server's budget for requests answered without the token (`ConnectionLimits`)."""
 
-    def __init__(self, router: Router, token: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, router: Router, token: str | None, max_body_bytes: int,
+        limits: ConnectionLimits = ConnectionLimits(),
+    ) -> None:
         self.router = router
         self.auth = TokenCheck(token)
         self.max_body_bytes = max_body_bytes
+        self._rate = limits.unauthenticated_rate
+        self._unauthenticated = TokenBucket(limits.unauthenticated_rate, limits.unauthenticated_burst)
 
     def admit(self, method: str, path: str, headers: dict[str, str]) -> Route:
         """The route for these headers; raises NotFound, MethodNotAllowed, Unauthorized (a
@@ -169,17 +177,33 @@ class Gate:
         limit = self.max_body_bytes
         return PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
 
+    def unauthenticated(self, now: float, peer: str, logs: RateLimitedLogs) -> float:
+        """One more request answered without the token (a public route, a refusal): the
+        seconds the connection that sent it is not to be read, 0.0 within the budget."""
+        wait = self._unauthenticated.take(now)
+        if wait > 0:
+            logs["unauthenticated_rate"].warning(
+                "unauthenticated requests over %g/s (unauthenticated_rate): reading from %s "
+                "held for %.0f ms", self._rate, peer, wait * 1e3,
+            )
+        return wait
+
+    @staticmethod
+    def turned_away(peer: str, logs: RateLimitedLogs) -> None:
+        """Log a connection closed after answering a request without the token: a peer
+        without it gets one answer per connection."""
+        logs["unauthorized"].warning(
+            "closed the connection from %s: a request without the bearer token", peer
+        )
+
 
 def start_handler(route: Route, request: Request) -> Answer | Awaitable[Answer]:
     """Call an admitted request's handler: its answer if it gave one at once, else an
     awaitable of it. Every failure becomes an error answer."""
     try:
         result = route.handler(request)
-    except BagpipeError as err:
-        return error_response(err)
-    except Exception:
-        logger.exception("handler for %s %s failed", request.method, request.path)
-        return error_response(BagpipeError("internal server error"))
+    except Exception as exc:
+        return _failed(request, exc)
     if isinstance(result, Response | StreamResponse):
         return result
     if inspect.isawaitable(result):
@@ -190,14 +214,20 @@ def start_handler(route: Route, request: Request) -> Answer | Awaitable[Answer]:
 async def _finish_handler(pending: Awaitable[object], request: Request) -> Answer:
     try:
         result = await pending
-    except BagpipeError as err:
-        return error_response(err)
-    except Exception:
-        logger.exception("handler for %s %s failed", request.method, request.path)
-        return error_response(BagpipeError("internal server error"))
+    except Exception as exc:
+        return _failed(request, exc)
     if isinstance(result, Response | StreamResponse):
         return result
     return _not_an_answer(request, result)
+
+
+def _failed(request: Request, exc: Exception) -> Response:
+    """The answer to a handler that raised: the error's own for a `BagpipeError`, else a
+    logged 500."""
+    if isinstance(exc, BagpipeError):
+        return error_response(exc)
+    logger.error("handler for %s %s failed", request.method, request.path, exc_info=exc)
+    return error_response(BagpipeError("internal server error"))
 
 
 def _not_an_answer(request: Request, result: object) -> Response:

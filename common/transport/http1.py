@@ -30,7 +30,7 @@ from common.transport.http import (
     raise_for_answer,
     run_handler,
 )
-from common.transport.limits import ConnectionLimits, TokenBucket
+from common.transport.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,8 @@ class Http1Server:
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
     ) -> None:
-        self._gate = Gate(router, token, max_body_bytes)
+        self._gate = Gate(router, token, max_body_bytes, limits)
         self._limits = limits
-        self._unauthenticated = TokenBucket(
-            limits.unauthenticated_rate, limits.unauthenticated_burst
-        )
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -116,16 +113,13 @@ class Http1Server:
         try:
             route = self._gate.admit(raw.method, raw.path, headers)
         except Unauthorized as err:
-            # One answer per connection without the token, as on HTTP/2.
-            self._logs["unauthorized"].warning(
-                "closed the connection from %s: a request without the bearer token", raw.remote
-            )
+            self._gate.turned_away(str(raw.remote), self._logs)
             return _turned_away(raw, error_response(err))
         except BagpipeError as err:
-            self._charge_unauthenticated(raw)
+            await self._charge_unauthenticated(raw)
             return _early(raw, error_response(err))
         if route.public:
-            self._charge_unauthenticated(raw)
+            await self._charge_unauthenticated(raw)
         try:
             body = await raw.read()
         except BagpipeError as err:
@@ -145,25 +139,15 @@ class Http1Server:
         return await _stream(raw, result)
 
 
-    def _charge_unauthenticated(self, raw: web.Request) -> None:
-        """One more request answered without the token; past the budget the connection is
-        read again only once the rate allows (`ConnectionLimits`)."""
+    async def _charge_unauthenticated(self, raw: web.Request) -> None:
+        """One more request answered without the token; past the budget its answer waits
+        until the rate allows (`ConnectionLimits`). HTTP/1.1 answers a connection's requests
+        in order, so the connection's next requests wait too, and aiohttp's own flow control
+        stops reading it once a few are queued."""
         loop = asyncio.get_running_loop()
-        wait = self._unauthenticated.take(loop.time())
-        transport = raw.transport
-        if wait <= 0 or transport is None:
-            return
-        self._logs["unauthenticated_rate"].warning(
-            "unauthenticated requests over %g/s (unauthenticated_rate): reading from %s held "
-            "for %.0f ms", self._limits.unauthenticated_rate, raw.remote, wait * 1e3,
-        )
-        transport.pause_reading()
-        loop.call_later(wait, _resume_reading, transport)
-
-
-def _resume_reading(transport: asyncio.BaseTransport) -> None:
-    if not transport.is_closing():
-        transport.resume_reading()  # type: ignore[attr-defined]
+        wait = self._gate.unauthenticated(loop.time(), str(raw.remote), self._logs)
+        if wait > 0:
+            await asyncio.sleep(wait)  # the rate limit itself, not a wait for an event
 
 
 class _Refused(asyncio.Protocol):

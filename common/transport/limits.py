@@ -23,9 +23,10 @@ class ConnectionLimits:
       rapid-reset attacker thousands, so it is cut off within milliseconds.
     * `unauthenticated_rate`: requests a server answers without the bearer token (public
       routes such as health and metrics, and refusals), per second on average over all its
-      connections, `unauthenticated_burst` at once. Each is still answered, but past the
-      budget the connection that sent it is not read again until the rate allows: a flood
-      of cheap requests takes a bounded share of the CPU the trainers' requests need.
+      connections, `unauthenticated_burst` at once. Past the budget, an HTTP/2 connection
+      that sent one is answered but not read again until the rate allows; on HTTP/1.1,
+      which answers a connection's requests in order, the answer itself waits. A flood of
+      cheap requests takes a bounded share of the CPU the trainers' requests need.
       Probes and scrapes ask a few times a second.
     """
 

@@ -12,7 +12,6 @@ import pytest
 from bench.fetch_load import FetchLoad, Fetches
 from common.keys import TableLayout
 from common.transport import H2Server, Http1Server
-from ps.protocol import FETCH, FetchRequest, Rows
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -22,16 +21,9 @@ KEYS, DIM = 4, 8
 
 def _fetches(port: int, service: PsService, token: str = TOKEN, incarnation: str | None = None) -> Fetches:
     rng = np.random.default_rng(0)
-    bodies = [
-        FetchRequest(keys=rng.integers(0, 1000, KEYS, dtype=np.int64),
-                     min_versions=np.full(KEYS, -1, np.int64)).to_wire()
-        for _ in range(4)
-    ]
-    answer = Rows(rows=np.zeros((KEYS, DIM), np.float32), state=np.zeros((KEYS, 0), np.float32),
-                  versions=np.zeros(KEYS, np.int64))
-    return Fetches(host="127.0.0.1", port=port, path=FETCH.path, token=token,
-                   incarnation=incarnation or service.incarnation, bodies=bodies,
-                   answer_bytes=len(answer.to_wire()))
+    keys = [rng.integers(0, 1000, KEYS, dtype=np.int64) for _ in range(4)]
+    return Fetches.of_keys(keys, dim=DIM, state_width=0, host="127.0.0.1", port=port, token=token,
+                           incarnation=incarnation or service.incarnation)
 
 
 def _shard(kind: str, tmp_path: Path) -> tuple[PsService, H2Server | Http1Server]:

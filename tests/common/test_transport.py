@@ -26,6 +26,7 @@ from tests.common.transport_fixtures import (
     BOUNDED,
     MAX_BODY,
     TOKEN,
+    UPLOAD,
     RawH2,
     Service,
     make_client,
@@ -191,7 +192,6 @@ async def test_streaming_error_raises(kind: str, pair: tuple[object, Client]) ->
 
 
 # -- hardening: what a hostile or broken peer can make a server do --------------------------
-UPLOAD = 15 * 1024 * 1024  # a body the peer announces but never sends
 
 
 async def _status_before_body(kind: str, port: int, *, token: str | None, length: int) -> int:
@@ -267,8 +267,9 @@ async def test_a_request_without_the_token_is_answered_and_its_connection_closed
 async def test_unauthenticated_requests_past_the_budget_wait_for_the_rate(
     kind: str, service: Service, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Health is public: each request is answered, but past `unauthenticated_burst` the
-    connection is read again only as `unauthenticated_rate` allows."""
+    """Health is public: past `unauthenticated_burst`, requests are served only as fast as
+    `unauthenticated_rate` allows (HTTP/2 holds the connection's reading, HTTP/1.1 the
+    answer)."""
     limits = ConnectionLimits(unauthenticated_rate=20.0, unauthenticated_burst=2)
     server = make_server(kind, service.router(), limits=limits)
     await server.start()

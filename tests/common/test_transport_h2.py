@@ -33,10 +33,10 @@ from common.transport.h2base import (
 )
 from common.transport.h2client import _ClientProtocol
 from common.transport.h2server import _ServerProtocol
-from tests.common.test_transport import UPLOAD
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
+    UPLOAD,
     RawH2,
     Service,
     make_client,

@@ -27,6 +27,7 @@ from common.transport import (
 
 TOKEN = "secret"
 MAX_BODY = 20 * 1024 * 1024
+UPLOAD = 15 * 1024 * 1024  # a body the peer announces but never sends
 
 
 @dataclass(eq=False)
