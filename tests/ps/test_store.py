@@ -36,6 +36,14 @@ def test_first_read_is_the_initial_value_for_any_shard_count() -> None:
         assert (state == 0.5).all() and (versions == -1).all()
 
 
+def test_a_first_read_that_names_a_row_twice_gives_its_initial_value_twice() -> None:
+    store = make_store()
+    keys = np.array([4, 76, 4, 4])
+    rows, state, versions = store.gather(store.check_keys(keys))
+    assert np.array_equal(rows, initial_rows(LAYOUT, 7, keys, 4))
+    assert (state == 0.5).all() and (versions == -1).all()
+
+
 def test_write_back_then_gather_returns_it() -> None:
     store = make_store()
     keys = np.array([4, 7])

@@ -1,0 +1,30 @@
+"""The shared array helpers against the numpy functions they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.arrays import has_duplicates, in_sorted
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_in_sorted_is_isin(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    pool = np.unique(rng.integers(0, 50, rng.integers(0, 30)))
+    values = rng.integers(-5, 60, rng.integers(0, 40))
+    np.testing.assert_array_equal(in_sorted(values, pool), np.isin(values, pool))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_has_duplicates_is_unique_shorter(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 60, rng.integers(0, 12))
+    assert has_duplicates(values) == (len(np.unique(values)) < len(values))
+
+
+def test_has_duplicates_at_the_edges() -> None:
+    assert not has_duplicates(np.zeros(0, np.int64))
+    assert not has_duplicates(np.array([7]))
+    assert has_duplicates(np.array([3, 1, 3]))
+    assert not has_duplicates(np.array([3, 1, 2]))
