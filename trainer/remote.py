@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -23,8 +24,8 @@ from trainer.io_thread import IoThread
 log = logging.getLogger(__name__)
 
 
-async def _make_queue(size: int) -> asyncio.Queue:
-    return asyncio.Queue(maxsize=size)  # created on the loop that uses it
+async def _make_semaphore(size: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(size)  # created on the loop that uses it
 
 
 class RemoteRows:
@@ -79,9 +80,14 @@ class DirectiveStream:
         self.endpoint = endpoint
         self.trainer = trainer
         self.iterations: int | None = None
-        # Lives on the I/O loop: the reader awaits room in it (so it stops taking data and
-        # flow control holds the oracle back) and is cancelled cleanly by `close`.
-        self._queue: asyncio.Queue = io.run(_make_queue(read_ahead))
+        # Steps go from the I/O thread to the trainer's through a thread-safe queue, so that
+        # taking one that is ready costs no hand-off between the threads (an `asyncio.Queue`
+        # read through `io.run` woke the I/O thread and waited for it on every step: 1.6 ms
+        # an iteration on two busy cores). The room for `read_ahead` of them lives on the I/O
+        # loop: the reader awaits it (so it stops taking data and flow control holds the
+        # oracle back) and is cancelled cleanly by `close`.
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._room: asyncio.Semaphore = io.run(_make_semaphore(read_ahead))
         self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
         self._retries = retries
         self._reconnect_s = reconnect_s
@@ -92,7 +98,8 @@ class DirectiveStream:
 
     def __iter__(self) -> Iterator[Step]:
         while True:
-            item = self._io.run(self._queue.get())
+            item = self._ready.get()
+            self._io.loop.call_soon_threadsafe(self._room.release)
             if item is _END:
                 return
             if isinstance(item, _Failed):
@@ -151,7 +158,8 @@ class DirectiveStream:
         raise Unavailable("directive stream closed before its end message")
 
     async def _put(self, item: object) -> None:
-        await self._queue.put(item)
+        await self._room.acquire()
+        self._ready.put(item)
 
     def _named(self, exc: BagpipeError) -> BagpipeError:
         return type(exc)(f"oracle at {self.endpoint}: {exc.message}", **exc.fields)

@@ -38,6 +38,7 @@ from hyperframe.frame import (
 )
 
 from common.errors import Unavailable
+from common.transport.hpack_memo import MemoDecoder, MemoEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ _QUIET = {
 
 class QuietH2Connection(h2.connection.H2Connection):
     """`H2Connection` without h2 4.4's eager per-frame formatting, remembering fewer closed
-    streams.
+    streams, with HPACK coders that reuse the blocks a connection repeats (`hpack_memo`).
 
     h2 4.4.1 `_receive_frame` runs `logger.trace("Received frame: %s", repr(frame))`: the
     `repr` is evaluated even when the logger is the no-op `DummyLogger`. A DATA frame's
@@ -99,6 +100,9 @@ class QuietH2Connection(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config=config)
+        # Fresh coders, before any header is coded: h2 sets only the decoder's limit so far.
+        self.encoder = MemoEncoder()
+        self.decoder = MemoDecoder(self.decoder.max_header_list_size)
         table = self._frame_dispatch_table
         for cls, quiet in _QUIET.items():
             table[quiet] = table[cls]
