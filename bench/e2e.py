@@ -59,7 +59,8 @@ from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
 from launcher.memory import RssCurve, RssFigures, read_rss, rss_curves, summarise_rss  # noqa: E402
 from launcher.report import (  # noqa: E402
-    RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run, summarise,
+    Record, RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run,
+    summarise,
 )
 
 TOKEN = "e2e-bench"
@@ -86,7 +87,8 @@ def warmup_of(iterations: int) -> int:
 
 @dataclass(frozen=True)
 class ModeRun:
-    """One run of a mode: its summary and, but for TorchRec, every role's RSS (MB)."""
+    """One run of a mode: its summary and every role's RSS (MB) and CPU time (TorchRec's
+    roles are its ranks, named as trainers)."""
 
     summary: RunSummary
     rss: Mapping[str, RssFigures] = field(default_factory=dict)
@@ -103,18 +105,25 @@ def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> ModeRu
     warmup = warmup_of(job.spec.train.max_iterations)
     records = read_run(run_dir, 2)
     summary = summarise(records, mode=mode, global_batch=job.spec.train.batch_size, warmup=warmup, trainers=2)
-    series = iteration_series(records, trainers=2)
-    curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
-    plot_rss(curves, warmup, run_dir / "memory.png")
-    return ModeRun(summary, summarise_rss(curves, warmup), curves)
+    return ModeRun(summary, *_memory(run_dir, records, warmup))
 
 
 def run_torchrec(base: dict, out: Path) -> ModeRun:
     spec_path = out / f"{torchrec_baseline.MODE}.toml"
     spec_path.write_text(spec_toml(f"e2e-{torchrec_baseline.MODE}", SEED, base))
     print(f"running {torchrec_baseline.MODE} ...", file=sys.stderr, flush=True)
-    return ModeRun(torchrec_baseline.run(spec_path, out / torchrec_baseline.MODE,
-                                         warmup=warmup_of(base["train"]["max_iterations"])))
+    run_dir = out / torchrec_baseline.MODE
+    warmup = warmup_of(base["train"]["max_iterations"])
+    summary = torchrec_baseline.run(spec_path, run_dir, warmup=warmup)
+    return ModeRun(summary, *_memory(run_dir, read_run(run_dir, 2), warmup))
+
+
+def _memory(run_dir: Path, records: Mapping[int, list[Record]], warmup: int) -> tuple[dict[str, RssFigures], dict[str, RssCurve]]:
+    """Every role's RSS and CPU figures and curves from the samples of a run in `run_dir`."""
+    series = iteration_series(records, trainers=2)
+    curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
+    plot_rss(curves, warmup, run_dir / "memory.png")
+    return summarise_rss(curves, warmup), curves
 
 
 def median_run(runs: Sequence[ModeRun]) -> ModeRun:

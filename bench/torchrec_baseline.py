@@ -54,6 +54,7 @@ from torch import nn
 from common.errors import ConfigError
 from common.job import Job, build_job
 from common.spec import load_spec
+from launcher.memory import RSS_FILE, RssRecorder
 from launcher.report import COUNTERS, RunSummary, read_run, summarise
 from oracle.main import build_workload
 from trainer.main import RecordWriter
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+RSS_POLL_S = 0.2  # as the launcher polls its roles
 INSTALL = "pip install --no-deps -r bench/requirements-torchrec.txt"
 MODE = "torchrec"
 
@@ -96,13 +98,18 @@ class PooledDLRM(nn.Module):
 
 def run(spec_path: Path, run_dir: Path, *, warmup: int) -> RunSummary:
     """Train the job of `spec_path` with TorchRec in `trainers.count` spawned ranks, writing
-    trainer records into `run_dir`, and summarise them like a mode's run."""
+    trainer records and the ranks' RSS and CPU time (`launcher.memory`) into `run_dir`, and
+    summarise them like a mode's run."""
     job = build_job(load_spec(spec_path))
     world = job.spec.trainers.count
     run_dir.mkdir(parents=True, exist_ok=True)
-    for old in (*run_dir.glob("trainer-*.jsonl"), run_dir / "rendezvous"):
+    for old in (*run_dir.glob("trainer-*.jsonl"), run_dir / "rendezvous", run_dir / RSS_FILE):
         old.unlink(missing_ok=True)  # records append and the file store must start empty
-    mp.spawn(_rank_main, args=(spec_path, run_dir), nprocs=world, join=True)
+    ranks = mp.spawn(_rank_main, args=(spec_path, run_dir), nprocs=world, join=False)
+    # Each rank's RSS and CPU time, sampled as the launcher samples a mode's roles.
+    recorder = RssRecorder(run_dir / RSS_FILE)
+    while not ranks.join(timeout=RSS_POLL_S):
+        recorder.sample((f"trainer-{rank}", p.pid) for rank, p in enumerate(ranks.processes))
     return summarise(read_run(run_dir, world), mode=MODE, global_batch=job.spec.train.batch_size,
                      warmup=warmup, trainers=world)
 
