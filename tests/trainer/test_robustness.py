@@ -3,7 +3,9 @@ error naming the peer; never a hang, never a step without its data."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -121,6 +123,31 @@ def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:
         stream.close()
     finally:
         io.close()
+
+
+def test_the_reader_takes_at_most_read_ahead_steps_ahead() -> None:
+    """Steps beyond `read_ahead` are left unread (so flow control holds the oracle back), and
+    each step taken lets the reader take one more."""
+    io = IoThread()
+    oracle = FlakyOracle(total=50, break_after=10**6)
+    server = H2Server(oracle.router(), port=0, token=TOKEN)
+    io.run(server.start())
+    try:
+        stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=server.port), token=TOKEN,
+                                 transport="h2", trainer=0, read_ahead=3)
+        deadline = time.monotonic() + 10
+        while stream._ready.qsize() < 3:  # the reader filling its room
+            assert time.monotonic() < deadline, "the reader took no steps"
+            io.run(asyncio.sleep(0))
+        for _ in range(50):  # turns of the I/O loop in which an unbounded reader would go on
+            io.run(asyncio.sleep(0))
+        assert stream._ready.qsize() == 3
+        steps = list(stream)
+        stream.close()
+    finally:
+        io.run(server.stop())
+        io.close()
+    assert [s.iteration for s in steps] == list(range(50))
 
 
 def test_a_trainer_that_stops_reading_leaves_no_thread_behind() -> None:
