@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,19 +95,27 @@ class FlakyOracle:
         yield encode_message(EndOfStream(iterations=self.total).encode())
 
 
-def test_a_broken_directive_stream_resumes_where_it_stopped() -> None:
+@contextmanager
+def streaming(oracle: FlakyOracle, **options: Any) -> Iterator[tuple[IoThread, DirectiveStream]]:
+    """Trainer 0's stream of `oracle`'s steps on an I/O thread, and that thread; all closed
+    after."""
     io = IoThread()
-    oracle = FlakyOracle(total=7, break_after=3)
     server = H2Server(oracle.router(), port=0, token=TOKEN)
     io.run(server.start())
     try:
         stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=server.port), token=TOKEN,
-                                 transport="h2", trainer=0, retries=3)
-        steps = list(stream)
+                                 transport="h2", trainer=0, **options)
+        yield io, stream
         stream.close()
     finally:
         io.run(server.stop())
         io.close()
+
+
+def test_a_broken_directive_stream_resumes_where_it_stopped() -> None:
+    oracle = FlakyOracle(total=7, break_after=3)
+    with streaming(oracle, retries=3) as (_, stream):
+        steps = list(stream)
     assert [s.iteration for s in steps] == list(range(7))
     assert all(s.labels[0] == s.iteration and s.directive.input_slots[0, 0] == s.iteration for s in steps)
     assert oracle.starts == [0, 3]
@@ -128,13 +138,7 @@ def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:
 def test_the_reader_takes_at_most_read_ahead_steps_ahead() -> None:
     """Steps beyond `read_ahead` are left unread (so flow control holds the oracle back), and
     each step taken lets the reader take one more."""
-    io = IoThread()
-    oracle = FlakyOracle(total=50, break_after=10**6)
-    server = H2Server(oracle.router(), port=0, token=TOKEN)
-    io.run(server.start())
-    try:
-        stream = DirectiveStream(io, Endpoint(host="127.0.0.1", port=server.port), token=TOKEN,
-                                 transport="h2", trainer=0, read_ahead=3)
+    with streaming(FlakyOracle(total=50, break_after=10**6), read_ahead=3) as (io, stream):
         deadline = time.monotonic() + 10
         while stream._ready.qsize() < 3:  # the reader filling its room
             assert time.monotonic() < deadline, "the reader took no steps"
@@ -143,10 +147,6 @@ def test_the_reader_takes_at_most_read_ahead_steps_ahead() -> None:
             io.run(asyncio.sleep(0))
         assert stream._ready.qsize() == 3
         steps = list(stream)
-        stream.close()
-    finally:
-        io.run(server.stop())
-        io.close()
     assert [s.iteration for s in steps] == list(range(50))
 
 
