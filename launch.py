@@ -83,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     roles.add_argument("--ps-addresses", help="HOST:PORT,... of the PS shards, overriding the spec")
     roles.add_argument("--rendezvous", help="HOST:PORT of the trainers' rendezvous, overriding the spec")
     roles.add_argument("--ready-file", type=Path, help="file a role writes once it listens")
+    roles.add_argument("--cpus", type=_cpu_list, help="cores this role keeps to, e.g. 0,1")
     alone = parser.add_argument_group("restarting one role while the others run on")
     alone.add_argument("--rejoin", action="store_true",
                        help="PS: come back with this shard's latest snapshot; the trainers replay the rest")
@@ -95,6 +96,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     alone.add_argument("--admin-port", type=int,
                        help="PS or oracle: port of its HTTP/1.1 listener (default: port + 1, any free one for port 0)")
     return parser.parse_args(argv)
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    from common.runtime import parse_cpus
+
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +176,12 @@ def with_addresses(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
 
 
 def run_role(args: argparse.Namespace) -> int:
-    from common.runtime import configure_logging, raise_file_limit
+    from common.runtime import configure_logging, pin_process, raise_file_limit
 
     configure_logging(f"{args.role}[{'?' if args.index is None else args.index}]")
     raise_file_limit()
+    if args.cpus:
+        pin_process(args.cpus)
     if args.coordinator:
         return run_joined_role(args)
     from common.job import build_job

@@ -105,6 +105,9 @@ class TrainersSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     rendezvous: Endpoint
     threads: int = 1
+    #: A local cluster gives each trainer its own share of this machine's cores
+    #: (`common.runtime.trainer_cpus`); false lets the OS move them at will.
+    pin_cpus: bool = True
     metrics_address: Endpoint = Endpoint(host="127.0.0.1", port=0)
 
     def __post_init__(self) -> None:
@@ -262,6 +265,7 @@ def _trainers(s: _Section) -> TrainersSection:
         backend=s.choice("backend", ("auto", "gloo", "nccl"), "auto"),
         rendezvous=s.endpoint("rendezvous", "127.0.0.1:0"),
         threads=s.int("threads", 1, low=1),
+        pin_cpus=s.get("pin_cpus", bool, True),
         metrics_address=s.endpoint("metrics_address", "127.0.0.1:0"),
     )
 

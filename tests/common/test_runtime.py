@@ -4,7 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.runtime import connection_limits
+import pytest
+
+from common.runtime import connection_limits, parse_cpus, trainer_cpus
 from common.spec import parse_spec
 from common.transport import ConnectionLimits
 
@@ -34,3 +36,38 @@ def test_connection_limits_come_from_the_spec() -> None:
         reset_window_s=2.5, unauthenticated_rate=30.0, unauthenticated_burst=4,
     )
     assert connection_limits(parse_spec({}, Path("/tmp/specs/x.toml")).cluster) == ConnectionLimits()
+
+
+@pytest.mark.parametrize(("cores", "trainers", "threads", "shares"), [
+    (2, 2, 1, [(0,), (1,)]),
+    (8, 3, 2, [(0, 1, 2), (3, 4, 5), (6, 7)]),  # sizes differ by one at most
+    (16, 2, 4, [tuple(range(8)), tuple(range(8, 16))]),
+    (3, 2, 2, [None, None]),  # not `threads` cores each: the OS decides
+])
+def test_trainers_get_contiguous_shares_of_the_cores(cores, trainers, threads, shares) -> None:
+    available = [10 + c for c in range(cores)][::-1]  # any order, any numbering
+    expected = [None if s is None else tuple(10 + c for c in s) for s in shares]
+    assert [trainer_cpus(available, trainers, threads, r) for r in range(trainers)] == expected
+
+
+def test_core_lists_parse_and_name_what_is_wrong() -> None:
+    assert parse_cpus("0,3,12") == (0, 3, 12)
+    with pytest.raises(ValueError, match="'x' is not a core number"):
+        parse_cpus("1,x")
+
+
+def test_pinning_holds_every_thread_and_the_threads_started_after() -> None:
+    # In a child: the affinity of this test process must not change.
+    script = (
+        "import os, threading\n"
+        "from common.runtime import pin_process\n"
+        "core = min(os.sched_getaffinity(0))\n"
+        "stop = threading.Event()\n"
+        "before = threading.Thread(target=stop.wait); before.start()\n"
+        "pin_process([core])\n"
+        "after = threading.Thread(target=stop.wait); after.start()\n"
+        "tasks = [int(t) for t in os.listdir('/proc/self/task')]\n"
+        "assert len(tasks) >= 3 and all(os.sched_getaffinity(t) == {core} for t in tasks), tasks\n"
+        "stop.set()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=60)

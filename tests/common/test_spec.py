@@ -16,7 +16,7 @@ def test_defaults_make_a_local_cluster() -> None:
     assert spec.ps.num_shards == 2
     assert all(e == Endpoint(host="127.0.0.1", port=0) for e in spec.ps.addresses)
     assert spec.oracle.mode == "bagpipe" and spec.cluster.transport == "h2"
-    assert spec.trainers.count == 2
+    assert spec.trainers.count == 2 and spec.trainers.pin_cpus
     assert spec.cluster.max_body_bytes == 256 << 20
     assert spec.checkpoint.every == 0 and spec.checkpoint.keep == 2
 
@@ -29,7 +29,7 @@ def test_values_are_read_and_typed() -> None:
             "cluster": {"transport": "http1", "request_timeout_s": 5, "max_body_mib": 8},
             "oracle": {"mode": "static-cache", "lookahead": 10, "prefetch_lead": 0, "cache_rows": 7},
             "ps": {"shards": 2, "addresses": ["10.0.0.1:7000", "[::1]:7001"]},
-            "trainers": {"count": 4, "rendezvous": "host:29500"},
+            "trainers": {"count": 4, "rendezvous": "host:29500", "pin_cpus": False},
             "train": {"batch_size": 64},
             "model": {"name": "dlrm"},
         },
@@ -38,7 +38,7 @@ def test_values_are_read_and_typed() -> None:
     assert spec.cluster.request_timeout_s == 5.0 and spec.cluster.max_body_bytes == 8 << 20
     assert spec.oracle.lookahead == 10 and spec.oracle.prefetch_lead == 0
     assert spec.ps.addresses[1] == Endpoint(host="::1", port=7001)
-    assert spec.trainers.rendezvous == Endpoint(host="host", port=29500)
+    assert spec.trainers.rendezvous == Endpoint(host="host", port=29500) and not spec.trainers.pin_cpus
     assert spec.sections["model"] == {"name": "dlrm"}
     assert spec.sections["data"] == {}
 
@@ -64,6 +64,7 @@ def test_values_are_read_and_typed() -> None:
         ({"ps": {"shards": 1, "addresses": ["nohost"]}}, "ps.addresses[0]"),
         ({"ps": {"shards": 1, "addresses": ["h:99999"]}}, "ps.addresses[0]"),
         ({"trainers": {"count": 0}}, "trainers.count"),
+        ({"trainers": {"pin_cpus": "yes"}}, "trainers.pin_cpus"),
         ({"trainers": {"metrics_address": "9400"}}, "trainers.metrics_address"),
         ({"trainers": {"count": 4, "metrics_address": "h:65533"}}, "trainers.metrics_address"),
         ({"cluster": {"metrics_linger_s": -1}}, "cluster.metrics_linger_s"),
