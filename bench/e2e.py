@@ -29,8 +29,8 @@ Memory and CPU: the launcher samples every role's RSS and CPU time about once a 
 each PS shard, each trainer), the RSS at the end of the warm-up, at the end of training, the
 peak, the growth per 1,000 iterations after the warm-up (a least-squares slope) and the CPU
 time per iteration after the warm-up, which shows where the machine's cores went; `--json`
-adds the curve points, and each run's folder gets `memory.png`. TorchRec's run is not
-sampled. A long run with a small batch checks that memory stays flat:
+adds the curve points, and each run's folder gets `memory.png`. TorchRec's ranks are sampled
+the same way, named as trainers. A long run with a small batch checks that memory stays flat:
 
     python bench/e2e.py --quick
     python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
@@ -57,7 +57,9 @@ from bench import torchrec_baseline, write_json  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
-from launcher.memory import RssCurve, RssFigures, read_rss, rss_curves, summarise_rss  # noqa: E402
+from launcher.memory import (  # noqa: E402
+    RssCurve, RssFigures, format_figure, read_rss, rss_curves, summarise_rss,
+)
 from launcher.report import (  # noqa: E402
     Record, RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run,
     summarise,
@@ -118,7 +120,9 @@ def run_torchrec(base: dict, out: Path) -> ModeRun:
     return ModeRun(summary, *_memory(run_dir, read_run(run_dir, 2), warmup))
 
 
-def _memory(run_dir: Path, records: Mapping[int, list[Record]], warmup: int) -> tuple[dict[str, RssFigures], dict[str, RssCurve]]:
+def _memory(
+    run_dir: Path, records: Mapping[int, list[Record]], warmup: int
+) -> tuple[dict[str, RssFigures], dict[str, RssCurve]]:
     """Every role's RSS and CPU figures and curves from the samples of a run in `run_dir`."""
     series = iteration_series(records, trainers=2)
     curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
@@ -171,9 +175,8 @@ def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
     for name, run in runs.items():
         for i, f in enumerate(run.rss.values()):
             growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"
-            cpu = "n/a" if math.isnan(f.cpu_ms_per_iter) else f"{f.cpu_ms_per_iter:.1f}"
             lines.append(f"{name if i == 0 else '':<14}{f.role:<12}{f.warm_mb:>13,.1f}{f.end_mb:>10,.1f}"
-                         f"{f.peak_mb:>10,.1f}{growth:>10}{cpu:>11}")
+                         f"{f.peak_mb:>10,.1f}{growth:>10}{format_figure(f.cpu_ms_per_iter):>11}")
     return "\n".join(lines)
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from torch import nn
 
 from common.errors import ConfigError
 from common.job import Job, build_job
-from common.runtime import pin_process, trainer_cpus
+from common.runtime import pin_process, pinned_cpus
 from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
 from launcher.report import COUNTERS, RunSummary, read_run, summarise
@@ -121,9 +120,9 @@ def _rank_main(rank: int, spec_path: Path, run_dir: Path, init_method: str | Non
     one machine: no port to pick and race for) is where the ranks meet."""
     job = build_job(load_spec(spec_path))
     world = job.spec.trainers.count
-    # The cores our trainers keep to in a local cluster (`launcher.cluster`), for the same reasons.
-    cpus = trainer_cpus(os.sched_getaffinity(0), world, job.spec.trainers.threads, rank)
-    if job.spec.trainers.pin_cpus and cpus is not None and init_method is None:
+    # On one machine, the cores our trainers keep to in a local cluster, for the same reasons.
+    cpus = pinned_cpus(job.spec.trainers, rank) if init_method is None else None
+    if cpus is not None:
         pin_process(cpus)
     torch.set_num_threads(job.spec.trainers.threads)
     rendezvous = init_method or (run_dir / "rendezvous").resolve().as_uri()

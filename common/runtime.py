@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from common.files import write_atomically
-from common.spec import ClusterSection, Endpoint
+from common.spec import ClusterSection, Endpoint, TrainersSection
 from common.transport import ConnectionLimits, H2Server, Http1Server, Router
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,14 @@ def trainer_cpus(available: Iterable[int], trainers: int, threads: int, rank: in
     share, extra = divmod(len(cpus), trainers)
     start = rank * share + min(rank, extra)
     return tuple(cpus[start : start + share + (rank < extra)])
+
+
+def pinned_cpus(trainers: TrainersSection, rank: int) -> tuple[int, ...] | None:
+    """The cores trainer `rank` of a local cluster keeps to (`trainer_cpus` over this
+    process's cores), or None: `pin_cpus` is off or the cores do not go round."""
+    if not trainers.pin_cpus:
+        return None
+    return trainer_cpus(os.sched_getaffinity(0), trainers.count, trainers.threads, rank)
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from common.checkpoints import latest_complete, remove_all
 from common.coordinator import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
-from common.runtime import trainer_cpus
+from common.runtime import pinned_cpus
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
 from launcher.memory import RSS_FILE, RssRecorder
 from oracle import NUMBA_CACHE_ENV
@@ -142,11 +142,8 @@ class LocalCluster:
 
     def _cpus(self, rank: int) -> list[str]:
         """`--cpus` for trainer `rank`: its share of this machine's cores, if it gets one."""
-        trainers = self.job.spec.trainers
-        cpus = trainer_cpus(os.sched_getaffinity(0), trainers.count, trainers.threads, rank)
-        if not trainers.pin_cpus or cpus is None:
-            return []
-        return ["--cpus", ",".join(map(str, cpus))]
+        cpus = pinned_cpus(self.job.spec.trainers, rank)
+        return [] if cpus is None else ["--cpus", ",".join(map(str, cpus))]
 
     @property
     def _ps_prefix(self) -> tuple[str, ...]:

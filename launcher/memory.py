@@ -235,12 +235,14 @@ def format_rss(figures: Mapping[str, RssFigures], warm_from: int, title: str = "
              "until training ended)", head]
     for f in figures.values():
         growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+,.2f}"
-        lines.append(f"  {f.role:<12}{_mb(f.warm_mb):>13}{_mb(f.end_mb):>10}{_mb(f.peak_mb):>10}{growth:>18}"
-                     f"{_mb(f.cpu_ms_per_iter):>11}")
+        n = format_figure
+        lines.append(f"  {f.role:<12}{n(f.warm_mb):>13}{n(f.end_mb):>10}{n(f.peak_mb):>10}{growth:>18}"
+                     f"{n(f.cpu_ms_per_iter):>11}")
     return "\n".join(lines)
 
 
-def _mb(value: float) -> str:
+def format_figure(value: float) -> str:
+    """A table's MB or ms figure: one decimal, n/a for NaN."""
     return "n/a" if math.isnan(value) else f"{value:,.1f}"
 
 

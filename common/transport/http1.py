@@ -138,7 +138,6 @@ class Http1Server:
             return _plain(result)
         return await _stream(raw, result)
 
-
     async def _charge_unauthenticated(self, raw: web.Request) -> None:
         """One more request answered without the token; past the budget its answer waits
         until the rate allows (`ConnectionLimits`). HTTP/1.1 answers a connection's requests
