@@ -8,8 +8,12 @@ errors the shard answered (4xx) are raised at once.
 A shard may be restarted alone from its latest snapshot while its clients wait. Each
 request names the shard process (incarnation) the client last spoke with; a restarted shard
 refuses it (409 ``restarted``), and a client keeping a journal (trainers) then replays the
-write-backs the shard's snapshot lacks before going on. Retried write-backs are sent as
-replays: one that had landed before the connection broke changes nothing.
+write-backs the shard's snapshot lacks before going on. A trainer's client then reports to
+the new process that it has replayed (`ps.protocol.Rejoined`), as it does on first contact
+with a shard that waits for it: a shard restarted alone serves no fetch until every trainer
+has, or it could serve a row older than a write-back still in a journal. Retried
+write-backs are sent as replays: one that had landed before the connection broke changes
+nothing.
 
 A client with a journal speaks only with shard processes that journal can make whole: on
 first contact and after each restart it reads the checkpoint the shard's rows descend from
@@ -38,6 +42,7 @@ from ps.journal import WriteJournal
 from ps.protocol import (
     FETCH,
     INCARNATION_HEADER,
+    REJOINED,
     REPORT_CHECKPOINT,
     RESTORE,
     SNAPSHOT,
@@ -47,6 +52,8 @@ from ps.protocol import (
     CheckpointSaved,
     FetchRequest,
     Message,
+    Rejoined,
+    RejoinProgress,
     Restored,
     RestoreRequest,
     Route,
@@ -76,10 +83,18 @@ class PsClient:
         reconnect_s: float = 0.0,
         journal_bytes: int | None = None,
         resumed_from: int = -1,
+        trainer: int | None = None,
+        trainers: int = 0,
     ) -> None:
         """`resumed_from`: the checkpoint this client's run resumed from (-1: none), which
-        every shard must hold."""
+        every shard must hold. `trainer` (of `trainers`): the trainer this client writes for,
+        which reports to a shard restarted alone once it has replayed to it; None: not a
+        trainer (tools, benchmarks), which reports nothing."""
+        if trainer is not None and not 0 <= trainer < trainers:
+            raise ValueError(f"trainer {trainer} is not in 0..{trainers - 1}")
         self.endpoints = tuple(endpoints)
+        self.trainer = trainer
+        self.trainers = trainers
         self.dim = dim
         self.state_width = state_width
         self.timeout_s = timeout_s
@@ -231,7 +246,8 @@ class PsClient:
                 except Restarted:
                     await self._rejoin(shard, incarnation)
             except TimedOut as exc:
-                raise TimedOut(f"PS shard {shard} at {self.endpoints[shard]}: {exc.message}", shard=shard) from exc
+                raise TimedOut(f"PS shard {shard} at {self.endpoints[shard]}: {exc.message}",
+                               **{**exc.fields, "shard": shard}) from exc
             except Unavailable as exc:
                 if not budget.allows_retry():
                     raise Unavailable(
@@ -250,10 +266,10 @@ class PsClient:
         while True:
             await asyncio.sleep(interval_s)
             for shard, known in enumerate(self._incarnations):
-                if known is None:
-                    continue
                 try:
-                    if (await self._status(shard)).incarnation != known:
+                    if known is None:  # not spoken with yet: a shard restarted alone may wait for it
+                        await self._incarnation(shard)
+                    elif (await self._status(shard)).incarnation != known:
                         await self._rejoin(shard, known)
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
@@ -270,6 +286,11 @@ class PsClient:
             if self.journals is not None:
                 journal = self.journals[shard]
                 self._check_lineage(shard, status, journal, journal.base)
+            if self.trainer in status.rejoin_waits_for:  # restarted alone: nothing to replay
+                try:
+                    await self._report_rejoined(shard, status.incarnation)
+                except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
+                    raise Unavailable(f"restarted again during the first contact: {exc.message}") from exc
             known = self._incarnations[shard] = status.incarnation
         return known
 
@@ -278,7 +299,8 @@ class PsClient:
         return ShardStatus.from_wire(body)
 
     async def _rejoin(self, shard: int, seen: str) -> None:
-        """Shard `shard` restarted since `seen`: replay this client's journal to it, once."""
+        """Shard `shard` restarted since `seen`: replay this client's journal to it and, for
+        a trainer, report that it did, once."""
         async with self._rejoining[shard]:
             if self._incarnations[shard] != seen:
                 return  # another call rejoined already
@@ -299,10 +321,29 @@ class PsClient:
                         headers=headers,
                         timeout=self.timeout_s,
                     )
+                self.replayed_rows += rows  # counted before the report lets the shard serve them
+                await self._report_rejoined(shard, current.incarnation)
             except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
                 raise Unavailable(f"restarted again during the replay: {exc.message}") from exc
-            self.replayed_rows += rows
             self._incarnations[shard] = current.incarnation
+
+    async def _report_rejoined(self, shard: int, incarnation: str) -> None:
+        """Tell shard process `incarnation` that this trainer has replayed its journal to it:
+        restarted alone, it serves no fetch until every trainer has. Not a trainer: nothing."""
+        if self.trainer is None:
+            return
+        report = Rejoined(trainer=self.trainer, trainers=self.trainers)
+        body = await self._clients[shard].call(
+            REJOINED.method,
+            REJOINED.path,
+            body=report.to_parts(),
+            headers={INCARNATION_HEADER: incarnation},
+            timeout=self.timeout_s,
+        )
+        progress = RejoinProgress.from_wire(body)
+        if progress.waiting:
+            log.info("PS shard %d restarted alone: replayed to it; %d of %d trainers have, it "
+                     "serves fetches once the others have too", shard, progress.reported, self.trainers)
 
     def _check_lineage(self, shard: int, status: ShardStatus, journal: WriteJournal, needs: int) -> None:
         """Refuse a shard process whose rows do not reach checkpoint `needs`: `journal`

@@ -2,8 +2,12 @@
 
 A shard restarted alone comes back with its latest snapshot; every trainer then replays its
 journal for that shard, and the shard is as it was (`ShardStore` accepts replays in any
-order). Entries are dropped once the shard reports a snapshot that holds them, so a journal
-holds at most the writes of one checkpoint interval plus those in flight. Past its byte
+order). Each trainer then reports its replay done (`ps.protocol.Rejoined`), and the shard
+serves no fetch until all have: a fetch asking for any version could otherwise get the
+snapshot's copy of a row whose newest write-back is still in some trainer's journal.
+
+Entries are dropped once the shard reports a snapshot that holds them, so a journal holds
+at most the writes of one checkpoint interval plus those in flight. Past its byte
 limit (checkpoints failing, or none scheduled) it drops everything and is incomplete until
 a snapshot covers what it dropped: a restart of that shard then needs the whole cluster.
 

@@ -33,13 +33,16 @@ def shard_config(job: Job, index: int) -> ShardConfig:
     )
 
 
-def build_service(job: Job, index: int) -> PsService:
+def build_service(job: Job, index: int, *, rejoin: bool = False) -> PsService:
+    """Shard `index`'s service; restarted alone (`rejoin`), it holds fetches until each of
+    the job's trainers has replayed its journal to it."""
     spec = job.spec
     config = shard_config(job, index)
     return PsService(
         ShardStore(config),
         checkpoint_dir=ps_dir(spec.checkpoint.dir, index),
         fetch_timeout_s=spec.cluster.fetch_timeout_s,
+        rejoin_trainers=spec.trainers.count if rejoin else 0,
     )
 
 
@@ -65,20 +68,23 @@ async def run_ps(
     other role, and deletes its snapshots newer than that (an abandoned run's). With
     `rejoin` it was restarted alone while the others run on: it comes back with its own
     latest snapshot, and each trainer replays to it the write-backs that snapshot lacks
-    (`ps.client`). Otherwise it starts empty, which is right only for a new run: with
-    snapshots on its disk (a run that may still be going on) it refuses to start unless
-    `fresh` says to delete them (`start_fresh`).
+    (`ps.client`). It answers no fetch until every trainer has replayed and said so: before,
+    the snapshot's older copy of a row whose newest write-back is still in a journal could be
+    served to a fetch that asks for any version. Otherwise it starts empty, which is right
+    only for a new run: with snapshots on its disk (a run that may still be going on) it
+    refuses to start unless `fresh` says to delete them (`start_fresh`).
     """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
         raise SystemExit(f"--index {index} is outside 0..{spec.ps.num_shards - 1}")
     if fresh and (resume or rejoin):
         raise ConfigError("--fresh", "starts a new run: it cannot be combined with --resume or --rejoin")
-    service = build_service(job, index)
+    service = build_service(job, index, rejoin=rejoin)
     remove_leftovers(service.checkpoint_dir)
     if rejoin:
         restore_own_latest(service)
-        log.info("restarted alone: the trainers replay what this snapshot lacks")
+        log.info("restarted alone: the trainers replay what this snapshot lacks; no fetch is "
+                 "served until all %d have", spec.trainers.count)
     elif resume:
         # Joined, the coordinator says where the run resumes: its manifests are on its machine.
         start = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if coordinator is None else resumed_from

@@ -4,16 +4,17 @@
 Messages are frozen keyword-only dataclasses, checked when they are built (on either side)
 and carrying their codec: `to_wire()` / `from_wire()`, and `to_parts()` for sending without
 joining large arrays. Data-plane bodies (fetch, write-back) use the binary codec of
-`common.wire`, decoded into zero-copy array views; control bodies (checkpoint, restore,
-health, status) are one JSON object, so that curl can drive and probe a shard. A message that does
-not follow its definition raises `WireError` (400) naming the first problem. What only the
-shard can judge (key ranges and ownership, row width, versions against stored ones) is
-checked by `ps.store.ShardStore`.
+`common.wire`, decoded into zero-copy array views; control bodies (checkpoint, rejoin,
+restore, health, status) are one JSON object, so that curl can drive and probe a shard. A
+message that does not follow its definition raises `WireError` (400) naming the first
+problem. What only the shard can judge (key ranges and ownership, row width, versions
+against stored ones) is checked by `ps.store.ShardStore`.
 
 A shard process has a random *incarnation*. Requests name, in `INCARNATION_HEADER`, the one
 their client last spoke with; on routes marked `incarnation` a restarted shard refuses
 them (409 ``restarted``, `common.errors.Restarted`), so that the client replays its journal
-to it first (DESIGN §9).
+to it first (DESIGN §9) and then says so (`Rejoined`): a shard restarted alone serves no
+fetch until every trainer has.
 """
 
 from __future__ import annotations
@@ -290,6 +291,43 @@ class CheckpointReport(_JsonMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Rejoined(_JsonMessage):
+    """Trainer `trainer` (of `trainers`) has replayed to this shard process every write-back
+    of its journal for the shard (DESIGN §9), or had none to replay.
+
+    A shard restarted alone (``--rejoin``) answers no fetch until all `trainers` said so:
+    until then its snapshot may lack a row whose newest write-back sits in a journal not yet
+    replayed, and a fetch that asks for any version (min_version -1) would get the older
+    row. Sending it again changes nothing; a shard not restarted alone waits for nobody.
+    """
+
+    NAME: ClassVar[str] = "rejoin report"
+
+    trainer: int
+    trainers: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, "trainer", "trainers")
+        below = self.trainer < self.trainers
+        _check(self, below, "trainer %s is not below trainers = %s", self.trainer, self.trainers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RejoinProgress(_JsonMessage):
+    """The answer to a `Rejoined`: `reported` trainers have replayed to this shard process,
+    and it holds fetches until the `waiting` others have (0: it serves them; both are 0 at a
+    shard that was not restarted alone)."""
+
+    NAME: ClassVar[str] = "rejoin progress"
+
+    reported: int
+    waiting: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, "reported", "waiting")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SnapshotRequest(_JsonMessage):
     """Persist the shard now, as of iteration `checkpoint`, without waiting for reports
     (the final tables, tools)."""
@@ -376,15 +414,15 @@ class ShardStatus(_JsonMessage):
     max_version: int
     last_checkpoint: int  # the newest checkpoint taken or restored; -1: none
     checkpoints: tuple[int, ...]  # the snapshots on the shard's disk, oldest first
+    # Restarted alone: the trainers whose `Rejoined` it still waits for before serving fetches.
+    rejoin_waits_for: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "shard", "num_shards", "rows", "dim")
         _check_types(self, incarnation=str, restored=int, max_version=int, last_checkpoint=int)
         _check(self, self.restored >= -1, "restored must be >= -1, got %s", self.restored)
-        listed = self.checkpoints
-        ints = isinstance(listed, list | tuple) and all(type(c) is int for c in listed)
-        _check(self, ints, "checkpoints must be a list of integers, got %r", listed)
-        object.__setattr__(self, "checkpoints", tuple(listed))  # JSON gives a list
+        _check_int_list(self, "checkpoints")
+        _check_int_list(self, "rejoin_waits_for")
 
 
 # --------------------------------------------------------------------------- routes
@@ -420,6 +458,9 @@ SNAPSHOT = Route(
     response=CheckpointSaved,
     incarnation=True,
 )
+REJOINED = Route(
+    method="POST", path="/v1/rejoined", request=Rejoined, response=RejoinProgress, incarnation=True
+)
 # Not tied to an incarnation: a whole-cluster restore is an operator's act, not a trainer's.
 RESTORE = Route(method="POST", path="/v1/restore", request=RestoreRequest, response=Restored)
 HEALTH = Route(method="GET", path="/v1/health", request=None, response=Health, public=True)
@@ -431,6 +472,7 @@ ROUTES: tuple[Route, ...] = (
     WRITE_BACK,
     REPORT_CHECKPOINT,
     SNAPSHOT,
+    REJOINED,
     RESTORE,
     HEALTH,
     STATUS,
@@ -461,6 +503,14 @@ def _check_non_negative(message: _JsonMessage, *names: str) -> None:
         value = getattr(message, name)
         ok = type(value) is int and value >= 0
         _check(message, ok, "%s must be a non-negative integer, got %r", name, value)
+
+
+def _check_int_list(message: _JsonMessage, name: str) -> None:
+    """A list of integers, kept as a tuple (JSON gives a list; a frozen message wants a tuple)."""
+    listed = getattr(message, name)
+    ints = isinstance(listed, list | tuple) and all(type(c) is int for c in listed)
+    _check(message, ints, "%s must be a list of integers, got %r", name, listed)
+    object.__setattr__(message, name, tuple(listed))
 
 
 def _check_same_length(message: _BinaryMessage, names: tuple[str, ...]) -> None:

@@ -7,6 +7,11 @@ Each handler takes its route's request message, decoded, and returns its answer 
 
 Handlers that never wait (a write-back, a fetch whose rows have their versions) answer at
 once, so that the transport serves them without a task; the others return an awaitable.
+
+A shard restarted alone (``--rejoin``) holds every fetch until each of the job's trainers
+has replayed its journal to it and said so (`ps.protocol.Rejoined`): until then a row's
+newest write-back may sit in a journal not yet replayed, and a fetch asking for any version
+would get the snapshot's older row.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ps.protocol import (
     HEALTH,
     INCARNATION_HEADER,
     METRICS,
+    REJOINED,
     REPORT_CHECKPOINT,
     RESTORE,
     ROUTES,
@@ -43,6 +49,8 @@ from ps.protocol import (
     FetchRequest,
     Health,
     Message,
+    Rejoined,
+    RejoinProgress,
     Restored,
     RestoreRequest,
     Route,
@@ -73,7 +81,11 @@ class PsService:
         checkpoint_dir: Path,
         fetch_timeout_s: float,
         registry: Registry | None = None,
+        rejoin_trainers: int = 0,
     ) -> None:
+        """`rejoin_trainers`: for a shard restarted alone, the job's trainer count T; it
+        serves no fetch until trainers 0..T-1 have all reported their replay. 0: a shard
+        started fresh or resumed, which never holds fetches."""
         self.store = store
         self.checkpoint_dir = checkpoint_dir
         self.fetch_timeout_s = fetch_timeout_s
@@ -87,6 +99,12 @@ class PsService:
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
         self.final_scrape = FinalScrape()
+        self.rejoin_trainers = rejoin_trainers
+        self._rejoin_unreported = set(range(rejoin_trainers))
+        self._rejoin_open = asyncio.Event()
+        self._holding = rejoin_trainers > 0  # the fetch fast path's one check
+        self._held = 0  # fetches waiting for the trainers' replays
+        self._started = time.monotonic()
 
     def router(self) -> Router:
         typed: dict[Route, TypedHandler] = {
@@ -94,6 +112,7 @@ class PsService:
             WRITE_BACK: self.write_back,
             REPORT_CHECKPOINT: self.report_checkpoint,
             SNAPSHOT: self.snapshot,
+            REJOINED: self.rejoined,
             RESTORE: self.restore,
             HEALTH: self.health,
             STATUS: self.status,
@@ -130,6 +149,8 @@ class PsService:
                 f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
             )
         local = self.store.check_fetch(message.keys, message.min_versions)
+        if self._holding:
+            return self._rows_after_replays(local, message.min_versions, wait_s, request)
         if self.store.ready(local, message.min_versions):
             return self._rows(local, request)
         return self._rows_later(local, message.min_versions, wait_s, request)
@@ -138,6 +159,31 @@ class PsService:
         self, local: np.ndarray, min_versions: np.ndarray, wait_s: float, request: Request
     ) -> Rows:
         await self._wait_for_versions(local, min_versions, wait_s)
+        return self._rows(local, request)
+
+    async def _rows_after_replays(
+        self, local: np.ndarray, min_versions: np.ndarray, wait_s: float, request: Request
+    ) -> Rows:
+        """The rows once every trainer has replayed to this shard restarted alone and they
+        reached their versions, both within `wait_s`."""
+        started = time.monotonic()
+        self._held += 1
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._rejoin_open.wait()
+        except TimeoutError:
+            missing = sorted(self._rejoin_unreported)
+            listed = ", ".join(map(str, missing))
+            who = f"trainer {listed} has" if len(missing) == 1 else f"trainers {listed} have"
+            raise TimedOut(
+                f"PS shard {self.store.config.shard} restarted alone: {who} not replayed their "
+                f"write-backs within {wait_s:g} s",
+                trainers_missing=missing,
+            ) from None
+        finally:
+            self._held -= 1
+        left = max(wait_s - (time.monotonic() - started), 0.0)
+        await self._wait_for_versions(local, min_versions, left)
         return self._rows(local, request)
 
     def _rows(self, local: np.ndarray, request: Request) -> Rows:
@@ -177,6 +223,33 @@ class PsService:
         if message.prune_before > 0:
             await asyncio.to_thread(self._prune, min(message.prune_before, c))
         return saved
+
+    def rejoined(self, message: Rejoined, request: Request) -> RejoinProgress:
+        """Trainer `message.trainer` has replayed its journal to this process; the last of
+        them opens the shard to fetches. Repeats change nothing."""
+        expected = self.rejoin_trainers
+        if not expected:  # not restarted alone: nothing to open
+            return RejoinProgress(reported=0, waiting=0)
+        if message.trainers != expected:
+            raise BadRequest(
+                f"trainers = {message.trainers}, but PS shard {self.store.config.shard}'s job has "
+                f"{expected} trainers",
+                field="trainers",
+            )
+        unreported = self._rejoin_unreported
+        unreported.discard(message.trainer)
+        if not unreported and self._holding:
+            self._holding = False
+            self._rejoin_open.set()
+            log.info("PS shard %d restarted alone: every trainer (%d) has replayed its write-backs, "
+                     "%.1f s after the start; serving fetches", self.store.config.shard, expected,
+                     time.monotonic() - self._started)
+        return RejoinProgress(reported=expected - len(unreported), waiting=len(unreported))
+
+    @property
+    def rejoin_waits_for(self) -> tuple[int, ...]:
+        """The trainers this shard, restarted alone, still waits for before serving fetches."""
+        return tuple(sorted(self._rejoin_unreported))
 
     def _prune(self, oldest_kept: int) -> None:
         """Delete this shard's snapshots older than the oldest complete checkpoint kept (the
@@ -256,10 +329,14 @@ class PsService:
             max_version=self.store.max_version,
             last_checkpoint=self.store.last_checkpoint,
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
+            rejoin_waits_for=self.rejoin_waits_for,
         )
 
     async def render_metrics(self, request: Request) -> Response:
-        self.metrics.set("fetches_waiting", self.fetches_waiting, help="Fetches waiting for a version")
+        self.metrics.set("fetches_waiting", self.fetches_waiting,
+                         help="Fetches waiting for a version or, restarted alone, for the trainers' replays")
+        self.metrics.set("rejoin_trainers_waiting", len(self._rejoin_unreported),
+                         help="Trainers a shard restarted alone waits for before serving fetches")
         body = self.metrics.render().encode()
         self.final_scrape.scraped()
         return Response(body=body, content_type="text/plain; version=0.0.4")
@@ -304,7 +381,8 @@ class PsService:
 
     @property
     def fetches_waiting(self) -> int:
-        return len(self._waiting)
+        """Fetches waiting for a version, or held until the trainers have replayed."""
+        return len(self._waiting) + self._held
 
     def _wake(self, tickets: list[int]) -> None:
         for ticket in tickets:

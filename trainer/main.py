@@ -102,13 +102,15 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         local = spec.oracle.mode == "local"
         if not local:
             # The journal lets a PS shard restart alone (from its snapshot) while this trainer
-            # waits; without checkpoints there is no snapshot, so nothing is kept.
+            # waits; without checkpoints there is no snapshot, so nothing is kept. Its rank
+            # lets it tell such a shard it has replayed: the shard serves fetches once all have.
             ps_client = PsClient(
                 peers.ps, token=token, dim=job.dim, state_width=job.state_width,
                 transport=spec.cluster.transport, timeout_s=spec.cluster.request_timeout_s,
                 retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
                 resumed_from=-1 if resumed_from is None else resumed_from,
+                trainer=rank, trainers=world,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))

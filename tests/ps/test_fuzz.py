@@ -102,6 +102,7 @@ CONTROL: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "/v1/checkpoint/report": st.fixed_dictionaries({"checkpoint": CHECKPOINTS, "trainer": st.just(0), "trainers": st.just(1)}),
     "/v1/checkpoint/snapshot": st.fixed_dictionaries({"checkpoint": CHECKPOINTS}),
     "/v1/restore": st.fixed_dictionaries({"checkpoint": CHECKPOINTS}),
+    "/v1/rejoined": st.fixed_dictionaries({"trainer": st.just(0), "trainers": st.just(1)}),
 }
 BINARY = {"/v1/fetch": fetches(), "/v1/write_back": write_backs()}
 GETS = ["/v1/health", "/v1/status", "/metrics"]

@@ -21,6 +21,8 @@ from ps.protocol import (
     CheckpointSaved,
     FetchRequest,
     Health,
+    Rejoined,
+    RejoinProgress,
     Restored,
     RestoreRequest,
     Rows,
@@ -74,6 +76,9 @@ CONTROL = [
     Restored(checkpoint=9, rows=12),
     Health(role="ps", ok=True),
     status(),
+    replace(status(), rejoin_waits_for=(0, 2)),
+    Rejoined(trainer=1, trainers=2),
+    RejoinProgress(reported=1, waiting=1),
 ]
 
 
@@ -137,6 +142,15 @@ def test_status_checkpoints_arrive_as_a_tuple() -> None:
     assert ShardStatus.from_wire(status().to_wire()).checkpoints == (4, 9)
 
 
+def test_a_status_without_rejoin_waits_for_waits_for_nobody() -> None:
+    """Absent (an older shard), the list of trainers a restarted shard waits for is empty."""
+    payload = orjson.loads(status().to_wire())
+    del payload["rejoin_waits_for"]
+    assert ShardStatus.from_wire(orjson.dumps(payload)).rejoin_waits_for == ()
+    sent = replace(status(), rejoin_waits_for=[1, 3])  # a list, as JSON gives it
+    assert sent.rejoin_waits_for == (1, 3) and ShardStatus.from_wire(sent.to_wire()) == sent
+
+
 # --------------------------------------------------------------------------- refusals
 def _fetch_body(meta: dict[str, Any] | None = None, **arrays: np.ndarray) -> bytes:
     return encode(meta or {}, {"keys": np.array([1, 2], np.int64), **arrays})
@@ -193,6 +207,18 @@ BAD_BODIES = [
     (WriteAck, b'{"written": 2, "version": "5"}', "version must be an integer"),
     (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "checkpoints": [4, "9"]}), "checkpoints must be a list"),
     (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "incarnation": 12}), "incarnation must be a string"),
+    (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "rejoin_waits_for": 1}), "rejoin_waits_for must be a list"),
+    (ShardStatus, orjson.dumps({**orjson.loads(status().to_wire()), "rejoin_waits_for": [True]}), "rejoin_waits_for must be a list"),
+    (Rejoined, b'{"trainer": 0}', "body lacks ['trainers']"),
+    (Rejoined, b'{"trainers": 2}', "body lacks ['trainer']"),
+    (Rejoined, b'{"trainer": 2, "trainers": 2}', "trainer 2 is not below trainers = 2"),
+    (Rejoined, b'{"trainer": -1, "trainers": 2}', "trainer must be a non-negative integer"),
+    (Rejoined, b'{"trainer": 0, "trainers": "2"}', "trainers must be a non-negative integer"),
+    (Rejoined, b'{"trainer": false, "trainers": 2}', "trainer must be a non-negative integer"),
+    (Rejoined, b'{"trainer": 0, "trainers": 2, "checkpoint": 4}', "unexpected fields ['checkpoint']"),
+    (Rejoined, b'[0, 2]', "body must be a JSON object"),
+    (RejoinProgress, b'{"reported": 1, "waiting": -1}', "waiting must be a non-negative integer"),
+    (RejoinProgress, b'{"reported": 1.5, "waiting": 0}', "reported must be a non-negative integer"),
     (Health, b'{"role": "ps", "ok": 1}', "ok must be a boolean"),
     (Health, b'{"role": "ps", "ok": true, "incarnation": "ab12"}', "unexpected fields ['incarnation']"),
 ]
@@ -215,6 +241,8 @@ def test_messages_are_checked_when_built_too() -> None:
         FetchRequest(keys=np.zeros(2, np.int32), min_versions=np.zeros(2, np.int64))
     with pytest.raises(WireError, match="trainer 3 is not below trainers = 2"):
         CheckpointReport(checkpoint=4, trainer=3, trainers=2)
+    with pytest.raises(WireError, match="invalid rejoin report: trainer 2 is not below trainers = 2"):
+        Rejoined(trainer=2, trainers=2)
 
 
 # --------------------------------------------------------------------------- routes
@@ -226,4 +254,4 @@ def test_the_route_table_is_what_a_shard_serves(tmp_path: Path) -> None:
     public = {r.path for r in ROUTES if r.public}
     assert public == {"/v1/health", "/metrics"}
     guarded = {r.path for r in ROUTES if r.incarnation}
-    assert guarded == {"/v1/fetch", "/v1/write_back", "/v1/checkpoint/report", "/v1/checkpoint/snapshot"}
+    assert guarded == {"/v1/fetch", "/v1/write_back", "/v1/checkpoint/report", "/v1/checkpoint/snapshot", "/v1/rejoined"}

@@ -1,7 +1,8 @@
 """A PS shard restarted alone (DESIGN §9 extended): it comes back with its latest snapshot
 and every trainer replays the write-backs the snapshot lacks, in whatever order the
-trainers' requests meet it; the shard then holds, serves and snapshots exactly what it would
-have without the restart."""
+trainers' requests meet it, then reports that it has; the shard serves no fetch until every
+trainer has, and then holds, serves and snapshots exactly what it would have without the
+restart."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import orjson
 import pytest
 
 from common.checkpoints import checkpoint_name
-from common.errors import BagpipeError, Conflict, Restarted
+from common.errors import BagpipeError, Conflict, Restarted, TimedOut
 from common.spec import Endpoint
 from common.transport import H2Client
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
@@ -31,9 +32,10 @@ EVERY = 5
 KEYS = np.arange(0, 60, 2, dtype=np.int64)
 
 
-def make_shard(directory: Path) -> PsService:
+def make_shard(directory: Path, rejoin_trainers: int = 0) -> PsService:
     cfg = ShardConfig(shard=0, num_shards=1, layout=LAYOUT, dim=DIM, state_width=1, seed=3, checkpoint_every=EVERY)
-    return PsService(ShardStore(cfg), checkpoint_dir=directory / "ps-0", fetch_timeout_s=3)
+    return PsService(ShardStore(cfg), checkpoint_dir=directory / "ps-0", fetch_timeout_s=3,
+                     rejoin_trainers=rejoin_trainers)
 
 
 async def waiting_fetch(service: PsService) -> None:
@@ -41,17 +43,27 @@ async def waiting_fetch(service: PsService) -> None:
         await asyncio.sleep(0.01)
 
 
-def trainer(endpoint: Endpoint, journal_bytes: int | None = 1 << 20, resumed_from: int = -1) -> PsClient:
+def trainer(
+    endpoint: Endpoint, rank: int, journal_bytes: int | None = 1 << 20, resumed_from: int = -1, trainers: int = 2
+) -> PsClient:
+    """Trainer `rank` of `trainers`'s PS client, as `trainer.main` makes it."""
     return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1, timeout_s=10, retries=20,
-                    backoff_s=0.02, journal_bytes=journal_bytes, resumed_from=resumed_from)
+                    backoff_s=0.02, journal_bytes=journal_bytes, resumed_from=resumed_from,
+                    trainer=rank, trainers=trainers)
+
+
+def tool(endpoint: Endpoint) -> PsClient:
+    """A client that is not a trainer (tools, benchmarks): no journal, no rank."""
+    return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1, timeout_s=10, retries=20, backoff_s=0.02)
 
 
 class Shard:
     """Shard 0 of a one-shard PS on a loopback port, whose process can die and come back
-    alone on the same port (as `launch.py --role ps --rejoin` does)."""
+    alone on the same port (as `launch.py --role ps --rejoin` does, for a job of `trainers`)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, trainers: int = 2) -> None:
         self.directory = directory
+        self.trainers = trainers
         self.service = make_shard(directory)
         self.server = make_server("h2", self.service)
 
@@ -68,9 +80,10 @@ class Shard:
 
     async def crash_and_restart(self, *, rejoin: bool) -> None:
         """The process dies and a new one starts on the same port: with its own latest
-        snapshot (`--rejoin`), or empty (a careless restart)."""
+        snapshot (`--rejoin`: it holds fetches until every trainer replayed), or empty (a
+        careless restart)."""
         await self.server.stop()
-        self.service = make_shard(self.directory)
+        self.service = make_shard(self.directory, rejoin_trainers=self.trainers if rejoin else 0)
         if rejoin:
             restore_own_latest(self.service)
         self.server = make_server("h2", self.service, port=self.endpoint.port)
@@ -106,14 +119,17 @@ async def iteration(a: PsClient, b: PsClient, v: int, last: np.ndarray) -> None:
 async def run_scenario(directory: Path, restart_after: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Twelve iterations of two trainers on one shard, the shard restarted after `restart_after`."""
     async with Shard(directory) as shard:
-        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
         last = np.full(len(KEYS), -1, dtype=np.int64)
         try:
             for v in range(12):
                 await iteration(a, b, v, last)
                 if v == restart_after:
                     await shard.crash_and_rejoin()
+                    assert shard.service.rejoin_waits_for == (0, 1)
             got = await a.fetch(KEYS, last)
+            # The restarted shard served fetches only because both trainers reported.
+            assert shard.service.rejoin_waits_for == ()
             return got.rows, got.versions
         finally:
             await asyncio.gather(a.close(), b.close())
@@ -135,7 +151,7 @@ async def test_a_fetch_waits_for_the_other_trainers_replay(tmp_path: Path) -> No
     """a asks for the row b wrote before the restart: it is served once b has replayed."""
     key = KEYS[:1]
     async with Shard(tmp_path) as shard:
-        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
         await write(b, key, 3, 1)
         await shard.crash_and_rejoin()  # no snapshot yet: it comes back empty
         fetch = asyncio.create_task(a.fetch(key, np.array([3])))
@@ -153,7 +169,7 @@ async def test_a_watching_client_replays_before_it_has_anything_to_send(tmp_path
     b's watch notices the restart by itself, or the two would wait for each other."""
     key = KEYS[:1]
     async with Shard(tmp_path) as shard:
-        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
         watch = asyncio.create_task(b.watch_restarts(0.05))
         await write(b, key, 3, 1)
         await shard.crash_and_rejoin()
@@ -163,13 +179,83 @@ async def test_a_watching_client_replays_before_it_has_anything_to_send(tmp_path
         await asyncio.gather(a.close(), b.close())
 
 
+async def test_a_fetch_for_any_version_waits_until_every_trainer_has_replayed(tmp_path: Path) -> None:
+    """The row b wrote at version 8 is not in the snapshot of checkpoint 4: a fetch that asks
+    for any version (as the oracle does for write-backs known acknowledged) must not get the
+    snapshot's copy; it is held until b has replayed and reported, then gets b's row."""
+    key = KEYS[:1]
+    async with Shard(tmp_path) as shard:
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
+        await write(b, key, 3, 1, flush=False)
+        await asyncio.gather(a.report_checkpoint(4, 0, 2), b.report_checkpoint(4, 1, 2))
+        await write(b, key, 8, 1)
+        await shard.crash_and_rejoin()
+        assert shard.service.restored == 4
+        fetch = asyncio.create_task(a.fetch(key))  # a finds the restart, replays its nothing, reports
+        await asyncio.wait_for(waiting_fetch(shard.service), 10)
+        assert shard.service.rejoin_waits_for == (1,) and a.replayed_rows == 0
+        _, pending = await asyncio.wait({fetch}, timeout=0.2)
+        assert fetch in pending  # the snapshot holds version 3 of the row: not served
+        await write(b, KEYS[1:2], 9, 1)  # b's next request finds the restart: replay, report
+        got = await asyncio.wait_for(fetch, 10)
+        assert got.versions.tolist() == [8] and np.array_equal(got.rows, rows_for(key, 8, 1)[0])
+        assert shard.service.rejoin_waits_for == () and b.replayed_rows == 2
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_trainer_that_never_spoke_with_the_restarted_shard_reports_on_first_contact(tmp_path: Path) -> None:
+    """b had sent nothing to the shard before it restarted, so it has nothing to replay and
+    no restart to notice: it reports on its first contact (a request, or its watch), or the
+    shard would hold every fetch for ever."""
+    key = KEYS[:1]
+    async with Shard(tmp_path) as shard:
+        a = trainer(shard.endpoint, 0)
+        await write(a, key, 3, 0)
+        await shard.crash_and_rejoin()
+        b = trainer(shard.endpoint, 1)
+        fetch = asyncio.create_task(b.fetch(key))  # first contact: b reports, then waits for a
+        await asyncio.wait_for(waiting_fetch(shard.service), 10)
+        assert shard.service.rejoin_waits_for == (0,) and not fetch.done()
+        watch = asyncio.create_task(a.watch_restarts(0.05))  # a notices the restart by itself
+        got = await asyncio.wait_for(fetch, 10)
+        assert got.versions.tolist() == [3] and shard.service.rejoin_waits_for == ()
+        assert a.replayed_rows == 1 and b.replayed_rows == 0
+        watch.cancel()
+        await shard.crash_and_rejoin()  # again; c starts only a watch, and has never sent anything
+        c = trainer(shard.endpoint, 1)
+        watch = asyncio.create_task(c.watch_restarts(0.05))
+        got = await asyncio.wait_for(a.fetch(key), 10)  # a's report and c's watch's open it
+        assert got.versions.tolist() == [3] and shard.service.rejoin_waits_for == ()  # replayed again
+        assert a.replayed_rows == 2 and c.replayed_rows == 0
+        watch.cancel()
+        await asyncio.gather(a.close(), b.close(), c.close())
+
+
+async def test_a_tool_reports_nothing_and_a_held_fetch_names_the_trainers_missing(tmp_path: Path) -> None:
+    async with Shard(tmp_path) as shard:
+        a = trainer(shard.endpoint, 0)
+        await write(a, KEYS[:2], 3, 0)
+        await shard.crash_and_rejoin()
+        probe = tool(shard.endpoint)
+        with pytest.raises(TimedOut, match="PS shard 0 restarted alone: trainers 0, 1 have not replayed "
+                                           r"their write-backs within 0.3 s") as caught:
+            await probe.fetch(KEYS[:2], wait_s=0.3)
+        assert caught.value.fields["trainers_missing"] == [0, 1]
+        assert shard.service.rejoin_waits_for == (0, 1) and not shard.service.fetches_waiting
+        await write(a, KEYS[2:3], 4, 0)  # a replays and reports
+        with pytest.raises(TimedOut, match="trainer 1 has not replayed their write-backs within 0.3 s"):
+            await probe.fetch(KEYS[:2], wait_s=0.3)
+        assert shard.service.rejoin_waits_for == (1,)
+        await asyncio.gather(a.close(), probe.close())
+
+
 async def test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapshots(tmp_path: Path) -> None:
     """Restarted without --rejoin after checkpoint 4: replaying the journals (writes after 4)
     into an empty shard would lose rows. Every request fails at once naming the shard and the
     commands that recover, instead of waiting for rows that never come; no trainer reports
     to that process, so it never takes a checkpoint."""
     async with Shard(tmp_path) as shard:
-        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
         watch = asyncio.create_task(b.watch_restarts(0.05))
         last = np.full(len(KEYS), -1, dtype=np.int64)
         for v in range(7):
@@ -193,7 +279,7 @@ async def test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapsho
 
 async def test_a_shard_rejoining_from_a_snapshot_older_than_the_journals_is_refused(tmp_path: Path) -> None:
     async with Shard(tmp_path) as shard:
-        a, b = trainer(shard.endpoint), trainer(shard.endpoint)
+        a, b = trainer(shard.endpoint, 0), trainer(shard.endpoint, 1)
         last = np.full(len(KEYS), -1, dtype=np.int64)
         for v in range(11):
             await iteration(a, b, v, last)
@@ -208,11 +294,11 @@ async def test_a_shard_rejoining_from_a_snapshot_older_than_the_journals_is_refu
 async def test_a_resumed_trainer_refuses_a_shard_that_did_not_resume(tmp_path: Path) -> None:
     """Trainers resumed from checkpoint 9; the shard was started empty (as with --fresh)."""
     async with Shard(tmp_path) as shard:
-        client = trainer(shard.endpoint, resumed_from=9)
+        client = trainer(shard.endpoint, 0, resumed_from=9)
         with pytest.raises(Conflict, match="PS shard 0 .* came back empty .* after checkpoint 9"):
             await asyncio.wait_for(client.fetch(KEYS[:2]), 10)
         await client.close()
-        resumed = trainer(shard.endpoint, resumed_from=-1)  # a new run's trainer takes it
+        resumed = trainer(shard.endpoint, 0, resumed_from=-1)  # a new run's trainer takes it
         assert (await resumed.fetch(KEYS[:2])).versions.tolist() == [-1, -1]
         await resumed.close()
 
@@ -231,8 +317,8 @@ def test_a_shard_started_without_flags_over_snapshots_refuses_naming_the_command
 
 
 async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: Path) -> None:
-    async with Shard(tmp_path) as shard:
-        client = trainer(shard.endpoint, journal_bytes=0)  # no checkpoints: nothing is kept
+    async with Shard(tmp_path, trainers=1) as shard:
+        client = trainer(shard.endpoint, 0, journal_bytes=0, trainers=1)  # no checkpoints: nothing is kept
         await write(client, KEYS[:2], 0, 0)
         await shard.crash_and_rejoin()
         with pytest.raises(BagpipeError, match="journal .* is incomplete"):
@@ -254,8 +340,8 @@ async def test_a_request_for_another_incarnation_is_refused_and_status_names_the
 
 
 async def test_a_report_retried_after_its_snapshot_was_written_is_answered_from_disk(tmp_path: Path) -> None:
-    async with Shard(tmp_path) as shard:
-        client = trainer(shard.endpoint)
+    async with Shard(tmp_path, trainers=1) as shard:
+        client = trainer(shard.endpoint, 0, trainers=1)
         first, = await client.report_checkpoint(4, 0, 1)
         again, = await client.report_checkpoint(4, 0, 1)  # as if the answer had been lost
         assert again.checkpoint == 4 and again.nbytes == first.nbytes > 0

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -12,8 +16,11 @@ import pytest
 from common.errors import BadRequest, Conflict, TimedOut
 from common.init import initial_rows
 from common.keys import local_index, shard_of
-from common.transport import connect_client
+from common.spec import Endpoint
+from common.transport import Client, Request, connect_client
 from common.wire import encode
+from ps.client import PsClient
+from ps.protocol import INCARNATION_HEADER, FetchRequest, Rows
 from ps.store import Snapshot
 from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state
 
@@ -175,6 +182,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/restore", orjson.dumps({"checkpoint": 2**64 - 1}), 400, "checkpoint must be an integer in 0.."),
     ("POST", "/v1/checkpoint/report", b"{bad json", 400, "JSON"),
     ("POST", "/v1/checkpoint/report", orjson.dumps({"checkpoint": 4, "trainer": 2, "trainers": 2}), 400, "not below"),
+    ("POST", "/v1/rejoined", orjson.dumps({"trainer": 2, "trainers": 2}), 400, "not below"),
+    ("POST", "/v1/rejoined", orjson.dumps({"trainer": 0}), 400, "lacks ['trainers']"),
     ("POST", "/v1/checkpoint/snapshot", orjson.dumps({"checkpoint": -3}), 400, "non-negative"),
     ("POST", "/v1/restore", orjson.dumps({"checkpoint": 42}), 404, "no complete checkpoint"),
     ("POST", "/v1/checkpoint", orjson.dumps({"checkpoint": 1}), 404, ""),
@@ -258,6 +267,174 @@ async def test_a_write_ack_counts_the_rows_really_written(cluster: Cluster) -> N
 async def test_client_errors_carry_the_server_message(cluster: Cluster) -> None:
     with pytest.raises(BadRequest, match="outside"):
         await cluster.client.fetch(np.array([500], dtype=np.int64))
+
+
+# --------------------------------------------------------------------------- restarted alone
+TRAINERS = 3
+
+
+@pytest.fixture(params=["h2", "http1"])
+async def rejoined(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
+    """One shard (0 of 1) started as `--rejoin` starts it, for a job of TRAINERS trainers; its
+    client is a tool's (it reports nothing)."""
+    kind = request.param
+    service = make_service(0, 1, tmp_path, rejoin_trainers=TRAINERS)
+    server = make_server(kind, service)
+    await server.start()
+    client = PsClient([Endpoint(host="127.0.0.1", port=server.port)], token=TOKEN, dim=DIM, state_width=1,
+                      transport=kind, timeout_s=10, retries=1, backoff_s=0.05)
+    yield Cluster([service], [server], client, kind)
+    await client.close()
+    await server.stop()
+
+
+async def report(raw: Client, trainer: int, trainers: int = TRAINERS) -> dict[str, Any]:
+    body = orjson.dumps({"trainer": trainer, "trainers": trainers})
+    return orjson.loads(await raw.call("POST", "/v1/rejoined", body=body))
+
+
+def raw_client(cluster: Cluster) -> Client:
+    return connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=TOKEN)  # type: ignore[return-value]
+
+
+async def scrape(cluster: Cluster) -> str:
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=None)
+    try:
+        return (await raw.call("GET", "/metrics")).decode()
+    finally:
+        await raw.close()
+
+
+def fetch_now(cluster: Cluster, keys: np.ndarray) -> object:
+    """What the fetch handler returns for `keys` at any version: Rows when it answers at once
+    (the transport then needs no task), an awaitable otherwise."""
+    request = Request(method="POST", path="/v1/fetch", query={}, headers={}, body=b"")
+    message = FetchRequest(keys=keys, min_versions=np.full(len(keys), -1, np.int64))
+    return cluster.services[0].fetch(message, request)
+
+
+async def test_a_shard_restarted_alone_holds_fetches_until_every_trainer_reported(
+    rejoined: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Even a fetch for any version waits: the snapshot may lack a row whose newest write-back
+    is in a journal not yet replayed. Once all trainers reported, it is served at once; a
+    fetch for a version still waits for that version, within what is left of its wait."""
+    caplog.set_level(logging.INFO, logger="ps.service")
+    shard = rejoined.services[0]
+    keys = np.array([3, 4], dtype=np.int64)
+    held = fetch_now(rejoined, keys)
+    assert not isinstance(held, Rows)
+    held.close()  # type: ignore[attr-defined]  # a coroutine never started
+    any_version = asyncio.create_task(rejoined.client.fetch(keys))
+    versioned = asyncio.create_task(rejoined.client.fetch(keys, np.array([-1, 7])))
+    await _until(lambda: shard.fetches_waiting == 2)
+    assert 'bagpipe_rejoin_trainers_waiting 3' in await scrape(rejoined)
+    raw = raw_client(rejoined)
+    try:
+        assert await report(raw, 0) == {"reported": 1, "waiting": 2}
+        assert await report(raw, 2) == {"reported": 2, "waiting": 1}
+        assert await report(raw, 2) == {"reported": 2, "waiting": 1}  # a repeat changes nothing
+        _, pending = await asyncio.wait({any_version, versioned}, timeout=0.2)
+        assert pending == {any_version, versioned} and shard.fetches_waiting == 2
+        assert (await rejoined.client.status())[0].rejoin_waits_for == (1,)
+        assert await report(raw, 1) == {"reported": 3, "waiting": 0}
+        got = await asyncio.wait_for(any_version, 5)
+        assert got.versions.tolist() == [-1, -1]
+        await _until(lambda: shard.fetches_waiting == 1)  # now waiting for version 7 of key 4
+        assert not versioned.done()
+        await rejoined.client.write_back(keys[1:], *rows_for(keys[1:], 1.0), version=7)
+        assert (await asyncio.wait_for(versioned, 5)).versions.tolist() == [-1, 7]
+        assert await report(raw, 1) == {"reported": 3, "waiting": 0}  # late: still answered
+    finally:
+        await raw.close()
+    assert isinstance(fetch_now(rejoined, keys), Rows)  # the fast path again: no task
+    assert (await rejoined.client.status())[0].rejoin_waits_for == ()
+    assert 'bagpipe_rejoin_trainers_waiting 0' in await scrape(rejoined)
+    opened = [r for r in caplog.records if "every trainer (3) has replayed" in r.getMessage()]
+    assert len(opened) == 1 and opened[0].levelno == logging.INFO
+
+
+async def test_a_held_fetch_times_out_naming_the_trainers_not_reported(rejoined: Cluster) -> None:
+    shard = rejoined.services[0]
+    keys = np.array([3], dtype=np.int64)
+    raw = raw_client(rejoined)
+    try:
+        with pytest.raises(TimedOut, match="restarted alone: trainers 0, 1, 2 have not replayed their "
+                                           r"write-backs within 0.2 s") as caught:
+            await rejoined.client.fetch(keys, wait_s=0.2)
+        assert caught.value.status == 504 and caught.value.fields["trainers_missing"] == [0, 1, 2]
+        await report(raw, 0)
+        await report(raw, 2)
+        with pytest.raises(TimedOut, match="trainer 1 has not replayed their write-backs within 0.2 s"):
+            await rejoined.client.fetch(keys, wait_s=0.2)
+        assert shard.fetches_waiting == 0  # a fetch that gave up is forgotten
+        assert await report(raw, 1) == {"reported": 3, "waiting": 0}  # still serving
+    finally:
+        await raw.close()
+    assert (await rejoined.client.fetch(keys, wait_s=0.2)).versions.tolist() == [-1]
+
+
+async def test_a_shard_not_restarted_alone_answers_at_once_and_accepts_a_report(cluster: Cluster) -> None:
+    keys = np.array([0, 2], dtype=np.int64)  # shard 0's
+    assert isinstance(fetch_now(cluster, keys), Rows)  # no task, no wait
+    raw = raw_client(cluster)
+    try:
+        assert await report(raw, 1, trainers=2) == {"reported": 0, "waiting": 0}  # nothing to open
+    finally:
+        await raw.close()
+    assert (await cluster.client.fetch(keys)).versions.tolist() == [-1, -1]
+    assert [s.rejoin_waits_for for s in await cluster.client.status()] == [(), ()]
+    assert 'bagpipe_rejoin_trainers_waiting 0' in await scrape(cluster)
+
+
+BAD_REJOIN_REPORTS = [
+    (orjson.dumps({"trainer": 3, "trainers": 3}), "trainer 3 is not below trainers = 3"),
+    (orjson.dumps({"trainer": 0, "trainers": 2}), "trainers = 2, but PS shard 0's job has 3 trainers"),
+    (orjson.dumps({"trainer": 3, "trainers": 4}), "trainers = 4, but PS shard 0's job has 3 trainers"),
+    (orjson.dumps({"trainer": -1, "trainers": 3}), "trainer must be a non-negative integer"),
+    (orjson.dumps({"trainer": "1", "trainers": 3}), "trainer must be a non-negative integer"),
+    (orjson.dumps({"trainer": True, "trainers": 3}), "trainer must be a non-negative integer"),
+    (orjson.dumps({"trainer": 1, "trainers": 3.0}), "trainers must be a non-negative integer"),
+    (orjson.dumps({"trainers": 3}), "body lacks ['trainer']"),
+    (orjson.dumps({"trainer": 1, "trainers": 3, "checkpoint": 4}), "unexpected fields ['checkpoint']"),
+    (orjson.dumps([1, 3]), "body must be a JSON object"),
+    (b"{bad json", "body must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_REJOIN_REPORTS)
+async def test_a_malformed_rejoin_report_gets_a_400_and_opens_nothing(
+    rejoined: Cluster, body: bytes, message: str
+) -> None:
+    shard = rejoined.services[0]
+    raw = raw_client(rejoined)
+    try:
+        answer = await raw.request("POST", "/v1/rejoined", body=body)
+        assert answer.status == 400
+        payload = orjson.loads(answer.body)
+        assert message in payload["message"] and payload["error"], payload
+        assert shard.rejoin_waits_for == (0, 1, 2)
+        assert (await raw.request("GET", "/v1/health")).status == 200  # the same connection serves on
+        assert await report(raw, 1) == {"reported": 1, "waiting": 2}
+    finally:
+        await raw.close()
+
+
+async def test_a_rejoin_report_meant_for_an_earlier_process_is_refused(rejoined: Cluster) -> None:
+    """A trainer replayed to the shard's previous process: this one has not got its rows."""
+    shard = rejoined.services[0]
+    raw = raw_client(rejoined)
+    try:
+        answer = await raw.request("POST", "/v1/rejoined", body=orjson.dumps({"trainer": 0, "trainers": TRAINERS}),
+                                   headers={INCARNATION_HEADER: "0" * 16})
+        assert answer.status == 409 and orjson.loads(answer.body)["error"] == "restarted"
+        assert shard.rejoin_waits_for == (0, 1, 2)
+        current = {INCARNATION_HEADER: shard.incarnation}
+        answer = await raw.request("POST", "/v1/rejoined", body=orjson.dumps({"trainer": 0, "trainers": TRAINERS}),
+                                   headers=current)
+        assert answer.status == 200 and shard.rejoin_waits_for == (1, 2)
+    finally:
+        await raw.close()
 
 
 async def test_curl_reads_health_over_http2_prior_knowledge(tmp_path) -> None:
