@@ -12,6 +12,11 @@ Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of row
 accesses), both read with the project's data readers (`common.data`). C is a multiple of the
 largest per-trainer working set of one iteration; the static cache pins the hottest rows of
 a frequency pass over the whole stream and keeps one working set of room for the rest.
+
+Memory (bagpipe and no-cache, the settings of `bench/e2e.py --batch 256`: T = 2, global batch
+256, L = 200, D = 8, C = 32,768): the keys the planner keeps state for (`Planner.keys_held`)
+along a long inline stream, beside the distinct keys read so far, which is what a planner that
+remembered every write-back's version would hold.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ HIT_BATCH = 128  # 62 iterations of the 8,000-row sample
 HIT_L, HIT_D = 50, 4
 HIT_FACTORS = (2, 4)
 HIT_MODES = ("bagpipe", "static-cache", "no-cache")
+MEMORY_MODES = ("bagpipe", "no-cache")
 
 TABLE_SIZES = (
     1460, 583, 10_131_227, 2_202_608, 305, 24, 12_517, 633, 3, 93_145, 5_683, 8_351_593, 3_194,
@@ -78,6 +84,32 @@ def throughput(mode: str, batches: list[np.ndarray], capacity: int, lookahead: i
     planner.finish()
     elapsed = time.process_time() - start
     return sum(b.size for b in batches) / elapsed
+
+
+def keys_held(mode: str, iterations: int, every: int) -> list[dict[str, int]]:
+    """Every `every` iterations: the keys the planner holds, and the distinct keys read."""
+    rng = np.random.default_rng(1)
+    config = PlannerConfig(num_trainers=2, lookahead=200, prefetch_lead=8, capacity=32_768, mode=mode)  # type: ignore[arg-type]
+    compile_planner(mode)
+    planner = Planner(config)
+    seen = np.zeros(sum(TABLE_SIZES), bool)
+    rows = []
+    for z in range(iterations):
+        batch = criteo_like(rng, 256, TABLE_SIZES)
+        seen[batch.reshape(-1)] = True
+        planner.push(batch)
+        if (z + 1) % every == 0:
+            rows.append({"iteration": z + 1, "keys_held": planner.keys_held, "keys_read": int(seen.sum())})
+    return rows
+
+
+def print_keys_held(table: dict[str, list[dict[str, int]]]) -> None:
+    print("\nkeys the planner holds along the stream (T=2, B=256, L=200, D=8, C=32,768), thousands")
+    print(f"{'iteration':>10}" + "".join(f"{m:>12}" for m in table) + f"{'keys read':>12}")
+    first = next(iter(table.values()))
+    for i, row in enumerate(first):
+        held = "".join(f"{rows[i]['keys_held'] / 1e3:>12.1f}" for rows in table.values())
+        print(f"{row['iteration']:>10,}{held}{row['keys_read'] / 1e3:>12.1f}")
 
 
 def dataset_keys(spec: DataSpec, batch_size: int) -> list[np.ndarray]:
@@ -155,6 +187,8 @@ def main() -> None:
         print(f"{mode:<14}{rate / 1e6:>20.2f}")
     rows = hit_rate_table(args.criteo, args.quick)
     print_hit_rates(rows)
+    held = {mode: keys_held(mode, 1000 if args.quick else 5000, 250 if args.quick else 500) for mode in MEMORY_MODES}
+    print_keys_held(held)
     if args.json:
         results = {
             "throughput": {m: {"key_uses_per_s": r} for m, r in throughput_results.items()},
@@ -162,6 +196,7 @@ def main() -> None:
                 "trainers": HIT_T, "batch_size": HIT_BATCH, "lookahead": HIT_L, "prefetch_lead": HIT_D,
                 "rows": rows,
             },
+            "keys_held": held,
         }
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -25,6 +25,24 @@ from common.wire import decode, encode, require
 
 _KIND = "directive"
 
+#: A trainer's write-back lag W: at the boundary into x it waits until the PS has
+#: acknowledged its write-backs of versions <= x - W (`trainer.boundary.WaitWrites`).
+WRITE_LAG = 32
+
+
+def landed_through(iteration: int, write_lag: int = WRITE_LAG) -> int:
+    """The newest version v such that every write-back of a version <= v has reached the PS
+    before any trainer issues the fetches of directive `iteration`: such a fetch may ask for
+    version -1, and the oracle may forget those versions (DESIGN §4, "the oracle may forget").
+
+    A write-back of version v is sent by the boundary into v + 2 at the latest (step 1 there
+    sends the rows held back for sync_later(v)), so the first WaitWrites to cover it is the
+    one at the boundary into v + max(W, 3). A trainer issues directive y's fetches after
+    Train(y - 1), whose dense-gradient all-reduce no trainer leaves before every trainer has
+    passed its boundary into y - 1: y - 1 >= v + max(W, 3) suffices.
+    """
+    return iteration - 1 - max(write_lag, 3)
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Directive:
@@ -42,7 +60,8 @@ class Directive:
     #: int32 [P]: slot each fetched row (value + optimizer state) is written into, at the
     #: boundary into its target, step 5. Until then the row is staged outside the cache.
     prefetch_slots: np.ndarray
-    #: int64 [P]: the PS serves the row only once its version is >= this (-1: any version).
+    #: int64 [P]: the PS serves the row only once its version is >= this (-1: any version,
+    #: also for a write-back known to have landed: see `landed_through`).
     prefetch_min_versions: np.ndarray
     #: int32 [P]: iteration whose boundary (step 5) waits for and inserts the row; >= x.
     prefetch_targets: np.ndarray

@@ -25,7 +25,9 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
 
-    kernels = (engine.read_pairs, engine.ingest, engine.plan_iteration, engine.rehashed)
+    kernels = (
+        engine.read_pairs, engine.ingest, engine.plan_iteration, engine.rehashed, engine.index_kept,
+    )
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
@@ -35,6 +37,8 @@ class BagpipeRules:
         self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0
+        self._planned = 0  # iterations planned
+        self._forget_through = -1  # no fetch from now on asks for these versions
 
     def ingest(self, z: int, batch: Batch) -> None:
         live_from = min(self._base.values(), default=self._next_id)
@@ -42,10 +46,17 @@ class BagpipeRules:
         if live_to - live_from > int(self._state.counters[RING_SIZE]):
             ring = max(engine.pow2(2 * (live_to - live_from)), _MIN_RING)
             self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
-        self._state = engine.reserve_entries(self._state, batch.used_keys.size)
+        # a key read from now on is fetched by directive max(0, x - D) or later, x the next planned
+        first_directive = max(0, self._planned - self._config.prefetch_lead)
+        self._forget_through = self._config.landed_through(first_directive)
+        self._state = engine.reserve_entries(self._state, batch.used_keys.size, self._forget_through)
         self._base[z] = self._next_id
         engine.ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
         self._next_id = live_to
+
+    @property
+    def keys_held(self) -> int:
+        return engine.index_kept(self._state.index.cells, self._forget_through)
 
     def plan(self, x: int, batch: Batch) -> Planned:
         cfg = self._config
@@ -55,6 +66,7 @@ class BagpipeRules:
         flush_rows = t * cfg.capacity if flush else 0  # one per resident key at most
         ev = engine.new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
         base = self._base.pop(x)
+        self._planned = x + 1
         engine.plan_iteration(
             self._state, ev, x, batch.pairs, base, t, cfg.lookahead, flush, x - 1 - cfg.checkpoint_every
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.checkpoints import is_checkpoint
+from common.directive import WRITE_LAG, landed_through
 from common.errors import ConfigError
 from common.spec import MODES, Mode
 
@@ -31,7 +32,12 @@ class PlannerConfig:
     0 internally; its directives carry global numbers (iteration, prefetch targets, write
     versions, min_versions >= 0 all shifted by F) and mark checkpoints by global number, so
     a resumed run marks and flushes the same checkpoints as an uninterrupted one. A
-    min_version of -1 still means "not written back since the planner started".
+    min_version of -1 still means "not written back since the planner started", or not
+    since `landed_through` the fetch's directive.
+
+    `write_lag` (W) is the trainers' write-back lag (`common.directive.WRITE_LAG`); a
+    trainer must not run with a larger one. Tests make it small so that the rule acts in
+    short streams.
     """
 
     num_trainers: int
@@ -42,6 +48,7 @@ class PlannerConfig:
     checkpoint_every: int = 0
     first_iteration: int = 0
     total_rows: int = 0
+    write_lag: int = WRITE_LAG
     hot_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +60,7 @@ class PlannerConfig:
         _non_negative_int("oracle.prefetch_lead", self.prefetch_lead)
         _non_negative_int("checkpoint.every", self.checkpoint_every)
         _non_negative_int("--first-iteration", self.first_iteration)
+        _positive_int("write_lag", self.write_lag)
         if type(self.total_rows) is not int or self.total_rows < 0:
             raise ConfigError(
                 "data.table_sizes", f"total rows must be an integer >= 0, got {self.total_rows!r}"
@@ -94,6 +102,10 @@ class PlannerConfig:
     @property
     def effective_lead(self) -> int:
         return self.prefetch_lead if self.mode == "bagpipe" else 0
+
+    def landed_through(self, x: int) -> int:
+        """The newest version (local, like x) that directive x's fetches may ask for as -1."""
+        return landed_through(x, self.write_lag)
 
     def is_checkpoint(self, iteration: int) -> bool:
         """Whether global iteration `iteration` is a checkpoint."""

@@ -19,10 +19,10 @@ slow parts replaced by indexable state:
 * free slots: one min-heap per trainer (the smallest free slot is handed out);
 * Belady victims: one max-heap per trainer, built only when that trainer must evict at x.
 
-Everything is sized by the caches (T x C) or by the keys in the window, but the index: it
-keeps a cell for every key ever read (its last write-back's version), so it grows with the
-distinct keys of the run, bounded by the tables' rows. The Python side grows the index, the
-entries and the ring before a batch that needs more.
+Everything is sized by the caches (T x C) or by the keys in the window, and the index also
+by the keys whose last write-back may still be in flight: when it must grow, it forgets the
+versions that every fetch from then on would ask for as -1 (`reserve_index`). The Python
+side grows the index, the entries and the ring before a batch that needs more.
 
 Speed. Planning is bound by memory latency and by numba's reference counting. The cells of a
 slot, and those of an entry, sit side by side. numba increfs and decrefs an array (atomic
@@ -154,6 +154,8 @@ class IntMap(NamedTuple):
     size: np.ndarray  # int64 [1]: keys held
 
 
+KEEP_ALL = -2  # `rehashed` forgets no version: none is older than -1
+
 # Fibonacci hashing: the golden ratio times the key spreads runs of keys over the table.
 _MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as an int64
 
@@ -165,25 +167,46 @@ def new_map(capacity: int) -> IntMap:
     return IntMap(cells=cells, size=np.zeros(1, np.int64))
 
 
-def reserve(m: IntMap, more: int) -> IntMap:
-    """`m`, or a larger copy of it, with room for `more` further keys."""
-    need = 2 * (int(m.size[0]) + more)
+def reserve_index(m: IntMap, more: int, forget_through: int) -> IntMap:
+    """The planner's index `m`, or a copy of it, with room for `more` further keys. A copy
+    leaves out the keys that only hold a write-back version <= `forget_through` (no fetch
+    will ask for it: `PlannerConfig.landed_through`), and is larger than `m` only where what
+    it keeps would fill more than a quarter of it: so the index grows with the keys in the
+    window and the versions still needed, not with the keys of the run."""
     capacity = m.cells.shape[0]
-    if need <= capacity:
+    if 2 * (int(m.size[0]) + more) <= capacity:
         return m
-    while capacity < need:
+    kept = index_kept(m.cells, forget_through)
+    while capacity < 4 * (kept + more):
         capacity *= 2
-    return IntMap(cells=rehashed(m.cells, capacity), size=m.size)
+    cells = rehashed(m.cells, capacity, forget_through)
+    return IntMap(cells=cells, size=np.array([kept], np.int64))
+
+
+@nb.njit(cache=True, inline="always")
+def _forgotten(value: int, forget_through: int) -> bool:
+    """Whether an index cell's value is a write-back version <= forget_through."""
+    return value < 0 and -2 - value <= forget_through
 
 
 @nb.njit(cache=True)
-def rehashed(cells: np.ndarray, capacity: int) -> np.ndarray:
-    """The keys and values of map cells, in new cells of `capacity` (a power of two)."""
+def index_kept(cells: np.ndarray, forget_through: int) -> int:
+    kept = 0
+    for i in range(cells.shape[0]):
+        if cells[i, CELL_KEY] >= 0 and not _forgotten(cells[i, CELL_VALUE], forget_through):
+            kept += 1
+    return kept
+
+
+@nb.njit(cache=True)
+def rehashed(cells: np.ndarray, capacity: int, forget_through: int) -> np.ndarray:
+    """The keys and values of map cells, in new cells of `capacity` (a power of two), less
+    the planner index's versions <= `forget_through` (`KEEP_ALL`: none)."""
     out = np.empty((capacity, 2), np.int64)
     for i in range(capacity):
         out[i, CELL_KEY] = -1
     for i in range(cells.shape[0]):
-        if cells[i, CELL_KEY] >= 0:
+        if cells[i, CELL_KEY] >= 0 and not _forgotten(cells[i, CELL_VALUE], forget_through):
             c = map_find(out, cells[i, CELL_KEY])
             out[c, CELL_KEY] = cells[i, CELL_KEY]
             out[c, CELL_VALUE] = cells[i, CELL_VALUE]
@@ -255,7 +278,7 @@ def _number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.n
     pair_of = np.empty(b * f, np.int64)
     n = 0
     for j in range(num_trainers):
-        cells = rehashed(np.empty((0, 2), np.int64), 1 << 12)  # empty; grows with the pairs
+        cells = rehashed(np.empty((0, 2), np.int64), 1 << 12, KEEP_ALL)  # empty; grows with the pairs
         held = 0
         for i in range(j * per, (j + 1) * per):
             for c in range(f):
@@ -263,7 +286,7 @@ def _number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.n
                 cell = map_find(cells, p)
                 if cells[cell, CELL_KEY] < 0:
                     if 2 * (held + 1) > cells.shape[0]:
-                        cells = rehashed(cells, 2 * cells.shape[0])
+                        cells = rehashed(cells, 2 * cells.shape[0], KEEP_ALL)
                         cell = map_find(cells, p)
                     cells[cell, CELL_KEY] = p
                     cells[cell, CELL_VALUE] = n
@@ -353,11 +376,11 @@ def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
     }
 
 
-def reserve_entries(state: EngineState, more: int) -> EngineState:
+def reserve_entries(state: EngineState, more: int, forget_through: int) -> EngineState:
     """The same state with room for `more` new keys: free entries, and an index at most half
-    full with them."""
+    full with them (`reserve_index`)."""
     freed, used = int(state.counters[FREED_ENTRIES]), int(state.counters[USED_ENTRIES])
-    state = state._replace(index=reserve(state.index, more))
+    state = state._replace(index=reserve_index(state.index, more, forget_through))
     old = state.entry.shape[0]
     if freed + old - used >= more:
         return state

@@ -44,19 +44,33 @@ def _swap_versions(last_wb: Dict, keys: np.ndarray, version: int) -> np.ndarray:
     return out
 
 
+@nb.njit(cache=True)
+def _forget_versions(last_wb: Dict, through: int) -> None:
+    """Remove the keys whose last write-back version is <= `through`."""
+    old = [key for key, version in last_wb.items() if version <= through]
+    for key in old:
+        del last_wb[key]
+
+
 class StaticRules:
     """Pinned hot rows plus synchronous fetches of the rest (FAE-style)."""
 
-    kernels = (read_pairs, _swap_versions)
+    kernels = (read_pairs, _swap_versions, _forget_versions)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
         self._hot = config.hot_keys
         self._hot_last_use = np.full(self._hot.size, -1, np.int64)
+        # versions of recent write-backs: those landed (`PlannerConfig.landed_through`) are
+        # dropped every `write_lag` iterations, so it holds the keys of about 2 W iterations
         self._last_wb = Dict.empty(types.int64, types.int64)
 
     def ingest(self, z: int, batch: Batch) -> None:
         """Nothing to remember ahead: L = 0."""
+
+    @property
+    def keys_held(self) -> int:
+        return len(self._last_wb)
 
     def plan(self, x: int, batch: Batch) -> Planned:
         t = self._config.num_trainers
@@ -72,6 +86,8 @@ class StaticRules:
         slot[cold] = h + _rank_within(trainers[cold], cold_per)
         cold_rows = np.stack([trainers[cold], keys[cold], slot[cold]], axis=1)
         firsts = _first_of_runs(keys[cold])  # pairs are in key, then trainer order
+        if x % self._config.write_lag == 0:
+            _forget_versions(self._last_wb, self._config.landed_through(x))
         versions = _swap_versions(self._last_wb, keys[cold[firsts]], x)
         min_v = np.repeat(versions, np.diff(np.append(firsts, cold.size)))
         fill = self._hot_fill() if x == 0 else rows(0, 4)
@@ -159,6 +175,10 @@ class LocalRules:
 
     def ingest(self, z: int, batch: Batch) -> None:
         """Nothing to remember ahead."""
+
+    @property
+    def keys_held(self) -> int:
+        return 0
 
     def plan(self, x: int, batch: Batch) -> Planned:
         t = self._config.num_trainers

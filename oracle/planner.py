@@ -101,6 +101,12 @@ class Planner:
             self._plan_next()
         return self._emit(self._planned - max(self._lead, 1))
 
+    @property
+    def keys_held(self) -> int:
+        """Keys the planner keeps state for (in the window, cached, or with a write-back
+        version a fetch may still need): bounded by the window and the caches, not the run."""
+        return self._rules.keys_held
+
     def finish(self) -> list[list[Directive]]:
         """End of stream: plan and return everything left."""
         if self._finished:
@@ -193,7 +199,7 @@ class Planner:
                     input_slots=np.ascontiguousarray(slots[j * per : (j + 1) * per], dtype=np.int32),
                     prefetch_keys=f[:, EV_KEY].copy(),
                     prefetch_slots=f[:, EV_SLOT].astype(np.int32),
-                    prefetch_min_versions=_global_versions(f[:, EV_MIN_VERSION], first),
+                    prefetch_min_versions=_min_versions(f[:, EV_MIN_VERSION], self.config.landed_through(e), first),
                     prefetch_targets=(f[:, EV_TARGET] + first).astype(np.int32),
                     join_keys=join_keys,
                     join_send_slots=send[j],
@@ -222,9 +228,10 @@ def rules_class(mode: Mode) -> type[BagpipeRules | StaticRules | LocalRules]:
     return StaticRules
 
 
-def _global_versions(versions: np.ndarray, first: int) -> np.ndarray:
-    """Local write-back versions as global ones; -1 (none since the planner started) stays."""
-    return np.where(versions >= 0, versions + first, versions)
+def _min_versions(versions: np.ndarray, landed: int, first: int) -> np.ndarray:
+    """A directive's fetch versions, local, as global min_versions: -1 for none since the
+    planner started and for those `landed` (`PlannerConfig.landed_through`)."""
+    return np.where(versions > max(landed, -1), versions + first, -1)
 
 
 def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:

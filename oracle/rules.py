@@ -71,6 +71,10 @@ class Rules(Protocol):
     def close(self, last: int) -> Planned | None:
         """The stream ended after iteration `last`: events of `last` still to add, if any."""
 
+    @property
+    def keys_held(self) -> int:
+        """Keys the rules keep state for: what their memory grows with."""
+
 
 def rows(n: int, width: int) -> np.ndarray:
     return np.zeros((n, width), np.int64)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.arrays import in_sorted
-from common.directive import Directive
+from common.directive import WRITE_LAG, Directive
 
 _NO_I32 = np.zeros(0, np.int32)
 _NO_I64 = np.zeros(0, np.int64)
@@ -185,7 +185,7 @@ class Boundary:
     write-back may stay unacknowledged before the trainer waits for it.
     """
 
-    def __init__(self, *, write_lag: int = 32) -> None:
+    def __init__(self, *, write_lag: int = WRITE_LAG) -> None:
         self.write_lag = write_lag
         self._prev: Directive | None = None
         self._later: dict[int, _LaterRound] = {}

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.directive import Directive
+from common.directive import WRITE_LAG, Directive
 from trainer.boundary import (
     Action,
     ApplySyncLater,
@@ -86,7 +86,7 @@ class Engine:
         collectives: Collectives,
         rows: RowSource | None,
         timer: PhaseTimer,
-        write_lag: int = 32,
+        write_lag: int = WRITE_LAG,
         on_checkpoint_written: CheckpointCallback | None = None,
     ) -> None:
         self.cache = cache

@@ -92,14 +92,18 @@ class ReferencePlanner:
         """Keys any trainer uses at x+1: rule 6 puts these keys of G_x in sync_now(x)."""
         return set().union(*self.uses[x + 1]) if x + 1 < self.N else set()
 
-    def min_version(self, key: int) -> int:
-        return self.last_wb.get(key, -1)
+    def min_version(self, key: int, directive: int) -> int:
+        """The version of the key's last planned write-back, or -1 if there is none or it
+        has landed before the fetches of `directive` are issued."""
+        version = self.last_wb.get(key, -1)
+        return version if version > self.cfg.landed_through(directive) else -1
 
     def infeasible(self, x: int, j: int, need: int) -> ConfigError:
         return infeasible_capacity(x, j, need, self.C)
 
     def fetch(self, x: int, j: int, key: int, slot: int) -> None:
-        self.acc[max(0, x - self.D)][j].prefetch.append((x, key, slot, self.min_version(key)))
+        d = max(0, x - self.D)
+        self.acc[d][j].prefetch.append((x, key, slot, self.min_version(key, d)))
 
     def take_slot(self, j: int) -> int:
         slot = min(self.free[j])

@@ -7,14 +7,15 @@ Trainers execute the actions of `trainer.boundary.Boundary` — the production i
 of "The boundary into x" (DESIGN §4), which the trainer's engine executes too — in lockstep
 (their collectives make them so), checking every index the actions carry; the PS and network are asynchronous: write-backs arrive in a random order at
 random times, fetches are served at random times once the PS version reaches their
-`min_version`. A trainer waiting for a fetch lets the network deliver what is in flight; if
+`min_version`, from the moment they are issued. A trainer waiting for a fetch lets the network deliver what is in flight; if
 the write-back it needs has not been sent, that is a deadlock.
 
 `simulate` raises `SimulationError` at the first broken invariant of §4:
 reads see every earlier update (value and state, bit for bit); slots stay in [0, C) and are
 never written while occupied; exactly one write-back per residency end (checkpoint flushes
-aside), each carrying the reference value of its version; a fetch gets exactly the version it
-asked for and never deadlocks; join and sync key lists are identical across trainers; each
+aside), each carrying the reference value of its version; a fetch gets exactly the newest version
+written back before it was issued, or the version it asked for if that is newer (a
+min_version of -1 for a write-back that has not landed is caught), and never deadlocks; join and sync key lists are identical across trainers; each
 checkpoint's PS view equals the reference; the final PS table equals the reference.
 
 With `config.first_iteration` = F > 0 (a run resumed from checkpoint F-1) iterations are
@@ -51,7 +52,8 @@ from trainer.boundary import (
 )
 
 LR = 0.1
-WRITE_LAG = 4  # small enough that the bounded write lag (`WaitWrites`) acts in short streams
+WRITE_LAG = 4  # small enough that the bounded write lag (`WaitWrites`) and the min_versions it
+# lets the planner forget (`PlannerConfig.landed_through`) act in short streams
 
 
 class SimulationError(AssertionError):
@@ -101,6 +103,7 @@ class _Fetch:
     slot: int
     min_version: int
     target: int
+    expected: int  # the version it must get
     row: Row | None = None
 
 
@@ -114,6 +117,9 @@ class Simulation:
         self.first = config.first_iteration
         self.batches = batches  # batch i is iteration first + i
         self.rng = random.Random(seed)
+        # how likely a write-back in flight lands at each chance: a slow network keeps them
+        # in flight until the bounded write lag forces them
+        self.delivery = self.rng.choice((0.5, 0.1))
         self.local = config.mode == "local"
         self.ref: dict[int, Row] = {}
         self.ref_history: dict[int, list[tuple[int, Row]]] = {}
@@ -123,7 +129,7 @@ class Simulation:
         self.fetches: list[_Fetch] = []
         self.trainers = [_Trainer() for _ in range(self.T)]
         self.later: dict[int, tuple[list[int], list[tuple[float, float]]]] = {}  # x -> keys, sums / T
-        self.write_lag = WRITE_LAG
+        self.write_lag = config.write_lag
         self.x = config.first_iteration
         self.directives: list[Directive] = []  # of iteration x
         self.joined: dict[int, Row] = {}  # key -> row read by its join source at x
@@ -132,6 +138,7 @@ class Simulation:
         self.sent: dict[int, dict[int, int]] = {}  # version -> key -> write count
         self.resident: dict[int, set[int]] = {}
         self.resumed: dict[int, int] = self.resumed_versions()  # key -> version before F
+        self.newest_sent = dict(self.resumed)  # key -> newest version written back so far
         self.ps = {k: (v, initial_row(k)) for k, v in self.resumed.items() if v >= 0}
         if self.local:
             for t in self.trainers:
@@ -163,6 +170,7 @@ class Simulation:
     def send(self, key: int, version: int, row: Row) -> None:
         if row != self.ref_at(key, version):
             self.fail(f"write-back of key {key} version {version} carries a stale row")
+        self.newest_sent[key] = max(version, self.newest_sent.get(key, -1))
         self.in_flight.append((key, version, row))
 
     def deliver(self, item: tuple[int, int, Row]) -> None:
@@ -179,7 +187,7 @@ class Simulation:
         self.rng.shuffle(self.in_flight)
         keep = []
         for item in self.in_flight:
-            (self.deliver if self.rng.random() < 0.5 else keep.append)(item)
+            (self.deliver if self.rng.random() < self.delivery else keep.append)(item)
         self.in_flight = keep
         for f in self.fetches:
             if f.row is None and self.rng.random() < 0.5:
@@ -189,9 +197,11 @@ class Simulation:
         version, row = self.ps.get(f.key, (-1, initial_row(f.key)))
         if version < f.min_version:
             return False
-        wanted = f.min_version if f.min_version >= 0 else self.resumed.get(f.key, -1)
-        if version != wanted:
-            self.fail(f"fetch of key {f.key} asked version {f.min_version}, PS has {version}")
+        if version != f.expected:
+            self.fail(
+                f"fetch of key {f.key} for {f.target} (min_version {f.min_version}) needs version "
+                f"{f.expected}, PS has {version}"
+            )
         f.row = row
         return True
 
@@ -257,10 +267,16 @@ class Simulation:
 
     # ----------------------------------------------------------------- the boundary into x
     def issue_fetches(self, actions: list[IssueFetches]) -> None:
+        """The PS may answer a fetch the moment it arrives, before any other trainer moves."""
         for j, a in enumerate(actions):
             for g in a.groups:
                 for k, s, v in zip(g.keys, g.slots, g.min_versions):
-                    self.fetches.append(_Fetch(j, int(k), int(s), int(v), g.target))
+                    key = int(k)
+                    expected = max(int(v), self.newest_sent.get(key, -1))
+                    f = _Fetch(j, key, int(s), int(v), g.target, expected)
+                    self.fetches.append(f)
+                    if self.rng.random() < 0.5:
+                        self.serve(f)
 
     def wait_writes(self, actions: list[WaitWrites]) -> None:
         """The bounded write lag: every write-back of a version <= up_to lands now."""
@@ -496,6 +512,7 @@ class Workload:
     checkpoint_every: int
     hot: int
     seed: int
+    write_lag: int = WRITE_LAG
 
     def batches(self) -> list[np.ndarray]:
         rng = np.random.default_rng(self.seed)
@@ -531,6 +548,7 @@ class Workload:
             mode=self.mode,  # type: ignore[arg-type]
             checkpoint_every=self.checkpoint_every,
             total_rows=total,
+            write_lag=self.write_lag,
             hot_keys=hot if hot is not None else np.zeros(0, np.int64),
         )
         need = required_capacity(base, batches)
@@ -542,6 +560,7 @@ class Workload:
             mode=self.mode,  # type: ignore[arg-type]
             checkpoint_every=self.checkpoint_every,
             total_rows=total,
+            write_lag=self.write_lag,
             hot_keys=base.hot_keys,
         )
         return config, batches

@@ -24,8 +24,15 @@ from trainer.boundary import Action, Boundary, InsertFetched, Leave, ReadJoinSou
 class NoMinVersion(ReferencePlanner):
     """Fetches ask for any version: a re-admitted row may be read before its write-back."""
 
-    def min_version(self, key: int) -> int:
+    def min_version(self, key: int, directive: int) -> int:
         return -1
+
+
+class ForgetsTooEarly(ReferencePlanner):
+    """A write-back's version is forgotten one directive before it has surely landed."""
+
+    def min_version(self, key: int, directive: int) -> int:
+        return super().min_version(key, directive + 1)
 
 
 class EverythingLater(ReferencePlanner):
@@ -168,7 +175,8 @@ def test_correct_but_slower_variant_passes() -> None:
 
 
 @pytest.mark.parametrize(
-    "mutant", [NoMinVersion, EverythingLater, UsersOnlyInG, NoWriteAfterVictims, KeeperDropped, VictimsLeaveLate]
+    "mutant",
+    [NoMinVersion, ForgetsTooEarly, EverythingLater, UsersOnlyInG, NoWriteAfterVictims, KeeperDropped, VictimsLeaveLate],
 )
 def test_simulator_catches_mutant(mutant: type[ReferencePlanner]) -> None:
     assert _failures(mutant) > 0

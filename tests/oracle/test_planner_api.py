@@ -8,6 +8,7 @@ import pytest
 from common.errors import ConfigError
 from oracle.config import capacity_bound, hottest_keys, required_capacity
 from oracle.planner import Planner, PlannerConfig
+from tests.oracle.reference_planner import reference_plan
 from tests.oracle.simulator import Workload, plan_incrementally, simulate, wire
 
 
@@ -115,7 +116,10 @@ def test_no_cache_is_bagpipe_with_l_and_d_zero() -> None:
         trainers=3, per_trainer=2, features=2, iterations=8, keys=12, lookahead=0, lead=0,
         slack=0, mode="no-cache", stream="zipf", checkpoint_every=3, hot=0, seed=2,
     ).build()
-    bagpipe = PlannerConfig(num_trainers=3, lookahead=0, prefetch_lead=0, capacity=cfg.capacity, checkpoint_every=3)
+    bagpipe = PlannerConfig(
+        num_trainers=3, lookahead=0, prefetch_lead=0, capacity=cfg.capacity, checkpoint_every=3,
+        write_lag=cfg.write_lag,
+    )
     assert wire(plan_incrementally(cfg, batches)) == wire(plan_incrementally(bagpipe, batches))
 
 
@@ -125,6 +129,41 @@ def test_keys_far_beyond_any_dense_array_are_planned() -> None:
     batches = [rng.integers(0, 1 << 40, size=(4, 3)) for _ in range(6)]
     cfg = PlannerConfig(num_trainers=2, lookahead=2, prefetch_lead=1, capacity=6)
     simulate(cfg, batches, plan_incrementally(cfg, batches))
+
+
+@pytest.mark.parametrize("mode", ["bagpipe", "no-cache", "static-cache"])
+def test_memory_grows_with_the_window_not_the_run(mode: str) -> None:
+    """New keys every other iteration; in between, keys that come back after 2, 6 and 12
+    iterations: the planner forgets each write-back's version once it has landed
+    (`PlannerConfig.landed_through`), so the keys it holds repeat with the stream instead of
+    growing, some fetches ask for a version and others for -1, and the directives stay the
+    reference's and exact."""
+    n = 800
+
+    def batch(x: int) -> np.ndarray:
+        if x % 2:
+            return np.arange(1000 + 16 * x, 1016 + 16 * x).reshape(8, 2)
+        m = x // 2
+        every_2, every_6, every_12 = np.arange(4), 100 + 6 * (m % 3) + np.arange(6), 200 + 6 * (m % 6) + np.arange(6)
+        return np.concatenate([every_2, every_6, every_12]).reshape(8, 2)
+
+    batches = [batch(x) for x in range(n)]
+    hot = np.arange(2) if mode == "static-cache" else np.zeros(0, np.int64)
+    cfg = PlannerConfig(
+        num_trainers=2, lookahead=4, prefetch_lead=2, capacity=64, mode=mode, write_lag=4, hot_keys=hot,  # type: ignore[arg-type]
+    )
+    planner = Planner(cfg)
+    held, directives = [], []
+    for batch in batches:
+        directives += planner.push(batch)
+        held.append(planner.keys_held)
+    directives += planner.finish()
+    distinct = len(np.unique(np.concatenate(batches)))
+    assert max(held[-n // 4 :]) == max(held[n // 8 : n // 4]) < distinct // 8
+    versions = np.concatenate([d.prefetch_min_versions for ds in directives for d in ds])
+    assert (versions >= 0).sum() > n // 4 and (versions == -1).sum() > distinct
+    assert wire(directives) == wire(reference_plan(cfg, batches))
+    simulate(cfg, batches, directives)
 
 
 def test_stats_agree_with_the_directives() -> None:

@@ -40,6 +40,7 @@ def workloads(draw: st.DrawFn, modes: tuple[str, ...] = MODES, max_trainers: int
         checkpoint_every=draw(st.integers(0, 3)),
         hot=draw(st.integers(0, 4)) if mode == "static-cache" else 0,
         seed=draw(st.integers(0, 2**31)),
+        write_lag=draw(st.integers(1, 6)),
     )
 
 
