@@ -39,7 +39,8 @@ def landed_through(iteration: int, write_lag: int = WRITE_LAG) -> int:
     sends the rows held back for sync_later(v)), so the first WaitWrites to cover it is the
     one at the boundary into v + max(W, 3). A trainer issues directive y's fetches after
     Train(y - 1), whose dense-gradient all-reduce no trainer leaves before every trainer has
-    passed its boundary into y - 1: y - 1 >= v + max(W, 3) suffices.
+    passed its boundary into y - 1: y - 1 >= v + max(W, 3) suffices. (On a GPU "leaves" means
+    on the CPU: `trainer.engine.Engine._train` reads the loss, which waits for the stream.)
     """
     return iteration - 1 - max(write_lag, 3)
 

@@ -38,7 +38,6 @@ class BagpipeRules:
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0
         self._planned = 0  # iterations planned
-        self._forget_through = -1  # no fetch from now on asks for these versions
 
     def ingest(self, z: int, batch: Batch) -> None:
         live_from = min(self._base.values(), default=self._next_id)
@@ -48,15 +47,15 @@ class BagpipeRules:
             self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
         # a key read from now on is fetched by directive max(0, x - D) or later, x the next planned
         first_directive = max(0, self._planned - self._config.prefetch_lead)
-        self._forget_through = self._config.landed_through(first_directive)
-        self._state = engine.reserve_entries(self._state, batch.used_keys.size, self._forget_through)
+        forget_through = self._config.landed_through(first_directive)
+        self._state = engine.reserve_entries(self._state, batch.used_keys.size, forget_through)
         self._base[z] = self._next_id
         engine.ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
         self._next_id = live_to
 
     @property
     def keys_held(self) -> int:
-        return engine.index_kept(self._state.index.cells, self._forget_through)
+        return int(self._state.index.size[0])
 
     def plan(self, x: int, batch: Batch) -> Planned:
         cfg = self._config

@@ -9,7 +9,8 @@ slow parts replaced by indexable state:
   trainer uses its key in the window. The entry holds the version of the key's last planned
   write-back and, per trainer, the copy's slot and the iteration of the trainer's earliest
   unplanned use (``head``, NEVER if none). A key whose entry is gone keeps its index cell,
-  which then holds that version: one lookup when a key comes and one when it goes;
+  which then holds that version until no fetch can need it (`reserve_index`): one lookup
+  when a key comes and one when it goes;
 * next uses: every (key, trainer) *pair* read but not yet planned is an occurrence in a ring
   that knows its key's entry and, once the pair is read again, that next occurrence's
   iteration. The entry holds each pair's latest occurrence (``tail``), so reading a batch

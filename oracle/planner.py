@@ -103,8 +103,9 @@ class Planner:
 
     @property
     def keys_held(self) -> int:
-        """Keys the planner keeps state for (in the window, cached, or with a write-back
-        version a fetch may still need): bounded by the window and the caches, not the run."""
+        """Keys the planner keeps state for: in the window, cached, or with a write-back
+        version a fetch may still need (and, in bagpipe mode, versions left for the index's
+        next rehash to forget). Bounded by the window and the caches, not the run."""
         return self._rules.keys_held
 
     def finish(self) -> list[list[Directive]]:

@@ -262,10 +262,15 @@ class PsClient:
     async def watch_restarts(self, interval_s: float) -> None:
         """Until cancelled, notice a shard that restarted even while this client has nothing
         to send it, and replay to it at once: another trainer may be waiting for rows that
-        only this client's journal holds, and this one may be waiting for that trainer."""
+        only this client's journal holds, and this one may be waiting for that trainer. A shard
+        this client cannot rejoin is left to the next request to it, which fails the same way;
+        the others are still watched."""
+        given_up: set[int] = set()
         while True:
             await asyncio.sleep(interval_s)
             for shard, known in enumerate(self._incarnations):
+                if shard in given_up:
+                    continue
                 try:
                     if known is None:  # not spoken with yet: a shard restarted alone may wait for it
                         await self._incarnation(shard)
@@ -275,12 +280,19 @@ class PsClient:
                     continue  # down, or restarting: look again later
                 except BagpipeError as exc:  # the next request to that shard meets it too
                     log.error("cannot rejoin PS shard %d: %s", shard, exc.message)
-                    return
+                    given_up.add(shard)
 
     async def _incarnation(self, shard: int) -> str:
         """The shard process this client speaks with (asked once, then after each restart)."""
         known = self._incarnations[shard]
-        if known is None:
+        if known is not None:
+            return known
+        # One first contact at a time, and none during a rejoin: a second one could meet a
+        # process restarted since the first and take it for the one the first one wrote to.
+        async with self._rejoining[shard]:
+            known = self._incarnations[shard]
+            if known is not None:
+                return known
             status = await self._status(shard)
             # Nothing was sent to the shard yet: only what the run resumed from must be there.
             if self.journals is not None:
@@ -292,7 +304,7 @@ class PsClient:
                 except Restarted as exc:  # restarted again meanwhile: the next attempt starts over
                     raise Unavailable(f"restarted again during the first contact: {exc.message}") from exc
             known = self._incarnations[shard] = status.incarnation
-        return known
+            return known
 
     async def _status(self, shard: int) -> ShardStatus:
         body = await self._clients[shard].call(STATUS.method, STATUS.path, timeout=self.timeout_s)

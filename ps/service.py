@@ -169,6 +169,19 @@ class PsService:
         started = time.monotonic()
         self._held += 1
         try:
+            await self._until_rejoined(wait_s)
+        finally:
+            self._held -= 1
+        left = max(wait_s - (time.monotonic() - started), 0.0)
+        await self._wait_for_versions(local, min_versions, left)
+        return self._rows(local, request)
+
+    async def _until_rejoined(self, wait_s: float) -> None:
+        """Return once every trainer has replayed to this shard (at once if it was not
+        restarted alone); TimedOut naming those that have not after `wait_s`."""
+        if not self._holding:
+            return
+        try:
             async with asyncio.timeout(wait_s):
                 await self._rejoin_open.wait()
         except TimeoutError:
@@ -180,11 +193,6 @@ class PsService:
                 f"write-backs within {wait_s:g} s",
                 trainers_missing=missing,
             ) from None
-        finally:
-            self._held -= 1
-        left = max(wait_s - (time.monotonic() - started), 0.0)
-        await self._wait_for_versions(local, min_versions, left)
-        return self._rows(local, request)
 
     def _rows(self, local: np.ndarray, request: Request) -> Rows:
         rows, state, versions = self.store.gather(local)
@@ -264,6 +272,8 @@ class PsService:
 
     async def snapshot(self, message: SnapshotRequest, request: Request) -> CheckpointSaved:
         checkpoint = self.store.check_version(message.checkpoint, "checkpoint")
+        # restarted alone, the rows are whole only once every trainer has replayed to it
+        await self._until_rejoined(self.fetch_timeout_s)
         saved = await self._take_checkpoint(checkpoint)
         if checkpoint == self.store.config.version_limit:
             self.final_scrape.finish()

@@ -267,6 +267,9 @@ class Engine:
             self.dense_optimizer.step()
         self._grad = leaf.grad  # each used slot's gradient, summed over its uses; then zeros
         stats = self._stats
+        # Reading the loss waits for the device stream, so on CUDA too the CPU goes on only
+        # after DDP's all-reduce, which every trainer has entered: the next directive's fetches
+        # rely on it (`common.directive.landed_through`). Keep a host sync here.
         stats.loss = float(loss.detach())
         stats.uses, stats.hits = len(a.used), a.hits
         stats.probs = torch.sigmoid(logits.detach()).cpu().numpy()

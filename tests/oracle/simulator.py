@@ -5,22 +5,30 @@ pseudo-gradient depends on (iteration, trainer, key) and on the value read, so a
 changes every later value. A single-process reference applies the same updates to a full table.
 Trainers execute the actions of `trainer.boundary.Boundary` — the production implementation
 of "The boundary into x" (DESIGN §4), which the trainer's engine executes too — in lockstep
-(their collectives make them so), checking every index the actions carry; the PS and network are asynchronous: write-backs arrive in a random order at
-random times, fetches are served at random times once the PS version reaches their
-`min_version`, from the moment they are issued. A trainer waiting for a fetch lets the network deliver what is in flight; if
-the write-back it needs has not been sent, that is a deadlock.
+(their collectives make them so), checking every index the actions carry; the PS and network
+are asynchronous: write-backs arrive in a random order at random times, fetches are served at
+random times once the PS version reaches their `min_version`, from the moment they are
+issued. A trainer waiting for a fetch lets the network deliver what is in flight; if the
+write-back it needs has not been sent, that is a deadlock.
 
-`simulate` raises `SimulationError` at the first broken invariant of §4:
-reads see every earlier update (value and state, bit for bit); slots stay in [0, C) and are
-never written while occupied; exactly one write-back per residency end (checkpoint flushes
-aside), each carrying the reference value of its version; a fetch gets exactly the newest version
-written back before it was issued, or the version it asked for if that is newer (a
-min_version of -1 for a write-back that has not landed is caught), and never deadlocks; join and sync key lists are identical across trainers; each
-checkpoint's PS view equals the reference; the final PS table equals the reference.
+`simulate` raises `SimulationError` at the first broken invariant of §4: reads see every
+earlier update (value and state, bit for bit); slots stay in [0, C) and are never written
+while occupied; exactly one write-back per residency end (checkpoint flushes aside), each
+carrying the reference value of its version; a fetch gets exactly the newest version written
+back before it was issued, or the version it asked for if that is newer, and never
+deadlocks; join and sync key lists are identical across trainers; each checkpoint's PS view
+equals the reference; the final PS table equals the reference.
+
+Lockstep hides one thing: in a real run only the collectives hold trainers together, so a
+trainer may issue directive y's fetches while another is still anywhere between Train(y-1)
+and its own fetches of y. A fetch that asks for less than the newest version written back
+(a min_version of -1 for a write-back that has landed) is therefore checked against the
+write-backs that a `WaitWrites` had forced to land before Train(y-1) began, the last point
+every trainer had surely passed; one that landed by chance does not count.
 
 With `config.first_iteration` = F > 0 (a run resumed from checkpoint F-1) iterations are
-numbered from F and the PS starts with each key at a random version in [-1, F-1]: a fetch
-with min_version -1 must then get that pre-resume version, any other exactly its own.
+numbered from F and the PS starts with each key at a random version in [-1, F-1], which a
+fetch gets unless a newer one was written back since.
 """
 
 from __future__ import annotations
@@ -139,6 +147,9 @@ class Simulation:
         self.resident: dict[int, set[int]] = {}
         self.resumed: dict[int, int] = self.resumed_versions()  # key -> version before F
         self.newest_sent = dict(self.resumed)  # key -> newest version written back so far
+        self.unsure: set[tuple[int, int]] = set()  # (key, version) sent, not yet forced by a WaitWrites
+        self.unsure_at_train: set[tuple[int, int]] = set()  # `unsure` when Train began
+        self.sent_since_train: set[int] = set()  # keys written back since Train began
         self.ps = {k: (v, initial_row(k)) for k, v in self.resumed.items() if v >= 0}
         if self.local:
             for t in self.trainers:
@@ -171,6 +182,8 @@ class Simulation:
         if row != self.ref_at(key, version):
             self.fail(f"write-back of key {key} version {version} carries a stale row")
         self.newest_sent[key] = max(version, self.newest_sent.get(key, -1))
+        self.sent_since_train.add(key)
+        self.unsure.add((key, version))
         self.in_flight.append((key, version, row))
 
     def deliver(self, item: tuple[int, int, Row]) -> None:
@@ -272,7 +285,13 @@ class Simulation:
             for g in a.groups:
                 for k, s, v in zip(g.keys, g.slots, g.min_versions):
                     key = int(k)
-                    expected = max(int(v), self.newest_sent.get(key, -1))
+                    newest = self.newest_sent.get(key, -1)
+                    if int(v) < newest and (key in self.sent_since_train or (key, newest) in self.unsure_at_train):
+                        self.fail(
+                            f"trainer {j} fetches key {key} with min_version {int(v)} at {self.x}, but "
+                            f"its write-back of version {newest} had not surely landed when Train({self.x - 1}) began"
+                        )
+                    expected = max(int(v), newest)
                     f = _Fetch(j, key, int(s), int(v), g.target, expected)
                     self.fetches.append(f)
                     if self.rng.random() < 0.5:
@@ -281,6 +300,7 @@ class Simulation:
     def wait_writes(self, actions: list[WaitWrites]) -> None:
         """The bounded write lag: every write-back of a version <= up_to lands now."""
         up_to = actions[0].up_to
+        self.unsure = {(key, version) for key, version in self.unsure if version > up_to}
         for item in [i for i in self.in_flight if i[1] <= up_to]:
             self.in_flight.remove(item)
             self.deliver(item)
@@ -373,6 +393,8 @@ class Simulation:
 
     # ----------------------------------------------------------------- forward, the end of x
     def train(self, actions: list[Train]) -> None:
+        self.unsure_at_train = set(self.unsure)
+        self.sent_since_train = set()
         self.network()
         x, ds = self.x, self.directives
         batch = self.batches[x - self.first]

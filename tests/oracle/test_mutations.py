@@ -18,7 +18,7 @@ from common.directive import Directive
 from oracle.config import PlannerConfig
 from tests.oracle.reference_planner import ReferencePlanner
 from tests.oracle.simulator import SimulationError, Workload, plan_incrementally, simulate, wire
-from trainer.boundary import Action, Boundary, InsertFetched, Leave, ReadJoinSources, Train
+from trainer.boundary import Action, Boundary, InsertFetched, Leave, ReadJoinSources, Train, WaitWrites
 
 
 class NoMinVersion(ReferencePlanner):
@@ -33,6 +33,15 @@ class ForgetsTooEarly(ReferencePlanner):
 
     def min_version(self, key: int, directive: int) -> int:
         return super().min_version(key, directive + 1)
+
+
+class ForgetsAfterW(ReferencePlanner):
+    """Forgets versions W directives back even where W < 3, though rows held for sync_later
+    are written back two boundaries after they leave."""
+
+    def min_version(self, key: int, directive: int) -> int:
+        version = self.last_wb.get(key, -1)
+        return version if version > directive - 1 - self.cfg.write_lag else -1
 
 
 class EverythingLater(ReferencePlanner):
@@ -109,6 +118,7 @@ def _cases() -> list[tuple[PlannerConfig, list[np.ndarray], int]]:
             checkpoint_every=0,
             hot=0,
             seed=i,
+            write_lag=(1, 2, 4)[i // 3 % 3],
         )
         config, batches = w.build()
         out.append((config, batches, i))
@@ -143,6 +153,16 @@ def _swapped(first: type, second: type) -> type[Boundary]:
     return Swapped
 
 
+class WaitsForWritesLast(Boundary):
+    """The bounded write lag is waited for at the end of x instead of at the boundary into it,
+    after Train's all-reduce: other trainers may then fetch before those write-backs landed."""
+
+    def plan(self, d: Directive) -> list[Action]:
+        actions = super().plan(d)
+        wait = next(a for a in actions if isinstance(a, WaitWrites))
+        return [a for a in actions if a is not wait] + [wait]
+
+
 class SendsHeldRowsAtOnce(Boundary):
     """A writer whose key is in sync_later(x-1) sends its row at once, without that update."""
 
@@ -159,7 +179,7 @@ def _no_hold(a: Leave) -> Leave:
 
 @pytest.mark.parametrize(
     "boundary",
-    [_swapped(ReadJoinSources, Leave), _swapped(InsertFetched, Train), SendsHeldRowsAtOnce],
+    [_swapped(ReadJoinSources, Leave), _swapped(InsertFetched, Train), SendsHeldRowsAtOnce, WaitsForWritesLast],
     ids=lambda b: b.__name__,
 )
 def test_simulator_catches_a_boundary_in_another_order(boundary: type[Boundary]) -> None:
@@ -176,7 +196,7 @@ def test_correct_but_slower_variant_passes() -> None:
 
 @pytest.mark.parametrize(
     "mutant",
-    [NoMinVersion, ForgetsTooEarly, EverythingLater, UsersOnlyInG, NoWriteAfterVictims, KeeperDropped, VictimsLeaveLate],
+    [NoMinVersion, ForgetsTooEarly, ForgetsAfterW, EverythingLater, UsersOnlyInG, NoWriteAfterVictims, KeeperDropped, VictimsLeaveLate],
 )
 def test_simulator_catches_mutant(mutant: type[ReferencePlanner]) -> None:
     assert _failures(mutant) > 0

@@ -354,6 +354,22 @@ async def test_a_shard_restarted_alone_holds_fetches_until_every_trainer_reporte
     assert len(opened) == 1 and opened[0].levelno == logging.INFO
 
 
+async def test_a_shard_restarted_alone_snapshots_only_once_every_trainer_reported(rejoined: Cluster) -> None:
+    """A snapshot (the run's final tables) must hold every trainer's replayed write-backs."""
+    raw = raw_client(rejoined)
+    try:
+        snapshot = asyncio.create_task(rejoined.client.snapshot(1))
+        for trainer in range(TRAINERS - 1):
+            await report(raw, trainer)
+        _, pending = await asyncio.wait({snapshot}, timeout=0.2)
+        assert pending == {snapshot}
+        await report(raw, TRAINERS - 1)
+        saved = await asyncio.wait_for(snapshot, 10)
+    finally:
+        await raw.close()
+    assert [a.checkpoint for a in saved] == [1]
+
+
 async def test_a_held_fetch_times_out_naming_the_trainers_not_reported(rejoined: Cluster) -> None:
     shard = rejoined.services[0]
     keys = np.array([3], dtype=np.int64)
