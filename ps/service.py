@@ -166,14 +166,16 @@ class PsService:
     ) -> Rows:
         """The rows once every trainer has replayed to this shard restarted alone and they
         reached their versions, both within `wait_s`."""
-        started = time.monotonic()
+        started = time.perf_counter()
         self._held += 1
         try:
             await self._until_rejoined(wait_s)
         finally:
             self._held -= 1
-        left = max(wait_s - (time.monotonic() - started), 0.0)
-        await self._wait_for_versions(local, min_versions, left)
+            self.metrics.observe("fetch_held_seconds", time.perf_counter() - started,
+                                 help="Time fetches were held until every trainer had replayed")
+        left = max(wait_s - (time.perf_counter() - started), 0.0)
+        await self._wait_for_versions(local, min_versions, left, budget=wait_s)
         return self._rows(local, request)
 
     async def _until_rejoined(self, wait_s: float) -> None:
@@ -351,7 +353,11 @@ class PsService:
         self.final_scrape.scraped()
         return Response(body=body, content_type="text/plain; version=0.0.4")
 
-    async def _wait_for_versions(self, local: np.ndarray, min_versions: np.ndarray, timeout: float) -> None:
+    async def _wait_for_versions(
+        self, local: np.ndarray, min_versions: np.ndarray, timeout: float, *, budget: float | None = None
+    ) -> None:
+        """Return once the rows reach their versions; TimedOut after `timeout`, naming the
+        fetch's whole wait `budget` (default: `timeout`)."""
         ticket = self._waiting.wait(local, min_versions, self.store.versions)
         if ticket is None:
             return
@@ -366,7 +372,8 @@ class PsService:
         except TimeoutError:
             behind = self.store.behind(local, min_versions)  # a refused fetch touches no row
             raise TimedOut(
-                f"{behind} of {len(local)} rows did not reach their version within {timeout:g} s",
+                f"{behind} of {len(local)} rows did not reach their version within "
+                f"{timeout if budget is None else budget:g} s",
                 rows_behind=behind,
             ) from None
         finally:

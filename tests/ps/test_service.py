@@ -349,7 +349,9 @@ async def test_a_shard_restarted_alone_holds_fetches_until_every_trainer_reporte
         await raw.close()
     assert isinstance(fetch_now(rejoined, keys), Rows)  # the fast path again: no task
     assert (await rejoined.client.status())[0].rejoin_waits_for == ()
-    assert 'bagpipe_rejoin_trainers_waiting 0' in await scrape(rejoined)
+    metrics = await scrape(rejoined)
+    assert 'bagpipe_rejoin_trainers_waiting 0' in metrics
+    assert 'bagpipe_fetch_held_seconds_count 2' in metrics  # the two fetches held above
     opened = [r for r in caplog.records if "every trainer (3) has replayed" in r.getMessage()]
     assert len(opened) == 1 and opened[0].levelno == logging.INFO
 
