@@ -134,6 +134,8 @@ async def join_and_run_ps(
     address = await serve_address(bind, coordinator.endpoint)
     if address.port == 0:  # the coordinator must know the port before the job says how to serve
         address = Endpoint(host=address.host, port=free_port(address.host))
+        if admin_port is None:  # nobody asked for port + 1, and it may be taken: any free one
+            admin_port = 0
     joined = await coordinator.join("ps", index, address)
     configure_logging(f"ps[{joined.index}]")
     job = joined.job(coordinator.endpoint)
