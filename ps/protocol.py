@@ -284,10 +284,9 @@ class CheckpointReport(_JsonMessage):
     prune_before: int = -1  # the oldest complete checkpoint still kept: older snapshots may go
 
     def __post_init__(self) -> None:
-        _check_non_negative(self, "checkpoint", "trainer", "trainers")
+        _check_non_negative(self, "checkpoint")
         _check_types(self, prune_before=int)
-        below = self.trainer < self.trainers
-        _check(self, below, "trainer %s is not below trainers = %s", self.trainer, self.trainers)
+        _check_trainer(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,9 +306,7 @@ class Rejoined(_JsonMessage):
     trainers: int
 
     def __post_init__(self) -> None:
-        _check_non_negative(self, "trainer", "trainers")
-        below = self.trainer < self.trainers
-        _check(self, below, "trainer %s is not below trainers = %s", self.trainer, self.trainers)
+        _check_trainer(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -503,6 +500,13 @@ def _check_non_negative(message: _JsonMessage, *names: str) -> None:
         value = getattr(message, name)
         ok = type(value) is int and value >= 0
         _check(message, ok, "%s must be a non-negative integer, got %r", name, value)
+
+
+def _check_trainer(message: CheckpointReport | Rejoined) -> None:
+    """`trainer` is one of `trainers`: both non-negative integers, trainer below trainers."""
+    _check_non_negative(message, "trainer", "trainers")
+    below = message.trainer < message.trainers
+    _check(message, below, "trainer %s is not below trainers = %s", message.trainer, message.trainers)
 
 
 def _check_int_list(message: _JsonMessage, name: str) -> None:

@@ -101,8 +101,9 @@ class PsService:
         self.final_scrape = FinalScrape()
         self.rejoin_trainers = rejoin_trainers
         self._rejoin_unreported = set(range(rejoin_trainers))
-        self._rejoin_open = asyncio.Event()
-        self._holding = rejoin_trainers > 0  # the fetch fast path's one check
+        self._rejoin_open = asyncio.Event()  # set: fetches are served
+        if not rejoin_trainers:
+            self._rejoin_open.set()
         self._held = 0  # fetches waiting for the trainers' replays
         self._started = time.monotonic()
 
@@ -149,7 +150,7 @@ class PsService:
                 f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
             )
         local = self.store.check_fetch(message.keys, message.min_versions)
-        if self._holding:
+        if not self._rejoin_open.is_set():
             return self._rows_after_replays(local, message.min_versions, wait_s, request)
         if self.store.ready(local, message.min_versions):
             return self._rows(local, request)
@@ -181,7 +182,7 @@ class PsService:
     async def _until_rejoined(self, wait_s: float) -> None:
         """Return once every trainer has replayed to this shard (at once if it was not
         restarted alone); TimedOut naming those that have not after `wait_s`."""
-        if not self._holding:
+        if self._rejoin_open.is_set():
             return
         try:
             async with asyncio.timeout(wait_s):
@@ -248,8 +249,7 @@ class PsService:
             )
         unreported = self._rejoin_unreported
         unreported.discard(message.trainer)
-        if not unreported and self._holding:
-            self._holding = False
+        if not unreported and not self._rejoin_open.is_set():
             self._rejoin_open.set()
             log.info("PS shard %d restarted alone: every trainer (%d) has replayed its write-backs, "
                      "%.1f s after the start; serving fetches", self.store.config.shard, expected,

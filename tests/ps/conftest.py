@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,3 +76,13 @@ def raw_state(store: ShardStore) -> RawState:
 
 def same_state(a: RawState, b: RawState) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+async def until(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    """Wait for a condition that another task makes true (bounded; yields to the loop)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

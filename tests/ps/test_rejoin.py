@@ -26,7 +26,7 @@ from ps.main import restore_own_latest, start_fresh
 from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
-from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server
+from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server, until
 
 EVERY = 5
 KEYS = np.arange(0, 60, 2, dtype=np.int64)
@@ -39,8 +39,7 @@ def make_shard(directory: Path, rejoin_trainers: int = 0) -> PsService:
 
 
 async def waiting_fetch(service: PsService) -> None:
-    while not service.fetches_waiting:
-        await asyncio.sleep(0.01)
+    await until(lambda: service.fetches_waiting)
 
 
 def trainer(
@@ -278,9 +277,7 @@ async def test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapsho
         def given_up() -> list[str]:
             return [r.getMessage() for r in caplog.records if r.getMessage().startswith("cannot rejoin PS shard 0")]
 
-        deadline = time.monotonic() + 10
-        while not given_up() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until(given_up, timeout=10)
         await asyncio.sleep(0.2)  # four more rounds of the watch: it does not try that shard again
         assert len(given_up()) == 1 and not watch.done()
         watch.cancel()

@@ -22,7 +22,9 @@ from common.wire import encode
 from ps.client import PsClient
 from ps.protocol import INCARNATION_HEADER, FetchRequest, Rows
 from ps.store import Snapshot
-from tests.ps.conftest import DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state
+from tests.ps.conftest import (
+    DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state, until,
+)
 
 
 def rows_for(keys: np.ndarray, value: float) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +54,7 @@ async def test_concurrent_write_backs_and_fetches(cluster: Cluster) -> None:
 async def test_fetch_waits_for_a_later_write_back(cluster: Cluster) -> None:
     keys = np.array([3, 4, 5], dtype=np.int64)
     fetch = asyncio.create_task(cluster.client.fetch(keys, np.array([-1, 7, 7])))
-    await _until(lambda: sum(s.fetches_waiting for s in cluster.services) == 2)
+    await until(lambda: sum(s.fetches_waiting for s in cluster.services) == 2)
     assert not fetch.done()
     await cluster.client.write_back(keys[1:], *rows_for(keys[1:], 1.0), version=7)
     got = await asyncio.wait_for(fetch, 5)
@@ -65,13 +67,13 @@ async def test_a_restore_that_takes_rows_back_keeps_the_fetch_waiting(cluster: C
     assert (shard_of(keys, 2) == 0).all()
     shard = cluster.services[0]
     fetch = asyncio.create_task(cluster.client.fetch(keys, np.array([7, 7])))
-    await _until(lambda: shard.fetches_waiting == 1)
+    await until(lambda: shard.fetches_waiting == 1)
     await cluster.client.write_back(keys[:1], *rows_for(keys[:1], 1.0), version=7)
     rows, state = rows_for(keys, 0.5)
     local = local_index(keys, 2)
     # Key 4 goes back to version 5 and key 6 comes to 7: the fetch must not be served yet.
     shard.restore_snapshot(Snapshot(local=local, rows=rows, state=state, versions=np.array([5, 7])), 5)
-    await _until(lambda: shard.fetches_waiting == 1)
+    await until(lambda: shard.fetches_waiting == 1)
     assert not fetch.done()
     await cluster.client.write_back(keys[:1], *rows_for(keys[:1], 2.0), version=7)
     got = await asyncio.wait_for(fetch, 5)
@@ -327,7 +329,7 @@ async def test_a_shard_restarted_alone_holds_fetches_until_every_trainer_reporte
     held.close()  # type: ignore[attr-defined]  # a coroutine never started
     any_version = asyncio.create_task(rejoined.client.fetch(keys))
     versioned = asyncio.create_task(rejoined.client.fetch(keys, np.array([-1, 7])))
-    await _until(lambda: shard.fetches_waiting == 2)
+    await until(lambda: shard.fetches_waiting == 2)
     assert 'bagpipe_rejoin_trainers_waiting 3' in await scrape(rejoined)
     raw = raw_client(rejoined)
     try:
@@ -340,7 +342,7 @@ async def test_a_shard_restarted_alone_holds_fetches_until_every_trainer_reporte
         assert await report(raw, 1) == {"reported": 3, "waiting": 0}
         got = await asyncio.wait_for(any_version, 5)
         assert got.versions.tolist() == [-1, -1]
-        await _until(lambda: shard.fetches_waiting == 1)  # now waiting for version 7 of key 4
+        await until(lambda: shard.fetches_waiting == 1)  # now waiting for version 7 of key 4
         assert not versioned.done()
         await rejoined.client.write_back(keys[1:], *rows_for(keys[1:], 1.0), version=7)
         assert (await asyncio.wait_for(versioned, 5)).versions.tolist() == [-1, 7]
@@ -471,13 +473,3 @@ async def test_curl_reads_health_over_http2_prior_knowledge(tmp_path) -> None:
     body, _, status = out.decode().rpartition("\n")
     assert status == "2 200"
     assert orjson.loads(body)["role"] == "ps"
-
-
-async def _until(condition, timeout: float = 5.0) -> None:
-    """Wait for a condition that another task makes true (bounded; yields to the loop)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
