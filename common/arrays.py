@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+#: Up to this many values, `bounds` reads them in Python: each numpy reduction has a fixed
+#: cost of about 1 us, more than min() and max() of a short list (a small PS fetch is 4 keys).
+FEW = 32
 
 
 def in_sorted(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
@@ -18,3 +24,11 @@ def has_duplicates(values: np.ndarray) -> bool:
     which hashes integers in numpy 2."""
     ordered = np.sort(values)
     return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def bounds(values: np.ndarray) -> tuple[Any, Any] | None:
+    """(min, max) of a numeric array as Python numbers; None for an empty one."""
+    if values.size <= FEW:
+        items = values.tolist()
+        return (min(items), max(items)) if items else None
+    return values.min().item(), values.max().item()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.arrays import bounds
 from common.errors import BadRequest, ConfigError
 
 
@@ -55,7 +56,8 @@ class TableLayout:
     def check_keys(self, keys: np.ndarray) -> None:
         """BadRequest naming the first key outside ``[0, total_rows)``."""
         keys = np.asarray(keys)
-        if keys.size and (keys.min() < 0 or keys.max() >= self.total_rows):
+        span = bounds(keys)
+        if span is not None and (span[0] < 0 or span[1] >= self.total_rows):
             bad = keys[(keys < 0) | (keys >= self.total_rows)][0]
             raise BadRequest(f"key {int(bad)} is outside [0, {self.total_rows})", key=int(bad))
 

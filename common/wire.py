@@ -14,6 +14,7 @@ object array or read past the body.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Mapping
@@ -36,6 +37,8 @@ MAX_NDIM = 8
 #: a shape whose size times its item size does not fit in a signed 64-bit integer, even
 #: when a zero dimension makes the array empty.
 _MAX_SHAPE_BYTES = (1 << 63) - 1
+#: Headers whose array layout `decode` remembers.
+MEMO_HEADERS = 256
 
 
 def _pad(n: int) -> int:
@@ -82,8 +85,9 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     (hlen,) = _LEN.unpack_from(view, 0)
     if hlen > MAX_HEADER_BYTES or _LEN.size + hlen > len(view):
         raise WireError(f"header length {hlen} does not fit in a body of {len(view)} bytes")
+    raw = bytes(view[_LEN.size : _LEN.size + hlen])
     try:
-        header = orjson.loads(view[_LEN.size : _LEN.size + hlen])
+        header = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise WireError(f"header is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
@@ -91,9 +95,7 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     pos = _LEN.size + hlen
     pos += _pad(pos)
     arrays: dict[str, np.ndarray] = {}
-    for name, dtype, shape in _array_specs(header.get("arrays", [])):
-        count = math.prod(shape)
-        nbytes = count * dtype.itemsize
+    for name, dtype, shape, count, nbytes in _layout(raw):
         if pos + nbytes > len(view):
             raise WireError(f"array {name!r} runs past the end of the body", array=name)
         flat = np.frombuffer(view, dtype=dtype, count=count, offset=pos)
@@ -102,6 +104,20 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     if pos != len(view):
         raise WireError(f"{len(view) - pos} unexpected bytes after the last array")
     return header.get("meta", {}), arrays
+
+
+#: An array's place in a body: name, dtype, shape, element count and bytes.
+_Slot = tuple[str, np.dtype, tuple[int, ...], int, int]
+
+
+@functools.lru_cache(maxsize=MEMO_HEADERS)
+def _layout(header: bytes) -> tuple[_Slot, ...]:
+    """The slots of the arrays a (valid JSON) header lists; WireError if the list is
+    malformed. Remembered by the header's bytes: a peer's bodies mostly repeat a few headers
+    (the same arrays, of the same shapes), and checking one is a good part of decoding a
+    small body."""
+    specs = _array_specs(orjson.loads(header).get("arrays", []))
+    return tuple((name, dtype, shape, math.prod(shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in specs)
 
 
 def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.arrays import has_duplicates, in_sorted
+from common.arrays import FEW, bounds, has_duplicates, in_sorted
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -28,3 +28,12 @@ def test_has_duplicates_at_the_edges() -> None:
     assert not has_duplicates(np.array([7]))
     assert has_duplicates(np.array([3, 1, 3]))
     assert not has_duplicates(np.array([3, 1, 2]))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4, FEW, FEW + 1, 500])
+def test_bounds_are_min_and_max(size: int) -> None:
+    values = np.random.default_rng(size).integers(-(2**62), 2**62, size)
+    expected = None if size == 0 else (int(values.min()), int(values.max()))
+    assert bounds(values) == expected
+    if size:
+        assert all(type(b) is int for b in bounds(values))

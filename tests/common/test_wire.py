@@ -105,6 +105,24 @@ def test_any_shape_decodes_or_raises_wire_error(dtype: str, shape: list[int], pa
     assert arrays["x"].shape == tuple(shape)
 
 
+def test_a_remembered_header_is_checked_against_each_body() -> None:
+    """`decode` remembers a header's array layout; the body's length is still checked each
+    time, and a header once refused is refused again."""
+    header = {"meta": {"n": 1}, "arrays": [["x", "<i8", [2]]]}
+    _, first = decode(_raw(header, np.array([5, 6], np.int64).tobytes()))
+    meta, again = decode(_raw(header, np.array([7, 8], np.int64).tobytes()))
+    assert first["x"].tolist() == [5, 6] and again["x"].tolist() == [7, 8] and meta == {"n": 1}
+    meta["n"] = 2  # the caller's copy: the next decode is not affected
+    assert decode(_raw(header, bytes(16)))[0] == {"n": 1}
+    with pytest.raises(WireError, match="runs past the end"):
+        decode(_raw(header, bytes(8)))
+    with pytest.raises(WireError, match="unexpected bytes"):
+        decode(_raw(header, bytes(24)))
+    for _ in range(2):
+        with pytest.raises(WireError, match="not allowed"):
+            decode(_raw({"arrays": [["x", "|O", [1]]]}))
+
+
 def test_require_checks_presence_dtype_and_rank() -> None:
     _, arrays = decode(encode({}, {"k": np.zeros(3, np.int64), "r": np.zeros((3, 2), np.float32)}))
     assert require(arrays, "k", "<i8", 1).shape == (3,)
