@@ -27,8 +27,8 @@ def has_duplicates(values: np.ndarray) -> bool:
 
 
 def bounds(values: np.ndarray) -> tuple[Any, Any] | None:
-    """(min, max) of a numeric array as Python numbers; None for an empty one."""
+    """(min, max) of a numeric array of any shape, as Python numbers; None if it is empty."""
     if values.size <= FEW:
-        items = values.tolist()
+        items = values.reshape(-1).tolist()
         return (min(items), max(items)) if items else None
     return values.min().item(), values.max().item()

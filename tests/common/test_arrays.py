@@ -37,3 +37,9 @@ def test_bounds_are_min_and_max(size: int) -> None:
     assert bounds(values) == expected
     if size:
         assert all(type(b) is int for b in bounds(values))
+    if size % 2 == 0:
+        assert bounds(values.reshape(2, -1)) == expected
+
+
+def test_bounds_of_a_two_dimensional_array_of_a_few_keys() -> None:
+    assert bounds(np.array([[3, -1], [7, 2]])) == (-1, 7)
