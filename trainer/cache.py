@@ -36,7 +36,7 @@ class EmbeddingCache:
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows and state at `slots`."""
         idx = self.index(slots)
-        return self.rows[idx], self.state[idx]
+        return self.rows.index_select(0, idx), self.state.index_select(0, idx)
 
     def read_host(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copies on the host as numpy, for write-backs."""
@@ -45,8 +45,8 @@ class EmbeddingCache:
 
     def write(self, slots: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
         idx = self.index(slots)
-        self.rows[idx] = rows
-        self.state[idx] = state
+        self.rows.index_copy_(0, idx, rows)
+        self.state.index_copy_(0, idx, state)
 
     def insert(self, slots: np.ndarray, staged: Staged) -> None:
         """Write rows staged by `Device.stage` into `slots`, once their copy is done."""

@@ -257,8 +257,9 @@ class Engine:
         labels, dense = self._batch
         with self.timer.phase("forward"):
             # (U + 1, d): the used rows and one more that no input reads, so its gradient is 0
-            leaf = self.cache.rows[self._index(np.append(a.used, 0))].detach().requires_grad_()
-            logits = self.model(torch.from_numpy(dense.copy()).to(self.device), leaf[self._index(a.inverse)])  # (b,)
+            leaf = self.cache.rows.index_select(0, self._index(np.append(a.used, 0))).detach().requires_grad_()
+            uses = leaf.index_select(0, self._index(a.inverse.reshape(-1))).view(*a.inverse.shape, -1)
+            logits = self.model(torch.from_numpy(dense.copy()).to(self.device), uses)  # (b,)
             loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels.copy()).to(self.device))
         with self.timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)

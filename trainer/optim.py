@@ -51,10 +51,10 @@ class EmbeddingOptimizer(ABC):
         A repeated index would be updated once with one of its gradients, never the sum:
         combine the gradients of a repeated row before calling.
         """
-        rows, row_state = table[index], state[index]
+        rows, row_state = table.index_select(0, index), state.index_select(0, index)
         self.step(rows, row_state, grad)
-        table[index] = rows
-        state[index] = row_state
+        table.index_copy_(0, index, rows)
+        state.index_copy_(0, index, row_state)
 
     @abstractmethod
     def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None: ...
