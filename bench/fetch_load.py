@@ -93,36 +93,56 @@ class _Tally:
             self.finished.set_exception(ConnectionError(f"connection to the shard lost: {exc}"))
 
 
-class _H2Fetches(asyncio.Protocol):
-    """One h2c connection with any number of fetches in flight."""
+class H2Requests:
+    """The bytes a client sends on one h2c connection to make the prepared fetches, stream
+    after stream: no h2 state, the HPACK blocks worked out once."""
 
-    def __init__(self, tally: _Tally, fetches: Fetches) -> None:
-        self._tally, self._bodies, self._answer_bytes = tally, fetches.bodies, fetches.answer_bytes
+    def __init__(self, fetches: Fetches) -> None:
+        self._bodies = fetches.bodies
         encoder = hpack.Encoder()
         # The first block adds every header to the HPACK table; later ones only index them.
         self._first_block = encoder.encode(fetches.h2_headers())
         self._block = encoder.encode(fetches.h2_headers())
         self._stream_id = -1
+
+    @staticmethod
+    def preface() -> bytes:
+        """The connection's start: the preface, SETTINGS (no push, the largest stream
+        windows) and the connection window raised as far."""
+        settings = struct.pack(">HIHI", 0x2, 0, 0x4, _MAX_WINDOW)
+        window = _FRAME_HEAD.pack(_MAX_WINDOW - 65535)
+        return PREFACE + _frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, window)
+
+    def next(self, n: int) -> tuple[bytes, range]:
+        """The next `n` fetches (HEADERS and DATA frames each) and their stream ids."""
+        first = self._stream_id + 2
+        frames = []
+        for stream_id in range(first, first + 2 * n, 2):
+            block = self._first_block if stream_id == 1 else self._block
+            body = self._bodies[stream_id % len(self._bodies)]
+            frames += [_frame(HEADERS, END_HEADERS, stream_id, block), _frame(DATA, END_STREAM, stream_id, body)]
+        self._stream_id = first + 2 * (n - 1)
+        return b"".join(frames), range(first, first + 2 * n, 2)
+
+
+class _H2Fetches(asyncio.Protocol):
+    """One h2c connection with any number of fetches in flight."""
+
+    def __init__(self, tally: _Tally, fetches: Fetches) -> None:
+        self._tally, self._answer_bytes = tally, fetches.answer_bytes
+        self._requests = H2Requests(fetches)
         self._received: dict[int, int] = {}  # open stream → its answer's body bytes so far
         self._buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport: asyncio.Transport = transport  # type: ignore[assignment]
-        settings = struct.pack(">HIHI", 0x2, 0, 0x4, _MAX_WINDOW)  # no push; stream windows
-        window = _FRAME_HEAD.pack(_MAX_WINDOW - 65535)
-        self._transport.write(PREFACE + _frame(SETTINGS, 0, 0, settings)
-                              + _frame(WINDOW_UPDATE, 0, 0, window))
+        self._transport.write(H2Requests.preface())
 
     def send(self, n: int) -> None:
-        frames = []
-        for _ in range(n):
-            self._stream_id += 2
-            block = self._first_block if self._stream_id == 1 else self._block
-            body = self._bodies[self._stream_id % len(self._bodies)]
-            frames += [_frame(HEADERS, END_HEADERS, self._stream_id, block),
-                       _frame(DATA, END_STREAM, self._stream_id, body)]
-            self._received[self._stream_id] = 0
-        self._transport.write(b"".join(frames))
+        frames, stream_ids = self._requests.next(n)
+        for stream_id in stream_ids:
+            self._received[stream_id] = 0
+        self._transport.write(frames)
 
     def data_received(self, data: bytes) -> None:
         buffer, pos, right, wrong, replies = self._buffer + data, 0, 0, 0, []

@@ -20,6 +20,12 @@ one on a shared machine: the rate reached is then lower). Per load and protocol:
 `small_http2_raw_rps`, `..._server_us_per_req`, `..._client_us_per_req` (what `PsClient`
 costs a trainer, under `psclient`), each with its range over the rounds.
 
+Last, the same small fetches in-process (`measure_protocol`): one connection of a real
+`H2Server` fed the prepared bytes, 1 and 8 fetches to a read, and the PS handler alone on
+one such request. No socket, event loop or other process takes part, so it is the shard's
+Python cost per request, steady from run to run where the rates above are not
+(`protocol_h2_us_per_req`, `..._1`, `protocol_handler_us_per_req`).
+
     python bench/ps_fetch.py --quick --json runs/bench/ps_fetch.json
     python bench/ps_fetch.py --small-only --rounds 5
 """
@@ -40,11 +46,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import write_json  # noqa: E402
-from bench.fetch_load import FetchLoad, Fetches  # noqa: E402
+from bench.fetch_load import FetchLoad, Fetches, H2Requests  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import H2Server, Http1Server, run  # noqa: E402
+from common.transport.http import Request, start_handler  # noqa: E402
 from ps.client import PsClient  # noqa: E402
+from ps.protocol import FETCH, INCARNATION_HEADER  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
 
@@ -56,12 +64,17 @@ TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figu
 LOADS = ("psclient", "raw")  # PsClient.fetch loops; prepared requests (bench.fetch_load)
 
 
+def _service(dim: int, rows: int = TABLE_ROWS) -> PsService:
+    """A shard of `rows` rows of `dim`, every row initialised (steady state)."""
+    config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((rows,)), dim=dim, state_width=0)
+    store = ShardStore(config)
+    store.gather(np.arange(rows))
+    return PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
+
+
 def _serve(dim: int, ports: mp.Queue, stop: mp.Event) -> None:
     async def main() -> None:
-        config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((TABLE_ROWS,)), dim=dim, state_width=0)
-        store = ShardStore(config)
-        store.gather(np.arange(TABLE_ROWS))  # initialise every row: measure steady state
-        service = PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
+        service = _service(dim)
         servers = [
             H2Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
             Http1Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
@@ -264,6 +277,79 @@ def measure_small(clients: int, rounds: int, seconds: float) -> dict:
     return _small_summary(measured)
 
 
+class _Sink:
+    """The transport of a connection driven in-process: what the shard writes is counted."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("in-process", 0) if name == "peername" else default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def measure_protocol(rounds: int, requests: int = 12_000, rows: int = TABLE_ROWS) -> dict:
+    """The shard's Python cost per small fetch without sockets or an event loop's I/O: one
+    h2c connection of a real `H2Server` fed `requests` prepared fetches (`bench.fetch_load`)
+    1 and 8 to a read, and the PS handler alone (decode, check, gather, encode) called on
+    the same request; median microseconds per request over `rounds`."""
+    return run(_protocol(rounds, requests, rows))
+
+
+async def _protocol(rounds: int, requests: int, rows: int) -> dict:
+    service = _service(SMALL_DIM, rows)
+    rng = np.random.default_rng(0)
+    keys = [rng.integers(0, rows, SMALL_KEYS, dtype=np.int64) for _ in range(SMALL_IN_FLIGHT)]
+    fetches = Fetches.of_keys(keys, dim=SMALL_DIM, state_width=0, host="127.0.0.1", port=0, token=TOKEN,
+                              incarnation=service.incarnation)
+    server = H2Server(service.router(), token=TOKEN)
+    connection, sink, sent = server.connection(), _Sink(), H2Requests(fetches)
+    connection.connection_made(sink)  # type: ignore[arg-type]
+    connection.data_received(H2Requests.preface())
+    out: dict[str, list[float]] = {"protocol_h2_us_per_req_1": [], "protocol_h2_us_per_req": [],
+                                   "protocol_handler_us_per_req": []}
+    route = service.router().resolve("POST", FETCH.path)
+    request = Request(method="POST", path=FETCH.path, query={}, body=fetches.bodies[0],
+                      headers={INCARNATION_HEADER: service.incarnation})
+    for _ in range(rounds):
+        for per_read, key in ((1, "protocol_h2_us_per_req_1"), (8, "protocol_h2_us_per_req")):
+            reads = [sent.next(per_read)[0] for _ in range(requests // per_read)]
+            answered = service.metrics.value("requests_total", {"op": "fetch"})
+            started = time.perf_counter()
+            for data in reads:
+                connection.data_received(data)
+            out[key].append((time.perf_counter() - started) / requests * 1e6)
+            if service.metrics.value("requests_total", {"op": "fetch"}) - answered != requests:
+                raise RuntimeError("the in-process shard did not answer every fetch at once")
+        started = time.perf_counter()
+        for _ in range(requests):
+            answer = start_handler(route, request)
+        out["protocol_handler_us_per_req"].append((time.perf_counter() - started) / requests * 1e6)
+        if getattr(answer, "status", None) != 200:
+            raise RuntimeError(f"the PS handler answered {answer!r}")
+    return {key: statistics.median(v) for key, v in out.items()} | {f"{k}_range": [min(v), max(v)] for k, v in out.items()}
+
+
+def _print_protocol(p: dict, rounds: int) -> None:
+    print(f"\nIn-process, no sockets ({SMALL_KEYS}-key fetches to one h2c connection, median of {rounds} rounds):")
+    for key, what in (("protocol_h2_us_per_req_1", "h2 server, 1 fetch a read"),
+                      ("protocol_h2_us_per_req", "h2 server, 8 fetches a read"),
+                      ("protocol_handler_us_per_req", "PS handler alone")):
+        lo, hi = p[f"{key}_range"]
+        print(f"  {what:<28} {p[key]:6.1f} us/req ({lo:.1f}-{hi:.1f})")
+
+
 def _small_summary(measured: list[dict]) -> dict:
     """Medians and ranges per protocol and load (`small_http2_raw_rps`, ...); the headline
     `small_http2_rps` and `small_http2_capacity_rps` (and http1's) are the light load's."""
@@ -338,7 +424,9 @@ def main() -> int:
           f"{'us/req':>9}")
     small = measure_small(args.clients, args.rounds, seconds * 2)
     _print_small_summary(small, args.clients)
-    write_json(args.json, {**result, **small})
+    protocol = measure_protocol(args.rounds)
+    _print_protocol(protocol, args.rounds)
+    write_json(args.json, {**result, **small, **protocol})
     return 0
 
 

@@ -515,11 +515,14 @@ class H2Server:
             raise RuntimeError("server not started")
         return int(self._server.sockets[0].getsockname()[1])
 
+    def connection(self) -> asyncio.Protocol:
+        """The protocol of one new connection, as `start` gives the event loop for each; a
+        benchmark may drive one with bytes of its own (`bench/ps_fetch.py`)."""
+        return _ServerProtocol(self)
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _ServerProtocol(self), self._host, self._port
-        )
+        self._server = await loop.create_server(self.connection, self._host, self._port)
         logger.info("h2 server listening on %s:%d", self._host, self.port)
 
     async def stop(self) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.fetch_load import FetchLoad, Fetches
+from bench.fetch_load import FetchLoad, Fetches, H2Requests
 from common.keys import TableLayout
 from common.transport import H2Server, Http1Server
 from ps.service import PsService
@@ -69,3 +69,24 @@ async def test_a_wrong_token_fails_the_load_at_once(kind: str, tmp_path: Path) -
         load.close()
         await server.stop()
     assert service.metrics.value("requests_total", {"op": "fetch"}) == 0
+
+
+def test_the_in_process_protocol_measure_answers_every_fetch() -> None:
+    """bench/ps_fetch.py's in-process section drives a real h2 server connection with the
+    prepared bytes; it raises unless every fetch was answered at once, and OK."""
+    from bench.ps_fetch import measure_protocol
+
+    figures = measure_protocol(rounds=1, requests=64, rows=1000)
+    for key in ("protocol_h2_us_per_req_1", "protocol_h2_us_per_req", "protocol_handler_us_per_req"):
+        assert figures[key] > 0 and figures[f"{key}_range"] == [figures[key], figures[key]]
+
+
+def test_prepared_h2_requests_number_their_streams_in_order() -> None:
+    service = PsService(ShardStore(ShardConfig(shard=0, num_shards=1, layout=TableLayout((1000,)), dim=DIM,
+                                               state_width=0)), checkpoint_dir=Path("/nonexistent"),
+                        fetch_timeout_s=5)
+    requests = H2Requests(_fetches(1, service))
+    first, ids = requests.next(3)
+    assert list(ids) == [1, 3, 5] and first
+    assert list(requests.next(2)[1]) == [7, 9]
+    assert list(requests.next(0)[1]) == [] and list(requests.next(1)[1]) == [11]
