@@ -30,6 +30,7 @@ _LEN = struct.Struct("<I")
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name) for name in ("<f4", "<f8", "<i4", "<i8", "<u8", "<i2", "|u1", "|i1")
 }
+_WIRE_DTYPES = frozenset(DTYPES.values())  # dtypes hash as they compare: "<f4" is float32 here
 MAX_HEADER_BYTES = 1 << 20
 #: Dimensions an array may have (numpy's own limit is 64; our messages use at most 2).
 MAX_NDIM = 8
@@ -64,6 +65,8 @@ def _as_sent(name: str, arr: np.ndarray) -> np.ndarray:
     """`arr` as it travels: C-contiguous, little-endian, of a dtype in DTYPES (no copy when
     it is already so, as arrays mostly are)."""
     arr = np.asarray(arr)
+    if arr.dtype in _WIRE_DTYPES and arr.flags.c_contiguous:
+        return arr
     dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
     wire_dtype = DTYPES.get(dtype.str)
     if wire_dtype is None:
