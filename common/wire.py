@@ -119,8 +119,11 @@ def _layout(header: bytes) -> tuple[_Slot, ...]:
     malformed. Remembered by the header's bytes: a peer's bodies mostly repeat a few headers
     (the same arrays, of the same shapes), and checking one is a good part of decoding a
     small body."""
-    specs = _array_specs(orjson.loads(header).get("arrays", []))
-    return tuple((name, dtype, shape, math.prod(shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in specs)
+    slots = []
+    for name, dtype, shape in _array_specs(orjson.loads(header).get("arrays", [])):
+        count = math.prod(shape)
+        slots.append((name, dtype, shape, count, count * dtype.itemsize))
+    return tuple(slots)
 
 
 def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:

@@ -188,12 +188,12 @@ class Engine:
         if pending is None:
             return
         grad = pending.wait() / self.comm.world_size
-        self.cache.apply(a.slots, _take(grad, a.positions, self.device))
+        self.cache.apply(a.slots, self._take(grad, a.positions))
         held = self._held.pop(a.iteration, None)
         if held is not None:
             rows = torch.from_numpy(held.rows).to(self.device)
             state = torch.from_numpy(held.state).to(self.device)
-            self.cache.optimizer.step(rows, state, _take(grad, a.held_positions, self.device))
+            self.cache.optimizer.step(rows, state, self._take(grad, a.held_positions))
             self._send(a.held_keys, rows.cpu().numpy(), state.cpu().numpy(), a.iteration, a.held_flush)
 
     def _checkpoints_written(self, a: CheckpointsWritten) -> None:
@@ -240,7 +240,7 @@ class Engine:
         joined = pending.wait()
         if not len(a.slots):
             return
-        part = _take(joined, a.positions, self.device)
+        part = self._take(joined, a.positions)
         self.cache.write(a.slots, part[:, : self.cache.dim], part[:, self.cache.dim :])
 
     def _insert_fetched(self, a: InsertFetched) -> None:
@@ -257,8 +257,8 @@ class Engine:
         labels, dense = self._batch
         with self.timer.phase("forward"):
             # (U + 1, d): the used rows and one more that no input reads, so its gradient is 0
-            leaf = _take(self.cache.rows, np.append(a.used, 0), self.device).detach().requires_grad_()
-            uses = _take(leaf, a.inverse.reshape(-1), self.device).view(*a.inverse.shape, -1)
+            leaf = self._take(self.cache.rows, np.append(a.used, 0)).detach().requires_grad_()
+            uses = self._take(leaf, a.inverse.reshape(-1)).view(*a.inverse.shape, -1)
             logits = self.model(torch.from_numpy(dense.copy()).to(self.device), uses)  # (b,)
             loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels.copy()).to(self.device))
         with self.timer.phase("backward"):
@@ -280,21 +280,21 @@ class Engine:
         """[len(positions), d]: row positions[i] of this iteration's gradients, zero where -1."""
         assert self._grad is not None
         zero_row = len(self._grad) - 1
-        return _take(self._grad, np.where(positions >= 0, positions, zero_row), self.device)
+        return self._take(self._grad, np.where(positions >= 0, positions, zero_row))
 
     def _sync_now(self, a: SyncNow) -> None:
         if not len(a.keys):
             return
         grad = self.comm.sum_rows(self._local_grads(a.positions)).wait() / self.comm.world_size
         mine = np.flatnonzero(a.slots >= 0)
-        self._now = (a.slots[mine], _take(grad, mine, self.device))
+        self._now = (a.slots[mine], self._take(grad, mine))
         assert self._stats is not None
         self._stats.sync_now_rows = len(a.keys)
 
     def _update_alone(self, a: UpdateAlone) -> None:
         """One optimizer step for sync_now's copies and the one-copy keys (disjoint slots)."""
         assert self._grad is not None
-        alone = _take(self._grad, a.positions, self.device) / self.comm.world_size
+        alone = self._take(self._grad, a.positions) / self.comm.world_size
         now, self._now = self._now, None
         if now is not None:
             self.cache.apply(np.concatenate([now[0], a.slots]), torch.cat([now[1], alone]))
@@ -308,9 +308,8 @@ class Engine:
         assert self._stats is not None
         self._stats.sync_later_rows = len(a.keys)
 
-
-def _take(rows: torch.Tensor, positions: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``rows[positions]`` (positions >= 0) by `index_select`: the same copy as indexing with
-    a tensor, several times faster on the CPU for rows of a few dozen values."""
-    return rows.index_select(0, torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(device))
+    def _take(self, rows: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+        """``rows[positions]`` (positions >= 0) by `index_select`: the same copy as indexing
+        with a tensor, several times faster on the CPU for rows of a few dozen values."""
+        return rows.index_select(0, self.cache.index(positions))
 
