@@ -207,6 +207,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         window.poll()
     finally:
         stop_processes([r.process for r in reversed(roles)])
+    e2e.drop_final_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
                         warmup=e2e.warmup_of(iterations), trainers=2)
     links = window.figures()

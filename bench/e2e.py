@@ -14,10 +14,18 @@ include its all-to-alls; it moves no rows through a PS, so its traffic columns a
 its hit rate n/a. It is optional: `pip install --no-deps -r bench/requirements-torchrec.txt`
 (never without --no-deps: it would replace torch). Without it the row is skipped, saying so.
 
-Iterations: 150 per mode with --quick, 300 without, far more than the oracle's `max_ahead`
-(64: how far it plans ahead of the slowest trainer). In a run not much longer than that the
-oracle plans everything at the start and the trainers never share the cores with it, which
-is not the steady state. The first fifth of the iterations is excluded as warm-up everywhere.
+Steady state: the oracle plans while the trainers train, as it does through an epoch of
+thousands of iterations. It runs `max_ahead` (64) iterations ahead of the slowest trainer,
+so over a run's last 64 iterations it has nothing left to plan and the trainers have the
+cores to themselves: those are left out of every figure (TorchRec's too), as is the first
+fifth of the run (start-up, first fetches, lazy initialisation). Iterations: 400 per mode
+with --quick (256 measured), 600 without.
+
+Data: the synthetic rows are written once as a preprocessed directory (`--out`/data, kept for
+later runs of the same rows) and every mode reads its batches from it, as a real job reads
+its preprocessed data set; TorchRec's ranks hold the same batches before their clock starts.
+An oracle generating the rows on the fly would spend about 4 ms of CPU per iteration (at
+2,048 samples) on what no real job does, on the cores the trainers use.
 
 `--rounds N` runs every mode and TorchRec in turn, N times over, and reports for each the run
 with the median samples/s (with an even N, the lower of the middle two) and the spread
@@ -28,9 +36,9 @@ Memory and CPU: the launcher samples every role's RSS and CPU time about once a 
 (`launcher.memory`); for each mode's reported run the benchmark prints, per role (oracle,
 each PS shard, each trainer), the RSS at the end of the warm-up, at the end of training, the
 peak, the growth per 1,000 iterations after the warm-up (a least-squares slope) and the CPU
-time per iteration after the warm-up, which shows where the machine's cores went; `--json`
-adds the curve points, and each run's folder gets `memory.png`. TorchRec's ranks are sampled
-the same way, named as trainers. A long run with a small batch checks that memory stays flat:
+time per measured iteration, which shows where the machine's cores went; `--json` adds the
+curve points, and each run's folder gets `memory.png`. TorchRec's ranks are sampled the same
+way, named as trainers. A long run with a small batch checks that memory stays flat:
 
     python bench/e2e.py --quick
     python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
@@ -54,6 +62,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import torchrec_baseline, write_json  # noqa: E402
+from common.checkpoints import final_paths  # noqa: E402
+from common.data.preprocessed import read_manifest  # noqa: E402
+from common.data.spec import parse_data_spec  # noqa: E402
+from common.data.synthetic import synthetic_config, write_synthetic  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
 from common.job import build_job  # noqa: E402
 from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import PsHost, run_cluster  # noqa: E402
@@ -67,24 +80,52 @@ from launcher.report import (  # noqa: E402
 
 TOKEN = "e2e-bench"
 SEED = 3
+MAX_AHEAD = 64
 
 
-def sections(iterations: int, batch: int, cache_rows: int) -> dict[str, dict]:
+def sections(iterations: int, batch: int, cache_rows: int, data: Path | None = None) -> dict[str, dict]:
+    """The benchmark's job; its rows generated on the fly, or read from `data` (`prepare_data`)."""
+    rows = {"format": "preprocessed", "path": str(data)} if data else synthetic_rows(iterations, batch)
     return {
         "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
-        "oracle": {"lookahead": 100, "prefetch_lead": 8, "cache_rows": cache_rows},
+        "oracle": {"lookahead": 100, "prefetch_lead": 8, "cache_rows": cache_rows, "max_ahead": MAX_AHEAD},
         "ps": {"shards": 2},
         "trainers": {"count": 2},
-        "data": {"format": "synthetic", "rows": iterations * batch + 4096, "top1_share": 0.92},
+        "data": rows,
         "model": {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [512, 256, 64, 16], "top_mlp": [512, 256]},
         "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
         "train": {"batch_size": batch, "epochs": 1, "max_iterations": iterations},
     }
 
 
+def synthetic_rows(iterations: int, batch: int) -> dict[str, Any]:
+    """The [data] section of the benchmark's synthetic rows: enough for `iterations`."""
+    return {"format": "synthetic", "rows": iterations * batch + 4096, "top1_share": 0.92}
+
+
+def prepare_data(iterations: int, batch: int, folder: Path) -> Path:
+    """The benchmark's synthetic rows as a preprocessed directory in `folder`, written unless
+    one of the same rows is there already."""
+    spec = parse_data_spec(synthetic_rows(iterations, batch), base_dir=folder)
+    path = folder / f"synthetic-{spec.rows}"
+    with contextlib.suppress(ConfigError):
+        if read_manifest(path).config == synthetic_config(spec):
+            return path
+    print(f"writing {spec.rows:,} synthetic rows to {path} ...", file=sys.stderr, flush=True)
+    write_synthetic(spec, path, progress=True)
+    return path
+
+
 def warmup_of(iterations: int) -> int:
-    """Iterations left out of every summary: start-up, first fetches, lazy initialisation."""
+    """Iterations left out at the start of every summary: start-up, first fetches, lazy
+    initialisation."""
     return max(2, iterations // 5)
+
+
+def cooldown_of(base: dict) -> int:
+    """Iterations left out at the end of every summary: those after the oracle planned the
+    last one (it plans `max_ahead` ahead of the slowest trainer)."""
+    return int(base["oracle"]["max_ahead"])
 
 
 @dataclass(frozen=True)
@@ -104,10 +145,7 @@ def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> ModeRu
     run_dir = out / mode
     print(f"running {mode} ...", file=sys.stderr, flush=True)
     run_cluster(job, run_dir, token=TOKEN, ps_host=ps_host)
-    warmup = warmup_of(job.spec.train.max_iterations)
-    records = read_run(run_dir, 2)
-    summary = summarise(records, mode=mode, global_batch=job.spec.train.batch_size, warmup=warmup, trainers=2)
-    return ModeRun(summary, *_memory(run_dir, records, warmup))
+    return _mode_run(run_dir, mode, base)
 
 
 def run_torchrec(base: dict, out: Path) -> ModeRun:
@@ -115,19 +153,37 @@ def run_torchrec(base: dict, out: Path) -> ModeRun:
     spec_path.write_text(spec_toml(f"e2e-{torchrec_baseline.MODE}", SEED, base))
     print(f"running {torchrec_baseline.MODE} ...", file=sys.stderr, flush=True)
     run_dir = out / torchrec_baseline.MODE
-    warmup = warmup_of(base["train"]["max_iterations"])
-    summary = torchrec_baseline.run(spec_path, run_dir, warmup=warmup)
-    return ModeRun(summary, *_memory(run_dir, read_run(run_dir, 2), warmup))
+    torchrec_baseline.run(spec_path, run_dir, warmup=warmup_of(base["train"]["max_iterations"]))
+    return _mode_run(run_dir, torchrec_baseline.MODE, base)
+
+
+def drop_final_tables(run_dir: Path) -> None:
+    """Delete the whole table a `local` run saves at its end (2.2 GB here): no benchmark
+    reads it, and three rounds would leave 6.6 GB behind."""
+    final = final_paths(run_dir)
+    final.table.unlink(missing_ok=True)
+    final.state.unlink(missing_ok=True)
+
+
+def _mode_run(run_dir: Path, mode: str, base: dict) -> ModeRun:
+    """A finished run's figures over the benchmark's window (`warmup_of`, `cooldown_of`)."""
+    drop_final_tables(run_dir)
+    iterations = base["train"]["max_iterations"]
+    warmup, cooldown = warmup_of(iterations), cooldown_of(base)
+    records = read_run(run_dir, 2)
+    summary = summarise(records, mode=mode, global_batch=base["train"]["batch_size"], warmup=warmup,
+                        cooldown=cooldown, trainers=2)
+    return ModeRun(summary, *_memory(run_dir, records, warmup, iterations - cooldown))
 
 
 def _memory(
-    run_dir: Path, records: Mapping[int, list[Record]], warmup: int
+    run_dir: Path, records: Mapping[int, list[Record]], warmup: int, cpu_until: int
 ) -> tuple[dict[str, RssFigures], dict[str, RssCurve]]:
     """Every role's RSS and CPU figures and curves from the samples of a run in `run_dir`."""
     series = iteration_series(records, trainers=2)
     curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
     plot_rss(curves, warmup, run_dir / "memory.png")
-    return summarise_rss(curves, warmup), curves
+    return summarise_rss(curves, warmup, cpu_until=cpu_until), curves
 
 
 def median_run(runs: Sequence[ModeRun]) -> ModeRun:
@@ -163,15 +219,15 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
-def rss_table(runs: Mapping[str, ModeRun], warmup: int) -> str:
+def rss_table(runs: Mapping[str, ModeRun], warmup: int, cpu_until: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
     and final saves included), its fitted growth per 1,000 iterations after the warm-up
     (n/a in a run with fewer than 1,000 iterations after it) and its CPU time per iteration
-    after the warm-up."""
+    over the measured iterations."""
     head = (f"{'mode':<14}{'role':<12}{'warm-up end':>13}{'end':>10}{'peak':>10}{'MB/1k it':>10}"
             f"{'CPU ms/it':>11}")
-    lines = [f"RSS in MB and CPU time per iteration (after iteration {warmup:,}, until training "
-             "ended)", head, "-" * len(head)]
+    lines = [f"RSS in MB (after iteration {warmup:,}, until training ended) and CPU time per iteration "
+             f"(iterations {warmup:,} to {cpu_until:,})", head, "-" * len(head)]
     for name, run in runs.items():
         for i, f in enumerate(run.rss.values()):
             growth = "n/a" if math.isnan(f.growth_mb_per_1k) else f"{f.growth_mb_per_1k:+.2f}"
@@ -232,7 +288,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer iterations")
     parser.add_argument("--iterations", type=int,
-                        help="iterations per mode (default 150 quick, 300 full; keep it well above 64)")
+                        help="iterations per mode (default 400 quick, 600 full; the first fifth and the "
+                             f"last {MAX_AHEAD} are not measured)")
     parser.add_argument("--batch", type=int, help="global batch (default 2048 quick, 4096 full)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
@@ -244,10 +301,14 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/e2e"), help="specs, logs and records")
     args = parser.parse_args()
-    iterations = args.iterations or (150 if args.quick else 300)
+    iterations = args.iterations or (400 if args.quick else 600)
     batch, cache_rows = (2048, 32768) if args.quick else (4096, 65536)
     batch = args.batch or batch
-    base = sections(iterations, batch, cache_rows)
+    measured = iterations - warmup_of(iterations) - MAX_AHEAD
+    if measured < 2:
+        parser.error(f"--iterations {iterations} leaves {measured} to measure: the first fifth and "
+                     f"the last {MAX_AHEAD} are left out")
+    base = sections(iterations, batch, cache_rows, prepare_data(iterations, batch, args.out / "data"))
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
@@ -261,7 +322,8 @@ def main() -> int:
     summaries = {m: run.summary for m, run in medians.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
     median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"\n{iterations} iterations per mode (first {warmup_of(iterations)} excluded), "
+    print(f"\n{iterations} iterations per mode ({measured} measured: the first {warmup_of(iterations)} "
+          f"and the last {MAX_AHEAD}, which the oracle has planned already, excluded), "
           f"global batch {batch}, C = {cache_rows} rows per trainer, {link}{median}")
     print(compare_modes(summaries))
     if args.rounds > 1:
@@ -273,14 +335,14 @@ def main() -> int:
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
     print()
-    print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations)))
+    print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations), iterations - MAX_AHEAD))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
     if skipped:
         print(f"(TorchRec skipped: {skipped})")
     if args.json:
         per_mode = {m: figures(run, rounds[m]) for m, run in medians.items()}
-        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "batch_size": batch,
+        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "cooldown": MAX_AHEAD, "batch_size": batch,
                 "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
                 "torchrec_skipped": skipped}
         write_json(args.json, {"config": meta, "modes": per_mode})

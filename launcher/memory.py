@@ -196,15 +196,18 @@ class RssFigures:
 
 
 def summarise_rss(
-    curves: Mapping[str, RssCurve], warm_from: int, *, min_span: int = MIN_GROWTH_SPAN
+    curves: Mapping[str, RssCurve], warm_from: int, *, cpu_until: int | None = None,
+    min_span: int = MIN_GROWTH_SPAN,
 ) -> dict[str, RssFigures]:
     """Per role, `RssFigures` with the warm-up ending once `warm_from` iterations (a global
     index) were done by every trainer; the growth is NaN unless the samples after it span
     `min_span` iterations, the CPU time per iteration unless two of them have one and span
-    an iteration."""
+    an iteration. The CPU time counts until `cpu_until` iterations were done (default: the
+    end of training)."""
     out = {}
     for role, c in curves.items():
         fit = c.training & (c.done >= warm_from)
+        cpu = fit & (c.done <= cpu_until) if cpu_until is not None else fit
         x, y = c.done[fit].astype(np.float64), c.rss_mb[fit]
         spans = x.size >= 2 and x[-1] - x[0] >= max(min_span, 1)
         slope = float(np.polyfit(x, y, 1)[0]) if spans else math.nan
@@ -212,7 +215,7 @@ def summarise_rss(
             role=role, warm_mb=float(y[0]) if y.size else math.nan, end_mb=float(y[-1]) if y.size else math.nan,
             peak_mb=float(c.rss_mb.max()) if c.rss_mb.size else math.nan,
             growth_mb_per_1k=1000 * slope, samples=int(fit.sum()),
-            cpu_ms_per_iter=_cpu_ms_per_iter(c.done[fit], c.cpu_s[fit]),
+            cpu_ms_per_iter=_cpu_ms_per_iter(c.done[cpu], c.cpu_s[cpu]),
         )
     return out
 

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -347,19 +347,22 @@ def iteration_series(
 class RunSummary:
     """The figures of one run that a user compares across runs and modes.
 
-    Timing covers the iterations after `warmup`: it runs from the end of the last warm-up
-    iteration (with no warm-up, from the end of the first iteration, since no record says
-    when iteration 0 started) to the end of the last one; `samples_per_s` divides the global
-    samples of the iterations inside that span by its length. Per-iteration traffic, hit rate
-    and phase times average over all iterations after the warm-up. NaN marks a figure with no
-    data (a hit rate with no uses, a throughput over a single iteration).
+    Timing covers the iterations after `warmup` and before the last `cooldown`: it runs from
+    the end of the last warm-up iteration (with no warm-up, from the end of the first
+    iteration, since no record says when iteration 0 started) to the end of the last measured
+    one; `samples_per_s` divides the global samples of the iterations inside that span by its
+    length. Per-iteration traffic, hit rate and phase times average over the measured
+    iterations. NaN marks a figure with no data (a hit rate with no uses, a throughput over a
+    single iteration).
     """
 
     mode: str
     trainers: int
     global_batch: int
     warmup: int
-    iterations: int  # iterations measured (after warm-up)
+    # iterations left out at the end (`bench/e2e.py`: those after the oracle planned its last)
+    cooldown: int = 0
+    iterations: int  # iterations measured (after warm-up, before the cooldown)
     first_iteration: int  # first measured iteration index
     last_iteration: int
     wall_time_s: float
@@ -402,6 +405,8 @@ class RunSummary:
         """Inverse of `to_json`, also for a dict read back from report.json (null → NaN)."""
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
+            if f.name not in data and f.default is not MISSING:
+                continue  # a report written before the field existed
             value = data[f.name] if f.name in data else None
             if f.name == "eval":
                 value = None if value is None else EvalPoint(
@@ -422,25 +427,28 @@ def summarise(
     mode: str,
     global_batch: int,
     warmup: int = 0,
+    cooldown: int = 0,
     trainers: int | None = None,
     loss_window: int = 10,
 ) -> RunSummary:
     """Summarise a run from its trainers' records (see `RunSummary` for what each figure
     means). `trainers` is the expected trainer count (default: the highest key + 1).
 
-    Raises `ReportError` naming the trainers with no iteration record, or when `warmup`
-    leaves no iteration to measure.
+    Raises `ReportError` naming the trainers with no iteration record, or when `warmup` and
+    `cooldown` leave no iteration to measure.
     """
-    if warmup < 0 or loss_window < 1:
-        raise ReportError(f"warmup must be >= 0 and loss_window >= 1, got {warmup}, {loss_window}")
+    if warmup < 0 or cooldown < 0 or loss_window < 1:
+        raise ReportError(f"warmup and cooldown must be >= 0 and loss_window >= 1, "
+                          f"got {warmup}, {cooldown}, {loss_window}")
     s = iteration_series(records_by_trainer, trainers=trainers)
-    n = len(s.iterations)
+    logged = len(s.iterations)
+    n = logged - cooldown  # iterations up to the last measured one
     if warmup >= n:
         raise ReportError(
-            f"warmup={warmup} leaves no iteration to measure: every trainer has logged "
-            f"only {n} common iteration(s)",
+            f"warmup={warmup} and cooldown={cooldown} leave no iteration to measure: every "
+            f"trainer has logged only {logged} common iteration(s)",
             warmup=warmup,
-            iterations=n,
+            iterations=logged,
         )
     global_samples = s.global_counter("samples")
     over = np.flatnonzero(global_samples > global_batch)
@@ -451,8 +459,8 @@ def summarise(
         )
     anchor = max(warmup - 1, 0)  # iteration whose end starts the clock
     timed = n - 1 - anchor
-    wall = float(s.end_time[-1] - s.end_time[anchor])
-    samples = int(global_samples[anchor + 1:].sum())
+    wall = float(s.end_time[n - 1] - s.end_time[anchor])
+    samples = int(global_samples[anchor + 1:n].sum())
     measured = slice(warmup, n)
     n_measured = n - warmup
 
@@ -466,9 +474,10 @@ def summarise(
         trainers=len(s.trainers),
         global_batch=global_batch,
         warmup=warmup,
+        cooldown=cooldown,
         iterations=n_measured,
         first_iteration=int(s.iterations[warmup]),
-        last_iteration=int(s.iterations[-1]),
+        last_iteration=int(s.iterations[n - 1]),
         wall_time_s=wall,
         samples=samples,
         samples_per_s=samples / wall if wall > 0 else math.nan,
@@ -543,6 +552,7 @@ def format_summary(summary: RunSummary) -> str:
     ev = s.eval
     status = "finished" if s.finished else "in progress"
     warm = f", first {s.warmup} excluded as warm-up" if s.warmup else ""
+    warm += f", last {s.cooldown} excluded" if s.cooldown else ""
     rows: list[tuple[str, str, str]] = [
         ("throughput", _num(s.samples_per_s, ",.1f"), "samples/s"),
         ("iteration time", _num(1e3 * s.iteration_time_s, ",.2f"), "ms"),

@@ -10,14 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from common.data.convert import convert, table_names
 from common.data.dataset import open_dataset
-from common.data.preprocessed import Manifest, Writer
 from common.data.spec import FORMATS, DataSpec, parse_data_spec
 from common.data.stats import format_table, plot_coverage, skew_stats, write_json
-from common.data.synthetic import CHUNK_ROWS, GENERATOR_VERSION, SyntheticGenerator
+from common.data.synthetic import CHUNK_ROWS, write_synthetic
 from common.errors import BagpipeError
 
 # argparse destination → [data] key, for the options shared by the commands.
@@ -122,19 +119,8 @@ def _stats(args: argparse.Namespace) -> None:
 
 
 def _synth(args: argparse.Namespace) -> None:
-    spec = spec_from_args(args, synthetic=True)
-    gen = SyntheticGenerator(spec)
-    with Writer(args.out, num_dense=spec.num_dense, table_sizes=spec.table_sizes) as writer:
-        for i in tqdm(range(-(-spec.rows // CHUNK_ROWS)), desc="synth", unit="chunk"):
-            rows = gen.chunk(i)
-            writer.append(rows.labels, rows.dense, rows.sparse)
-        m: Manifest = writer.commit(config=synthetic_config(spec), source={"generator": GENERATOR_VERSION})
+    m = write_synthetic(spec_from_args(args, synthetic=True), args.out, progress=True)
     print(f"{args.out}: {m.rows:,} synthetic rows, {len(m.table_sizes)} tables")
-
-
-def synthetic_config(spec: DataSpec) -> dict[str, Any]:
-    keys = ("seed", "rows", "top1_share", "drift", "click_rate", "num_dense")
-    return {"format": "synthetic", "table_sizes": list(spec.table_sizes), **{k: getattr(spec, k) for k in keys}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

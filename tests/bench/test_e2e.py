@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.e2e import ModeRun, figures, rss_table
+from bench.e2e import ModeRun, drop_final_tables, figures, rss_table
+from common.checkpoints import final_paths
 from launcher.memory import RssSample, rss_curves, summarise_rss
 from launcher.report import RunSummary
 
@@ -22,8 +23,9 @@ def bagpipe_run() -> ModeRun:
 
 
 def test_the_rss_table_has_a_line_per_role_under_its_mode() -> None:
-    lines = rss_table({"bagpipe": bagpipe_run()}, 10).splitlines()
-    assert lines[0] == "RSS in MB and CPU time per iteration (after iteration 10, until training ended)"
+    lines = rss_table({"bagpipe": bagpipe_run()}, 10, 40).splitlines()
+    assert lines[0] == ("RSS in MB (after iteration 10, until training ended) and CPU time per iteration "
+                        "(iterations 10 to 40)")
     # One iteration a second: 2 ms and 500 ms of CPU an iteration.
     assert lines[3].split() == ["bagpipe", "oracle", "300.0", "300.0", "300.0", "+0.00", "2.0"]
     # 10 iterations done at t = 109 (400 + 10 MB); training ends at t = 149, with 50 done.
@@ -33,7 +35,7 @@ def test_the_rss_table_has_a_line_per_role_under_its_mode() -> None:
 def test_a_growth_the_run_was_too_short_for_is_n_a() -> None:
     run = bagpipe_run()
     short = ModeRun(run.summary, summarise_rss(run.curves, 10), run.curves)  # 40 iterations after 10
-    assert rss_table({"bagpipe": short}, 10).splitlines()[3].split()[-2] == "n/a"
+    assert rss_table({"bagpipe": short}, 10, 40).splitlines()[3].split()[-2] == "n/a"
 
 
 def test_the_json_of_a_mode_holds_each_roles_figures_and_curve() -> None:
@@ -42,3 +44,13 @@ def test_the_json_of_a_mode_holds_each_roles_figures_and_curve() -> None:
     assert list(rss) == ["oracle", "trainer-0"]
     assert rss["trainer-0"]["growth_mb_per_1k"] == pytest.approx(1000.0)  # 1 MB an iteration
     assert rss["trainer-0"]["points"][:2] == [(0, 400.0), (1, 401.0)]  # (iterations done, MB)
+
+
+def test_a_runs_whole_final_table_is_dropped_and_the_rest_kept(tmp_path) -> None:
+    final = final_paths(tmp_path)
+    final.table.parent.mkdir()
+    for path in (final.table, final.state, final.dense, final.info):
+        path.write_bytes(b"x")
+    drop_final_tables(tmp_path)
+    drop_final_tables(tmp_path)  # nothing left to drop: no error
+    assert sorted(p.name for p in final.table.parent.iterdir()) == sorted([final.dense.name, final.info.name])

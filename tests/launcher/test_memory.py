@@ -123,6 +123,16 @@ def test_growth_is_the_fitted_slope_after_the_warm_up_and_the_peak_includes_the_
     assert "after iteration 20" in text and "+2.00" in text and "1,500.0" in text and "80.0" in text
 
 
+def test_cpu_time_can_stop_before_the_end_of_training() -> None:
+    samples, iterations, end_time = linear_run(0.0)
+    cpu = [RssSample(time=s.time, rss_mb=s.rss_mb, cpu_s={"trainer-0": 0.05 * min(d, 60) + 0.01 * max(d - 60, 0)})
+           for s, d in ((s, int(np.searchsorted(end_time, s.time, side="right"))) for s in samples)]
+    curves = rss_curves(cpu, iterations, end_time)
+    assert summarise_rss(curves, warm_from=20, cpu_until=60)["trainer-0"].cpu_ms_per_iter == pytest.approx(50.0)
+    whole = summarise_rss(curves, warm_from=20)["trainer-0"]
+    assert 10.0 < whole.cpu_ms_per_iter < 50.0 and whole.end_mb == 400.0
+
+
 def test_samples_without_cpu_time_give_none_per_iteration() -> None:
     samples, iterations, end_time = linear_run(0.0)
     old = [RssSample(time=s.time, rss_mb=s.rss_mb) for s in samples]  # a file from before

@@ -130,6 +130,24 @@ def test_warmup_moves_the_clock_start_and_the_averages() -> None:
     assert s.fetch_bytes_per_iter == pytest.approx((200 + 300 + 500 + 600) / 2)
 
 
+def test_cooldown_moves_the_clock_end_and_the_averages() -> None:
+    s = summarise(two_trainer_run(), mode="bagpipe", global_batch=160, warmup=1, cooldown=1, loss_window=1)
+    assert s.iterations == 2 and s.first_iteration == 1 and s.last_iteration == 2
+    assert s.wall_time_s == pytest.approx(11.2 - 10.1)
+    assert s.samples == 160 + 160
+    assert s.hit_rate == pytest.approx((5 + 6 + 10 + 12) / 60)
+    assert s.fetch_bytes_per_iter == pytest.approx((100 + 200 + 400 + 500) / 2)
+    assert s.final_loss == pytest.approx((0.5 * 100 + 0.8 * 60) / 160)
+    assert RunSummary.from_json(s.to_json()).cooldown == 1
+    assert "(2 measured, first 1 excluded as warm-up, last 1 excluded)" in format_summary(s)
+
+
+def test_a_report_from_before_the_cooldown_reads_as_none_left_out() -> None:
+    old = summarise(two_trainer_run(), mode="bagpipe", global_batch=160).to_json()
+    del old["cooldown"]
+    assert RunSummary.from_json(old).cooldown == 0
+
+
 def test_no_warmup_counts_every_iteration_but_times_from_the_first_end() -> None:
     s = summarise(two_trainer_run(), mode="bagpipe", global_batch=160)
     assert s.iterations == 4 and s.samples == 470
@@ -176,7 +194,8 @@ def test_no_eval_and_no_uses_give_none_and_nan() -> None:
         ({0: [it_rec(0, 1.0)]}, {"trainers": 3}, r"trainer\(s\) 1, 2 "),
         ({0: [it_rec(0, 1.0)], 3: [it_rec(0, 1.0)]}, {"trainers": 2}, r"trainer\(s\) 3 outside"),
         ({}, {}, "no trainer records"),
-        ({0: [it_rec(0, 1.0), it_rec(1, 2.0)]}, {"warmup": 2}, "warmup=2 leaves no iteration"),
+        ({0: [it_rec(0, 1.0), it_rec(1, 2.0)]}, {"warmup": 2}, "warmup=2 and cooldown=0 leave no iteration"),
+        ({0: [it_rec(0, 1.0), it_rec(1, 2.0)]}, {"warmup": 1, "cooldown": 1}, "cooldown=1 leave no iteration"),
     ],
 )
 def test_errors_name_what_is_missing(run: dict[int, list[dict[str, Any]]], kwargs: dict[str, int],

@@ -5,7 +5,10 @@ import pytest
 
 from common.data.spec import CRITEO_KAGGLE_SIZES, DataSpec
 from common.errors import ConfigError
-from common.data.synthetic import CHUNK_ROWS, SyntheticGenerator, calibrate_exponents, overall_top_share
+from common.data.dataset import open_dataset
+from common.data.synthetic import (
+    CHUNK_ROWS, SyntheticGenerator, calibrate_exponents, overall_top_share, synthetic_config, write_synthetic,
+)
 
 SMALL = tuple(max(3, n // 100) for n in CRITEO_KAGGLE_SIZES)  # 337k rows in all
 
@@ -89,3 +92,16 @@ def test_drift_moves_the_hot_set() -> None:
 
     assert hottest(0.0, 0) == hottest(0.0, 30)
     assert hottest(1.0, 0) != hottest(1.0, 30)
+
+
+def test_written_copy_trains_on_the_same_rows(tmp_path) -> None:
+    spec = DataSpec(format="synthetic", rows=CHUNK_ROWS + 500, table_sizes=(100, 1000, 50_000), seed=4, eval_fraction=0.1)
+    manifest = write_synthetic(spec, tmp_path / "syn")
+    assert manifest.config == synthetic_config(spec) and manifest.rows == spec.rows
+    live = open_dataset(spec)
+    copy = open_dataset(DataSpec(format="preprocessed", path=str(tmp_path / "syn"), eval_fraction=0.1))
+    assert copy.table_sizes == live.table_sizes and copy.num_train_rows == live.num_train_rows
+    for a, b in zip(live.train_batches(700), copy.train_batches(700), strict=True):
+        assert a.index == b.index
+        for name in ("labels", "dense", "sparse"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
