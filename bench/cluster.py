@@ -6,19 +6,22 @@ switch), every host's link shaped by tbf to the rate, in both directions. Each r
 on its host with the command a cluster across machines uses (the oracle with the spec, the
 others with `--coordinator`: `start_roles`, the one place that says how); TorchRec's two ranks run on
 tr0 and tr1 (`start_torchrec`). The job is `bench/e2e.py`'s (T = 2, S = 2, DLRM, synthetic
-Criteo-like data, a cache far below the tables). Per rate it prints samples/s, ms per phase
-(both from each run's report.json) and MB each host's link carried per iteration, counted on
-the links from the end of the warm-up to the last iteration.
+Criteo-like data, a cache far below the tables) and so is its window: the first fifth of a
+run and its last `max_ahead` iterations, when the oracle has nothing left to plan, are not
+measured. Unlike there, the oracle generates the rows as it reads them (2 to 4 ms of CPU an
+iteration of 2,048, on cores every host shares), so that no file of data is visible to the
+trainers' hosts (below); TorchRec's ranks generate theirs before their clock starts. Per rate it prints samples/s, ms per
+phase (both from each run's report.json) and MB each host's link carried per measured
+iteration.
 
 Unlike `bench/e2e.py` on loopback, every byte between roles crosses two shaped links (sender
 and receiver), trainer to trainer too: the trainers' and TorchRec's collectives are shaped.
 All hosts still share this machine's cores.
 
-The per-iteration link figures count from the end of the warm-up to the last iteration.
 Bagpipe prefetches up to `prefetch_lead` (8) iterations ahead, so the rows of the first
-measured iterations crossed before the window opened: in a 40-iteration run its PS links
-show about a quarter less per iteration than the trainers' own fetch counters (a few
-percent in 300 iterations).
+measured iterations crossed the links before the window opened, and those of the last
+iterations after it closed: the two ends nearly cancel over a window of a hundred
+iterations or more.
 
 Only the oracle's host sees the bagpipe runs' specs (and any data they name): the PS shards
 and trainers are started with the oracle's address alone and never open the data.
@@ -196,7 +199,8 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         sections["oracle"] = {**base["oracle"], "mode": name}
     spec.write_text(spec_toml(f"cluster-{name}", e2e.SEED, sections))
     iterations = base["train"]["max_iterations"]
-    window = LinkWindow(net, run_dir, trainers=2, warmup=e2e.warmup_of(iterations), iterations=iterations)
+    warmup, cooldown = e2e.warmup_of(iterations), e2e.cooldown_of(base)
+    window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - cooldown)
     print(f"running {name} ...", file=sys.stderr, flush=True)
     roles: list[Role] = []
     try:
@@ -209,7 +213,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         stop_processes([r.process for r in reversed(roles)])
     e2e.drop_final_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
-                        warmup=e2e.warmup_of(iterations), trainers=2)
+                        warmup=warmup, cooldown=cooldown, trainers=2)
     links = window.figures()
     report = write_report(run_dir, summary, {"spec": str(spec), "link_mb": links})
     return RunSummary.from_json(orjson.loads(report.read_bytes())["summary"]), links
@@ -245,8 +249,9 @@ def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path 
 def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
     """The tables of one rate's runs."""
     train, cache_rows = base["train"], base["oracle"]["cache_rows"]
-    print(f"\n== every host's link at {rate} (tbf, both directions): {train['max_iterations']} iterations "
-          f"per run (first {e2e.warmup_of(train['max_iterations'])} excluded), global batch "
+    iterations = train["max_iterations"]
+    print(f"\n== every host's link at {rate} (tbf, both directions): {iterations} iterations per run "
+          f"(the first {e2e.warmup_of(iterations)} and the last {e2e.cooldown_of(base)} excluded), global batch "
           f"{train['batch_size']}, C = {cache_rows} rows per trainer")
     print(compare_modes(result["summaries"]))
     print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
@@ -261,8 +266,8 @@ def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="40 iterations of batch 2048 (else 300 of 4096)")
-    parser.add_argument("--iterations", type=int, help="iterations per run (default 40 quick, 300 full)")
+    parser.add_argument("--quick", action="store_true", help="200 iterations of batch 2048 (else 400 of 4096)")
+    parser.add_argument("--iterations", type=int, help="iterations per run (default 200 quick, 400 full)")
     parser.add_argument("--rates", default="1gbit,100mbit", help="comma-separated tc rates of every host's link")
     parser.add_argument("--modes", default=",".join(MODES_RUN), help="comma-separated modes")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
@@ -288,8 +293,13 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    iterations, batch, cache_rows = (40, 2048, 32768) if args.quick else (300, 4096, 65536)
-    base = e2e.sections(args.iterations or iterations, batch, cache_rows)
+    iterations, batch, cache_rows = (200, 2048, 32768) if args.quick else (400, 4096, 65536)
+    iterations = args.iterations or iterations
+    if iterations - e2e.warmup_of(iterations) - e2e.MAX_AHEAD < 2:
+        print(f"cluster.py: --iterations {iterations} leaves nothing to measure once the first fifth "
+              f"and the last {e2e.MAX_AHEAD} are left out", file=sys.stderr)
+        return 2
+    base = e2e.sections(iterations, batch, cache_rows)
     names = [*args.modes, *([torchrec_baseline.MODE] if args.with_torchrec else [])]
     hide = args.hide_data.resolve() if args.hide_data else None
     results = {}
