@@ -95,12 +95,15 @@ class MemoEncoder(hpack.Encoder):
         table: _CountedTable = self.header_table  # type: ignore[assignment]
         key = _plain(headers, huffman)
         generation = table.generation
-        if key is not None and not table.resized:
+        # After a resize, hpack starts the next block with the size update, once: that
+        # block is never repeated.
+        resized = table.resized
+        if key is not None and not resized:
             block = self._memo.get(key, generation)
             if block is not None:
                 return block
         block = super().encode(headers, huffman)
-        if key is not None and table.generation == generation:
+        if key is not None and not resized and table.generation == generation:
             self._memo.put(key, generation, block)
         return block
 

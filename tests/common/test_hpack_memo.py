@@ -47,6 +47,16 @@ def _outcome(decoder: hpack.Decoder, block: bytes) -> list | str:
         return type(exc).__name__
 
 
+def test_the_block_after_a_resize_carries_the_size_update_once() -> None:
+    # Found by the test above: the block that announces a resize was remembered with it.
+    plain, memo = hpack.Encoder(), MemoEncoder()
+    for step in ([("bb", "22")], 64, [("bb", "22")], [("bb", "22")]):
+        if isinstance(step, int):
+            plain.header_table_size = memo.header_table_size = step
+        else:
+            assert memo.encode(step) == plain.encode(step)
+
+
 def test_a_repeated_block_is_decoded_anew_once_the_table_changed() -> None:
     encoder, decoder = hpack.Encoder(), MemoDecoder()
     decoder.decode(encoder.encode([("x-one", "1")]))
