@@ -91,10 +91,9 @@ class Directive:
     #: that update to the copy at boundary into x+2, step 1, and sends then, else sends at
     #: once. A write whose slot is not in `leave_slots` is a checkpoint flush: the row stays.
     write_keys: np.ndarray
-    #: int32 [W]: slot each written row is copied from (its slot during x).
+    #: int32 [W]: slot each written row is copied from (its slot during x). The PS stores
+    #: every written row at version x.
     write_slots: np.ndarray
-    #: int64 [W]: version the PS stores with the row; always x.
-    write_versions: np.ndarray
     #: True if x is a checkpoint: after sending this directive's writes (flushes included) the
     #: trainer saves its dense model and optimizer as checkpoint x (DESIGN §9).
     checkpoint: bool
@@ -116,7 +115,6 @@ class Directive:
         "sync_now_keys",
         "sync_later_keys",
         "write_keys",
-        "write_versions",
     )
 
     @classmethod
@@ -164,7 +162,7 @@ class Directive:
         _same_length(self, "join_", ("keys", "send_slots", "recv_slots"))
         _same_length(self, "sync_now_", ("keys", "slots"))
         _same_length(self, "sync_later_", ("keys", "slots"))
-        _same_length(self, "write_", ("keys", "slots", "versions"))
+        _same_length(self, "write_", ("keys", "slots"))
         for name in ("input_slots", "prefetch_slots", "leave_slots", "write_slots"):
             _check(getattr(self, name).size == 0 or getattr(self, name).min() >= 0, f"{name} < 0")
         for name in ("join_send_slots", "join_recv_slots", "sync_now_slots", "sync_later_slots"):
@@ -178,7 +176,6 @@ class Directive:
             "prefetch_targets before the directive's iteration",
         )
         _check(bool(np.all(self.prefetch_min_versions >= -1)), "prefetch_min_versions < -1")
-        _check(bool(np.all(self.write_versions == self.iteration)), "write_versions != iteration")
 
 
 def _same_length(d: Directive, prefix: str, names: tuple[str, ...]) -> None:

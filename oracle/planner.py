@@ -212,7 +212,6 @@ class Planner:
                     leave_slots=lv[:, EV_SLOT].astype(np.int32),
                     write_keys=wr[:, EV_KEY].copy(),
                     write_slots=wr[:, EV_SLOT].astype(np.int32),
-                    write_versions=np.full(wr.shape[0], g, np.int64),
                     checkpoint=self.config.is_checkpoint(g),
                 )
             )

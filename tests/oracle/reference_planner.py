@@ -316,7 +316,6 @@ class ReferencePlanner:
             leave_slots=np.array([s for _, s in leave], dtype=i32),
             write_keys=np.array([k for k, _ in write], dtype=i64),
             write_slots=np.array([s for _, s in write], dtype=i32),
-            write_versions=np.full(len(write), first + x, dtype=i64),
             checkpoint=self.cfg.is_checkpoint(first + x),
         )
 

@@ -30,7 +30,6 @@ def make(**overrides: object) -> Directive:
         leave_slots=np.array([2], i32),
         write_keys=np.array([13], i64),
         write_slots=np.array([2], i32),
-        write_versions=np.array([3], i64),
         checkpoint=True,
     )
     fields.update(overrides)
@@ -54,7 +53,7 @@ def test_round_trip_is_exact() -> None:
         {"join_keys": np.array([12, 11], np.int64)},  # not ascending
         {"sync_now_slots": np.array([-2], np.int32)},
         {"prefetch_targets": np.array([2, 5], np.int32)},  # before the iteration
-        {"write_versions": np.array([4], np.int64)},
+        {"write_slots": np.array([2, 3], np.int32)},  # lengths differ
         {"input_slots": np.array([[0, -1], [2, 0]], np.int32)},
     ],
 )

@@ -34,7 +34,6 @@ def shifted(d: Directive, first: int) -> Directive:
         iteration=d.iteration + first,
         prefetch_targets=(d.prefetch_targets + first).astype(np.int32),
         prefetch_min_versions=np.where(v >= 0, v + first, v),
-        write_versions=d.write_versions + first,
     )
 
 

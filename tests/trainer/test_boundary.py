@@ -34,7 +34,6 @@ def directive(x: int, *, inputs: list[list[int]], checkpoint: bool = False, **ar
     values = {name: np.zeros(0, I64 if name in Directive._INT64 else I32) for name in Directive._INT32 + Directive._INT64}
     for name, value in arrays.items():
         values[name] = np.asarray(value, I64 if name in Directive._INT64 else I32)
-    values["write_versions"] = np.full(len(values["write_keys"]), x, I64)
     return Directive(iteration=x, trainer=0, input_slots=np.asarray(inputs, I32), checkpoint=checkpoint, **values)
 
 
