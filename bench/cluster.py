@@ -10,9 +10,9 @@ Criteo-like data, a cache far below the tables) and so is its window: the first 
 run and its last `max_ahead` iterations, when the oracle has nothing left to plan, are not
 measured. Unlike there, the oracle generates the rows as it reads them (2 to 4 ms of CPU an
 iteration of 2,048, on cores every host shares), so that no file of data is visible to the
-trainers' hosts (below); TorchRec's ranks generate theirs before their clock starts. Per rate it prints samples/s, ms per
-phase (both from each run's report.json) and MB each host's link carried per measured
-iteration.
+trainers' hosts (below); TorchRec's ranks generate theirs before their clock starts. Per rate
+it prints samples/s, ms per phase (both from each run's report.json) and MB each host's link
+carried per measured iteration.
 
 Unlike `bench/e2e.py` on loopback, every byte between roles crosses two shaped links (sender
 and receiver), trainer to trainer too: the trainers' and TorchRec's collectives are shaped.

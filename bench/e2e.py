@@ -24,7 +24,7 @@ with --quick (256 measured), 600 without.
 Data: the synthetic rows are written once as a preprocessed directory (`--out`/data, kept for
 later runs of the same rows) and every mode reads its batches from it, as a real job reads
 its preprocessed data set; TorchRec's ranks hold the same batches before their clock starts.
-An oracle generating the rows on the fly would spend about 4 ms of CPU per iteration (at
+An oracle generating the rows on the fly would spend 2 to 4 ms of CPU per iteration (at
 2,048 samples) on what no real job does, on the cores the trainers use.
 
 `--rounds N` runs every mode and TorchRec in turn, N times over, and reports for each the run
