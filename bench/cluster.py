@@ -199,8 +199,8 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         sections["oracle"] = {**base["oracle"], "mode": name}
     spec.write_text(spec_toml(f"cluster-{name}", e2e.SEED, sections))
     iterations = base["train"]["max_iterations"]
-    warmup, cooldown = e2e.warmup_of(iterations), e2e.cooldown_of(base)
-    window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - cooldown)
+    warmup = e2e.warmup_of(iterations)
+    window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - e2e.MAX_AHEAD)
     print(f"running {name} ...", file=sys.stderr, flush=True)
     roles: list[Role] = []
     try:
@@ -213,7 +213,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         stop_processes([r.process for r in reversed(roles)])
     e2e.drop_final_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
-                        warmup=warmup, cooldown=cooldown, trainers=2)
+                        warmup=warmup, cooldown=e2e.MAX_AHEAD, trainers=2)
     links = window.figures()
     report = write_report(run_dir, summary, {"spec": str(spec), "link_mb": links})
     return RunSummary.from_json(orjson.loads(report.read_bytes())["summary"]), links
@@ -251,7 +251,7 @@ def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
     train, cache_rows = base["train"], base["oracle"]["cache_rows"]
     iterations = train["max_iterations"]
     print(f"\n== every host's link at {rate} (tbf, both directions): {iterations} iterations per run "
-          f"(the first {e2e.warmup_of(iterations)} and the last {e2e.cooldown_of(base)} excluded), global batch "
+          f"(the first {e2e.warmup_of(iterations)} and the last {e2e.MAX_AHEAD} excluded), global batch "
           f"{train['batch_size']}, C = {cache_rows} rows per trainer")
     print(compare_modes(result["summaries"]))
     print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
@@ -295,7 +295,7 @@ def main() -> int:
     args = parse_args()
     iterations, batch, cache_rows = (200, 2048, 32768) if args.quick else (400, 4096, 65536)
     iterations = args.iterations or iterations
-    if iterations - e2e.warmup_of(iterations) - e2e.MAX_AHEAD < 2:
+    if e2e.measured_of(iterations) < 2:
         print(f"cluster.py: --iterations {iterations} leaves nothing to measure once the first fifth "
               f"and the last {e2e.MAX_AHEAD} are left out", file=sys.stderr)
         return 2

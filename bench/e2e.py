@@ -122,10 +122,10 @@ def warmup_of(iterations: int) -> int:
     return max(2, iterations // 5)
 
 
-def cooldown_of(base: dict) -> int:
-    """Iterations left out at the end of every summary: those after the oracle planned the
-    last one (it plans `max_ahead` ahead of the slowest trainer)."""
-    return int(base["oracle"]["max_ahead"])
+def measured_of(iterations: int) -> int:
+    """Iterations every summary measures: all but the warm-up and the last `MAX_AHEAD`, which
+    the oracle planned before they began (it plans that far ahead of the slowest trainer)."""
+    return iterations - warmup_of(iterations) - MAX_AHEAD
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,7 @@ def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> ModeRu
     run_dir = out / mode
     print(f"running {mode} ...", file=sys.stderr, flush=True)
     run_cluster(job, run_dir, token=TOKEN, ps_host=ps_host)
+    drop_final_tables(run_dir)
     return _mode_run(run_dir, mode, base)
 
 
@@ -166,14 +167,13 @@ def drop_final_tables(run_dir: Path) -> None:
 
 
 def _mode_run(run_dir: Path, mode: str, base: dict) -> ModeRun:
-    """A finished run's figures over the benchmark's window (`warmup_of`, `cooldown_of`)."""
-    drop_final_tables(run_dir)
+    """A finished run's figures over the benchmark's window (`measured_of`)."""
     iterations = base["train"]["max_iterations"]
-    warmup, cooldown = warmup_of(iterations), cooldown_of(base)
+    warmup = warmup_of(iterations)
     records = read_run(run_dir, 2)
     summary = summarise(records, mode=mode, global_batch=base["train"]["batch_size"], warmup=warmup,
-                        cooldown=cooldown, trainers=2)
-    return ModeRun(summary, *_memory(run_dir, records, warmup, iterations - cooldown))
+                        cooldown=MAX_AHEAD, trainers=2)
+    return ModeRun(summary, *_memory(run_dir, records, warmup, iterations - MAX_AHEAD))
 
 
 def _memory(
@@ -304,7 +304,7 @@ def main() -> int:
     iterations = args.iterations or (400 if args.quick else 600)
     batch, cache_rows = (2048, 32768) if args.quick else (4096, 65536)
     batch = args.batch or batch
-    measured = iterations - warmup_of(iterations) - MAX_AHEAD
+    measured = measured_of(iterations)
     if measured < 2:
         parser.error(f"--iterations {iterations} leaves {measured} to measure: the first fifth and "
                      f"the last {MAX_AHEAD} are left out")
