@@ -38,8 +38,11 @@ MAX_NDIM = 8
 #: a shape whose size times its item size does not fit in a signed 64-bit integer, even
 #: when a zero dimension makes the array empty.
 _MAX_SHAPE_BYTES = (1 << 63) - 1
-#: Headers whose array layout `decode` remembers.
+#: Headers whose meta and array layout `decode` remembers, and the longest it remembers
+#: (real ones are a few hundred bytes: a peer must not pin megabytes in the memo).
 MEMO_HEADERS = 256
+MEMO_HEADER_BYTES = 4096
+_ZEROS = bytes(ALIGN)
 
 
 def _pad(n: int) -> int:
@@ -48,17 +51,23 @@ def _pad(n: int) -> int:
 
 def encode_parts(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
     """The message as a list of buffers, so large arrays are not copied before sending."""
-    specs = []
-    payload: list[bytes | memoryview] = []
-    for name, arr in arrays.items():
-        arr = _as_sent(name, arr)
-        specs.append([name, arr.dtype.str, list(arr.shape)])
-        payload.append(memoryview(arr.reshape(-1)).cast("B"))
+    sent = [(name, _as_sent(name, arr)) for name, arr in arrays.items()]
+    layout = tuple((name, arr.dtype, arr.shape) for name, arr in sent)
+    parts: list[bytes | memoryview] = [_head(orjson.dumps(dict(meta)), layout)]
+    for _, arr in sent:
+        parts.append(memoryview(arr.reshape(-1)).cast("B"))
         if pad := _pad(arr.nbytes):
-            payload.append(bytes(pad))
-    header = orjson.dumps({"meta": dict(meta), "arrays": specs})
-    head = _LEN.pack(len(header)) + header + bytes(_pad(_LEN.size + len(header)))
-    return [head, *payload]
+            parts.append(_ZEROS[:pad])
+    return parts
+
+
+@functools.lru_cache(maxsize=MEMO_HEADERS)
+def _head(meta: bytes, layout: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> bytes:
+    """The length, header and padding before a body's arrays; remembered, since a sender
+    repeats a few layouts (the same meta, arrays of the same shapes) over and over."""
+    specs = orjson.dumps([[name, dtype.str, list(shape)] for name, dtype, shape in layout])
+    header = b'{"meta":' + meta + b',"arrays":' + specs + b"}"
+    return _LEN.pack(len(header)) + header + bytes(_pad(_LEN.size + len(header)))
 
 
 def _as_sent(name: str, arr: np.ndarray) -> np.ndarray:
@@ -89,16 +98,11 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     if hlen > MAX_HEADER_BYTES or _LEN.size + hlen > len(view):
         raise WireError(f"header length {hlen} does not fit in a body of {len(view)} bytes")
     raw = bytes(view[_LEN.size : _LEN.size + hlen])
-    try:
-        header = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
-        raise WireError("header must be an object with an object 'meta'")
+    meta, slots = _remembered_header(raw) if hlen <= MEMO_HEADER_BYTES else _header(raw)
     pos = _LEN.size + hlen
     pos += _pad(pos)
     arrays: dict[str, np.ndarray] = {}
-    for name, dtype, shape, count, nbytes in _layout(raw):
+    for name, dtype, shape, count, nbytes in slots:
         if pos + nbytes > len(view):
             raise WireError(f"array {name!r} runs past the end of the body", array=name)
         flat = np.frombuffer(view, dtype=dtype, count=count, offset=pos)
@@ -106,24 +110,32 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
         pos += nbytes + _pad(nbytes)
     if pos != len(view):
         raise WireError(f"{len(view) - pos} unexpected bytes after the last array")
-    return header.get("meta", {}), arrays
+    return dict(meta), arrays
 
 
 #: An array's place in a body: name, dtype, shape, element count and bytes.
 _Slot = tuple[str, np.dtype, tuple[int, ...], int, int]
 
 
-@functools.lru_cache(maxsize=MEMO_HEADERS)
-def _layout(header: bytes) -> tuple[_Slot, ...]:
-    """The slots of the arrays a (valid JSON) header lists; WireError if the list is
-    malformed. Remembered by the header's bytes: a peer's bodies mostly repeat a few headers
-    (the same arrays, of the same shapes), and checking one is a good part of decoding a
-    small body."""
+def _header(raw: bytes) -> tuple[dict[str, Any], tuple[_Slot, ...]]:
+    """The meta and the array slots a header gives; WireError if it is malformed."""
+    try:
+        header = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
+        raise WireError("header must be an object with an object 'meta'")
     slots = []
-    for name, dtype, shape in _array_specs(orjson.loads(header).get("arrays", [])):
+    for name, dtype, shape in _array_specs(header.get("arrays", [])):
         count = math.prod(shape)
         slots.append((name, dtype, shape, count, count * dtype.itemsize))
-    return tuple(slots)
+    return header.get("meta", {}), tuple(slots)
+
+
+#: `_header`, remembered by the header's bytes: a peer's bodies mostly repeat a few headers
+#: (the same meta, arrays of the same shapes), and reading one is most of decoding a small
+#: body. `decode` hands out a copy of the meta dict, so the remembered one stays as read.
+_remembered_header = functools.lru_cache(maxsize=MEMO_HEADERS)(_header)
 
 
 def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:

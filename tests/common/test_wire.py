@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from common.errors import WireError
-from common.wire import decode, encode, encode_parts, require
+from common import wire
+from common.wire import MEMO_HEADER_BYTES, decode, encode, encode_parts, require
 
 DTYPES = ["<f4", "<f8", "<i4", "<i8", "|u1"]
 
@@ -121,6 +122,26 @@ def test_a_remembered_header_is_checked_against_each_body() -> None:
     for _ in range(2):
         with pytest.raises(WireError, match="not allowed"):
             decode(_raw({"arrays": [["x", "|O", [1]]]}))
+
+
+def test_long_headers_are_decoded_but_not_remembered() -> None:
+    """Headers up to MAX_HEADER_BYTES decode; only short ones are remembered, so that a peer
+    cannot pin megabytes in the memo with long distinct headers."""
+    before = wire._remembered_header.cache_info()
+    long_meta = {"pad": "x" * MEMO_HEADER_BYTES}
+    meta, arrays = decode(encode(long_meta, {"x": np.arange(2)}))
+    assert meta == long_meta and arrays["x"].tolist() == [0, 1]
+    after = wire._remembered_header.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+    decode(encode({"fresh": id(after)}, {"x": np.arange(2)}))  # a short one is looked up
+    assert wire._remembered_header.cache_info().misses == after.misses + 1
+
+
+def test_one_layout_encoded_again_keeps_each_meta_and_payload() -> None:
+    """`encode_parts` remembers a layout's header: the meta and the arrays are each body's own."""
+    for n in (1, 2, 1):
+        meta, arrays = decode(encode({"n": n}, {"x": np.full(3, n)}))
+        assert meta == {"n": n} and arrays["x"].tolist() == [n] * 3
 
 
 def test_require_checks_presence_dtype_and_rank() -> None:
