@@ -43,11 +43,10 @@ from common.transport.http import (
     error_response,
     start_handler,
 )
-from common.transport.limits import ConnectionLimits, EventWindow
+from common.transport.limits import LINGER_S, ConnectionLimits, EventWindow
 
 logger = logging.getLogger(__name__)
 
-LINGER_S = 1.0  # how long a closing connection waits for its peer to close first
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _NOT_H2_BODY = (
     b"This port speaks HTTP/2 with prior knowledge (h2c), not HTTP/1.x.\n"

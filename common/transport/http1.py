@@ -30,7 +30,7 @@ from common.transport.http import (
     raise_for_answer,
     run_handler,
 )
-from common.transport.limits import ConnectionLimits
+from common.transport.limits import LINGER_S, ConnectionLimits
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class Http1Server:
             access_log=None,
             shutdown_timeout=self._grace,
             keepalive_timeout=self._limits.idle_timeout_s,
+            # aiohttp's default is 10 s of reading a refused upload's rest, which also holds
+            # `stop()` for its whole grace period.
+            lingering_time=LINGER_S,
             logger=_OneLineLog(self._logs["bad_request"]),
         )
         await runner.setup()
@@ -177,7 +180,8 @@ class _OneLineLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 def _early(raw: web.Request, response: Response) -> web.Response:
     """An answer given before the body was read: if some of it has yet to arrive, the
-    connection closes after the answer, so that body is never buffered."""
+    connection closes after the answer, so that body is never buffered (what arrives of it
+    meanwhile is read and dropped for at most `LINGER_S`)."""
     out = _plain(response)
     if not raw.content.is_eof():
         out.force_close()

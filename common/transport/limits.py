@@ -8,6 +8,13 @@ from collections import deque
 from dataclasses import dataclass
 
 
+#: How long a connection that is closing with a request body still arriving keeps reading
+#: (and dropping) it, so that the peer reads the answer before the close: closing with its
+#: bytes unread makes the kernel reset the connection, which can destroy the answer in
+#: flight. Both servers: the HTTP/2 GOAWAY, HTTP/1.1's answers given before the body.
+LINGER_S = 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConnectionLimits:
     """Per-server limits; the defaults are the production ones (`[cluster]` in the spec).

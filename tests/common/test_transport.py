@@ -22,6 +22,7 @@ from common.errors import (
     Unavailable,
 )
 from common.transport import Client, ConnectionLimits, read_messages
+from common.transport.limits import LINGER_S
 from tests.common.transport_fixtures import (
     BOUNDED,
     MAX_BODY,
@@ -295,6 +296,37 @@ async def test_declared_oversized_body_is_refused_before_it_is_sent(
     port = server.port  # type: ignore[attr-defined]
     assert await _status_before_body(kind, port, token=TOKEN, length=MAX_BODY + 1) == 413
     await _works(client)
+
+
+async def test_a_refused_upload_left_hanging_does_not_hold_the_servers_stop(
+    kind: str, service: Service
+) -> None:
+    """An upload refused on its declared size, whose sender then sends nothing more and
+    keeps the connection open: the server reads and drops its rest for at most LINGER_S, so
+    `stop()` does not wait out its grace period for it (HTTP/1.1 lingered for aiohttp's
+    default 10 s, and stop waited the whole grace)."""
+    server = make_server(kind, service.router(), grace=BOUNDED)
+    await server.start()
+    port = server.port  # type: ignore[attr-defined]
+    if kind == "h2":
+        raw = await RawH2.open(port)
+        raw.request("POST", "/echo", token=TOKEN, end_stream=False, content_length=MAX_BODY + 1)
+        await raw.flush()
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ResponseReceived))
+        answer = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
+        status, writer = dict(answer.headers)[":status"], raw.writer
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"POST /echo HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+                     f"content-length: {MAX_BODY + 1}\r\n\r\n".encode() + bytes(1024))
+        async with asyncio.timeout(BOUNDED):
+            status = (await reader.readline()).split()[1].decode()
+    try:
+        assert status == "413"
+        async with asyncio.timeout(LINGER_S + BOUNDED / 2):  # half the grace: not waited out
+            await server.stop()
+    finally:
+        writer.close()
 
 
 async def _held_connection(kind: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
