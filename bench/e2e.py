@@ -208,14 +208,21 @@ def spread_table(rounds: Mapping[str, Sequence[ModeRun]]) -> str:
 
 
 def phase_table(summaries: Mapping[str, RunSummary]) -> str:
-    """Mean ms per iteration and trainer: the model's own work, the rest (machinery), the total."""
-    columns = (("forward", 10), ("backward", 10), ("dense opt", 11), ("machinery", 11), ("total", 10))
+    """Mean ms per iteration and trainer: the model's own work, the rest (machinery), the
+    total, and last the forward and backward in the training thread's CPU time: beside their
+    wall time, it tells more work from waiting for a core the other roles hold."""
+    columns = (("forward", 10), ("backward", 10), ("dense opt", 11), ("machinery", 11), ("total", 10),
+               ("fwd+bwd CPU", 13))
     head = f"{'mode':<14}" + "".join(f"{name:>{width}}" for name, width in columns)
     lines = [head, "-" * len(head)]
     for name, s in summaries.items():
+        cpu = s.compute_cpu_s.get("forward", math.nan) + s.compute_cpu_s.get("backward", math.nan)
         seconds = (s.phase_s["forward"], s.phase_s["backward"], s.phase_s["dense_optimizer"],
-                   s.machinery_s, sum(s.phase_s.values()))
-        lines.append(f"{name:<14}" + "".join(f"{1e3 * v:>{width},.2f}" for v, (_, width) in zip(seconds, columns)))
+                   s.machinery_s, sum(s.phase_s.values()), cpu)
+        lines.append(f"{name:<14}" + "".join(
+            f"{'n/a':>{width}}" if math.isnan(v) else f"{1e3 * v:>{width},.2f}"
+            for v, (_, width) in zip(seconds, columns)
+        ))
     return "\n".join(lines)
 
 

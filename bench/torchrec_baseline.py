@@ -238,9 +238,10 @@ def _train(
             dense_optimizer.step()
         # No PS traffic, cache or sync: every counter but the samples and DDP's is zero (its
         # all-to-alls are not counted here: bench/cluster.py sees them on the links).
+        phases = timer.end_iteration()
         records.write({"kind": "iter", "iteration": x, **dict.fromkeys(COUNTERS, 0),
                        "samples": len(labels), "loss": float(loss.detach()), "time": time.time(),
-                       "dense_bytes": dense_bytes, "phases": timer.end_iteration()})
+                       "dense_bytes": dense_bytes, "phases": phases, "compute_cpu": timer.compute_cpu})
     records.write({"kind": "final", "time": time.time(), "iterations": len(batches)})
 
 

@@ -4,10 +4,12 @@ Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jso
 
 * ``{"kind": "iter", "iteration", "time", "samples", "loss", "uses", "hits", "fetch_rows",
   "fetch_bytes", "write_back_rows", "write_back_bytes", "sync_rows", "sync_bytes", "join_rows",
-  "sync_now_bytes", "sync_later_bytes", "join_bytes", "dense_bytes", "phases": {name: seconds}}``
-  once per iteration; ``time`` is unix seconds at its end; ``sync_bytes`` is the sum of the
-  sync now, sync later and join payloads, ``dense_bytes`` the dense gradients DDP all-reduces
-  (records written before these four were added read as 0);
+  "sync_now_bytes", "sync_later_bytes", "join_bytes", "dense_bytes", "phases": {name: seconds},
+  "compute_cpu": {name: seconds}}`` once per iteration; ``time`` is unix seconds at its end;
+  ``sync_bytes`` is the sum of the sync now, sync later and join payloads, ``dense_bytes`` the
+  dense gradients DDP all-reduces (records written before these four were added read as 0);
+  ``compute_cpu`` is the training thread's CPU time in each of `COMPUTE_PHASES` (records
+  written before it was added read as NaN);
 * ``{"kind": "eval", "iteration", "time", "auc", "log_loss", "count"}`` after an evaluation;
 * ``{"kind": "checkpoint", "iteration", "time", "bytes", "seconds"}`` from trainer 0 when a
   checkpoint is complete (bytes of PS snapshots and dense model; seconds from its last
@@ -229,6 +231,7 @@ class IterationSeries:
     counters: dict[str, np.ndarray]  # name -> (T, N) float64
     loss: np.ndarray  # (T, N) float64
     phases: dict[str, np.ndarray]  # name -> (T, N) float64 seconds
+    compute_cpu: dict[str, np.ndarray]  # COMPUTE_PHASES name -> (T, N) CPU seconds, NaN if unknown
     evals: tuple[EvalPoint, ...]  # ascending iteration
     finished: bool  # every trainer wrote its final record
 
@@ -333,6 +336,9 @@ def iteration_series(
         },
         loss=grid(lambda r: _float(r["loss"])),
         phases={p: grid(lambda r, p=p: float(r.get("phases", {}).get(p, 0.0))) for p in names},
+        compute_cpu={
+            p: grid(lambda r, p=p: float(r.get("compute_cpu", {}).get(p, math.nan))) for p in COMPUTE_PHASES
+        },
         evals=_combine_evals(records_by_trainer),
         finished=all(
             any(r.get("kind") == "final" for r in records_by_trainer.get(j, ())) for j in order
@@ -389,12 +395,15 @@ class RunSummary:
     machinery_s: float = math.nan
     # Payload bytes per iteration (all trainers) of each of `BYTE_KINDS`.
     bytes_per_iter: dict[str, float] = field(default_factory=dict, hash=False)
+    # Mean CPU seconds per iteration and trainer of each of `COMPUTE_PHASES` (NaN: unknown).
+    compute_cpu_s: dict[str, float] = field(default_factory=dict, hash=False)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["phase_s"] = dict(self.phase_s)
         out["bytes_per_iter"] = dict(self.bytes_per_iter)
+        out["compute_cpu_s"] = dict(self.compute_cpu_s)
         out["eval"] = None if self.eval is None else {
             f.name: getattr(self.eval, f.name) for f in fields(self.eval)
         }
@@ -413,7 +422,7 @@ class RunSummary:
                     **{k: _float(v) if k in ("auc", "log_loss", "time") else v
                        for k, v in value.items()}
                 )
-            elif f.name in ("phase_s", "bytes_per_iter"):
+            elif f.name in ("phase_s", "bytes_per_iter", "compute_cpu_s"):
                 value = {k: _float(v) for k, v in (value or {}).items()}
             elif f.type == "float":
                 value = _float(value)
@@ -495,6 +504,7 @@ def summarise(
         phase_s={p: float(v[:, measured].mean()) for p, v in s.phases.items()},
         machinery_s=float(machinery(s)[:, measured].mean()),
         bytes_per_iter={kind: per_iter(kind) for kind in BYTE_KINDS},
+        compute_cpu_s={p: _mean(v[:, measured]) for p, v in s.compute_cpu.items()},
         eval=s.evals[-1] if s.evals else None,
         finished=s.finished,
         **_checkpoint_figures(records_by_trainer),
@@ -534,6 +544,14 @@ def _float(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
+def _mean(values: np.ndarray) -> float:
+    """The mean of `values`, and where that is NaN `math.nan` itself: a summary read back
+    from JSON (NaN is null there, read as `math.nan`) then still compares equal (NaN != NaN,
+    but the same object is equal to itself in a comparison of containers)."""
+    mean = float(values.mean())
+    return math.nan if math.isnan(mean) else mean
+
+
 def _join(items: Iterable[object]) -> str:
     return ", ".join(str(i) for i in items)
 
@@ -566,6 +584,8 @@ def format_summary(summary: RunSummary) -> str:
          f"MB/iter ({s.sync_rows_per_iter:,.1f} rows, {s.join_rows_per_iter:,.1f} joins)"),
         ("machinery", _num(1e3 * s.machinery_s, ",.2f"),
          "ms/iter (all but forward, backward and the dense optimizer step)"),
+        ("compute CPU", _num(1e3 * sum(s.compute_cpu_s.values(), 0.0) if s.compute_cpu_s else math.nan, ",.2f"),
+         "ms/iter of CPU in forward, backward and the dense step"),
         ("final loss", _num(s.final_loss, ".4f"), f"(mean of last {s.loss_window} iterations)"),
     ]
     if s.checkpoints:

@@ -343,6 +343,7 @@ def _iteration_record(
 ) -> dict[str, Any]:
     sync_now, sync_later = stats.sync_now_rows * grad_bytes, stats.sync_later_rows * grad_bytes
     joins = stats.join_rows * row_bytes
+    phases = engine.timer.end_iteration()
     return {
         "kind": "iter",
         "iteration": stats.iteration,
@@ -362,7 +363,8 @@ def _iteration_record(
         "sync_later_bytes": sync_later,
         "join_bytes": joins,
         "dense_bytes": dense_bytes,
-        "phases": engine.timer.end_iteration(),
+        "phases": phases,
+        "compute_cpu": engine.timer.compute_cpu,
     }
 
 

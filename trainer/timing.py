@@ -4,6 +4,10 @@ The phases of one iteration do not overlap and add up to it: the time from the e
 previous iteration to the end of this one, with `other` holding what no phase timed
 (records, statistics, checkpoint saves). Everything but the model's own work
 (`COMPUTE_PHASES`) is the trainer's *machinery*: what bagpipe adds to plain training.
+
+The compute phases are also timed in the calling thread's CPU time (`compute_cpu`): where
+other processes share the cores, a phase's wall time can exceed it by the time the thread
+waited for one, and the two together tell more work from more waiting.
 """
 
 from __future__ import annotations
@@ -36,17 +40,23 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.current: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        #: CPU seconds of the calling thread in each compute phase of the last iteration ended.
+        self.compute_cpu: dict[str, float] = dict.fromkeys(COMPUTE_PHASES, 0.0)
+        self._cpu = dict.fromkeys(COMPUTE_PHASES, 0.0)
         self._started = time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        cpu_start = time.thread_time() if name in self._cpu else None
         try:
             yield
         finally:
             elapsed = time.perf_counter() - start
             self.current[name] += elapsed
             self.total[name] += elapsed
+            if cpu_start is not None:
+                self._cpu[name] += time.thread_time() - cpu_start
 
     def restart(self) -> None:
         """The next iteration starts now (call when the iteration loop starts)."""
@@ -59,11 +69,13 @@ class PhaseTimer:
 
     def end_iteration(self) -> dict[str, float]:
         """The finished iteration's phases, `other` completing them to its wall time (since
-        the previous `end_iteration`, or since the timer was made); the next starts at zero."""
+        the previous `end_iteration`, or since the timer was made); the next starts at zero.
+        Its compute phases' CPU time is `compute_cpu` from now on."""
         now = time.perf_counter()
         done = self.current
         done["other"] = max(0.0, now - self._started - sum(done.values()))
         self.total["other"] += done["other"]
         self.current = dict.fromkeys(PHASES, 0.0)
+        self.compute_cpu, self._cpu = self._cpu, dict.fromkeys(COMPUTE_PHASES, 0.0)
         self._started = now
         return done

@@ -1,11 +1,12 @@
-"""bench/e2e.py's report of a mode's run: its RSS table and the JSON with every role's curve."""
+"""bench/e2e.py's report of a mode's run: its phase and RSS tables and the JSON with every
+role's curve."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.e2e import ModeRun, drop_final_tables, figures, rss_table
+from bench.e2e import ModeRun, drop_final_tables, figures, phase_table, rss_table
 from common.checkpoints import final_paths
 from launcher.memory import RssSample, rss_curves, summarise_rss
 from launcher.report import RunSummary
@@ -20,6 +21,17 @@ def bagpipe_run() -> ModeRun:
     curves = rss_curves(samples, iterations, end_time)
     summary = RunSummary.from_json({"mode": "bagpipe", "samples_per_s": 1000.0, "phase_s": {}})
     return ModeRun(summary, summarise_rss(curves, 10, min_span=20), curves)
+
+
+def test_the_phase_table_puts_forward_and_backward_cpu_beside_their_wall_time() -> None:
+    phases = {"forward": 0.02, "backward": 0.04, "dense_optimizer": 0.001, "boundary": 0.009}
+    timed = RunSummary.from_json({"mode": "bagpipe", "phase_s": phases, "machinery_s": 0.009,
+                                  "compute_cpu_s": {"forward": 0.015, "backward": 0.03}})
+    untimed = RunSummary.from_json({"mode": "torchrec", "phase_s": phases, "machinery_s": 0.009})
+    lines = phase_table({"bagpipe": timed, "torchrec": untimed}).splitlines()
+    assert lines[0].split()[-3:] == ["total", "fwd+bwd", "CPU"]
+    assert lines[2].split() == ["bagpipe", "20.00", "40.00", "1.00", "9.00", "70.00", "45.00"]
+    assert lines[3].split()[-1] == "n/a"  # a run whose records do not carry it
 
 
 def test_the_rss_table_has_a_line_per_role_under_its_mode() -> None:

@@ -121,6 +121,25 @@ def test_machinery_is_every_phase_but_the_models_own_work() -> None:
     assert "  machinery               250.00  ms/iter" in format_summary(s)
 
 
+def test_compute_cpu_is_averaged_beside_the_wall_time_and_unknown_without_it() -> None:
+    """The training thread's CPU time in the compute phases: measured iterations only, and
+    NaN (n/a) where the records do not carry it, as records from before it did not."""
+    run = two_trainer_run()
+    for j, records in run.items():
+        for r in records:
+            if r["kind"] == "iter":
+                r["compute_cpu"] = {"forward": 0.0625 * (j + 1), "backward": 0.125, "dense_optimizer": 0.0}
+    s = summarise(run, mode="bagpipe", global_batch=160, warmup=1)
+    assert s.compute_cpu_s == pytest.approx({"forward": (0.0625 + 0.125) / 2, "backward": 0.125, "dense_optimizer": 0.0})
+    assert RunSummary.from_json(s.to_json()).compute_cpu_s == s.compute_cpu_s
+    assert "  compute CPU             218.75  ms/iter" in format_summary(s)
+    old = summarise(two_trainer_run(), mode="bagpipe", global_batch=160, warmup=1)
+    assert all(math.isnan(v) for v in old.compute_cpu_s.values()) and len(old.compute_cpu_s) == 3
+    assert "  compute CPU                n/a  ms/iter" in format_summary(old)
+    before = {k: v for k, v in old.to_json().items() if k != "compute_cpu_s"}  # an older report
+    assert RunSummary.from_json(before).compute_cpu_s == {}
+
+
 def test_warmup_moves_the_clock_start_and_the_averages() -> None:
     s = summarise(two_trainer_run(), mode="bagpipe", global_batch=160, warmup=2)
     assert s.wall_time_s == pytest.approx(12.0 - 10.5)

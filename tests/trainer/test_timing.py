@@ -36,3 +36,25 @@ def test_phases_add_up_to_the_wall_time_between_iterations(monkeypatch: pytest.M
     second = timer.end_iteration()
     assert second["backward"] == 1.0 and second["other"] == 0.0 and second["forward"] == 0.0
     assert timer.total["other"] == 0.5 and timer.total["forward"] == 0.25
+
+
+def test_compute_phases_are_also_timed_in_thread_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compute_cpu` holds the ended iteration's CPU time of each compute phase; the other
+    phases are not timed in CPU, and the next iteration starts from zero."""
+    clock, cpu = FakeClock(), FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    monkeypatch.setattr(timing.time, "thread_time", cpu)
+    timer = PhaseTimer()
+    with timer.phase("forward"):
+        clock.now += 0.5  # waited for a core half the time
+        cpu.now += 0.25
+    with timer.phase("boundary"):
+        cpu.now += 1.0
+    with timer.phase("backward"):
+        cpu.now += 0.125
+    assert timer.end_iteration()["forward"] == 0.5
+    assert timer.compute_cpu == {"forward": 0.25, "backward": 0.125, "dense_optimizer": 0.0}
+    with timer.phase("dense_optimizer"):
+        cpu.now += 0.0625
+    timer.end_iteration()
+    assert timer.compute_cpu == {"forward": 0.0, "backward": 0.0, "dense_optimizer": 0.0625}
