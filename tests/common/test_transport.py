@@ -195,9 +195,11 @@ async def test_streaming_error_raises(kind: str, pair: tuple[object, Client]) ->
 # -- hardening: what a hostile or broken peer can make a server do --------------------------
 
 
-async def _status_before_body(kind: str, port: int, *, token: str | None, length: int) -> int:
-    """Announce a `length`-byte POST /echo, send none of its body, and return the status
-    the server answers with (TimeoutError if it waits for the body)."""
+@contextlib.asynccontextmanager
+async def _announced_upload(kind: str, port: int, *, token: str | None, length: int) -> AsyncIterator[int]:
+    """Announce a `length`-byte POST /echo, send none of its body, and yield the status the
+    server answers with (TimeoutError if it waits for the body); the connection stays open,
+    silent, until the block ends."""
     if kind == "h2":
         raw = await RawH2.open(port)
         try:
@@ -209,9 +211,10 @@ async def _status_before_body(kind: str, port: int, *, token: str | None, length
             )
             answer = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
             assert answer.stream_id == stream_id
-            return int(dict(answer.headers)[":status"])
+            yield int(dict(answer.headers)[":status"])
         finally:
             await raw.close()
+        return
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         auth = f"authorization: Bearer {token}\r\n" if token else ""
@@ -219,9 +222,15 @@ async def _status_before_body(kind: str, port: int, *, token: str | None, length
                      .encode())
         async with asyncio.timeout(5.0):
             status_line = await reader.readline()
-        return int(status_line.split()[1])
+        yield int(status_line.split()[1])
     finally:
         writer.close()
+
+
+async def _status_before_body(kind: str, port: int, *, token: str | None, length: int) -> int:
+    """The status `_announced_upload` gets, its connection closed after."""
+    async with _announced_upload(kind, port, token=token, length=length) as status:
+        return status
 
 
 async def test_unauthenticated_upload_is_refused_before_its_body(
@@ -308,25 +317,10 @@ async def test_a_refused_upload_left_hanging_does_not_hold_the_servers_stop(
     server = make_server(kind, service.router(), grace=BOUNDED)
     await server.start()
     port = server.port  # type: ignore[attr-defined]
-    if kind == "h2":
-        raw = await RawH2.open(port)
-        raw.request("POST", "/echo", token=TOKEN, end_stream=False, content_length=MAX_BODY + 1)
-        await raw.flush()
-        events = await raw.events_until(lambda e: isinstance(e, h2.events.ResponseReceived))
-        answer = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
-        status, writer = dict(answer.headers)[":status"], raw.writer
-    else:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(f"POST /echo HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
-                     f"content-length: {MAX_BODY + 1}\r\n\r\n".encode() + bytes(1024))
-        async with asyncio.timeout(BOUNDED):
-            status = (await reader.readline()).split()[1].decode()
-    try:
-        assert status == "413"
+    async with _announced_upload(kind, port, token=TOKEN, length=MAX_BODY + 1) as status:
+        assert status == 413
         async with asyncio.timeout(LINGER_S + BOUNDED / 2):  # half the grace: not waited out
             await server.stop()
-    finally:
-        writer.close()
 
 
 async def _held_connection(kind: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
