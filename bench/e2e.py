@@ -252,7 +252,8 @@ def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
     return {"samples_per_s": s.samples_per_s, "hit_rate": s.hit_rate,
             "fetch_bytes_per_iter": s.fetch_bytes_per_iter, "sync_bytes_per_iter": s.sync_bytes_per_iter,
             "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
-            "phase_s": s.phase_s, "machinery_s": s.machinery_s, "bytes_per_iter": s.bytes_per_iter,
+            "phase_s": s.phase_s, "compute_cpu_s": s.compute_cpu_s, "machinery_s": s.machinery_s,
+            "bytes_per_iter": s.bytes_per_iter,
             "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
             "max_samples_per_s": max(rates), "rss": rss}

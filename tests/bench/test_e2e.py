@@ -19,7 +19,8 @@ def bagpipe_run() -> ModeRun:
                          cpu_s={"oracle": 0.002 * t, "trainer-0": 0.5 * t})
                for t in np.arange(99.0, 151.0)]
     curves = rss_curves(samples, iterations, end_time)
-    summary = RunSummary.from_json({"mode": "bagpipe", "samples_per_s": 1000.0, "phase_s": {}})
+    summary = RunSummary.from_json({"mode": "bagpipe", "samples_per_s": 1000.0, "phase_s": {},
+                                    "compute_cpu_s": {"forward": 0.015, "backward": 0.03}})
     return ModeRun(summary, summarise_rss(curves, 10, min_span=20), curves)
 
 
@@ -52,7 +53,9 @@ def test_a_growth_the_run_was_too_short_for_is_n_a() -> None:
 
 def test_the_json_of_a_mode_holds_each_roles_figures_and_curve() -> None:
     run = bagpipe_run()
-    rss = figures(run, [run])["rss"]
+    mode = figures(run, [run])
+    assert mode["compute_cpu_s"] == {"forward": 0.015, "backward": 0.03}
+    rss = mode["rss"]
     assert list(rss) == ["oracle", "trainer-0"]
     assert rss["trainer-0"]["growth_mb_per_1k"] == pytest.approx(1000.0)  # 1 MB an iteration
     assert rss["trainer-0"]["points"][:2] == [(0, 400.0), (1, 401.0)]  # (iterations done, MB)
