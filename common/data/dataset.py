@@ -7,7 +7,8 @@
   ``<path>.bagpipe/<format>-<hashing>-<config hash>/`` (or under `cache_dir` when the spec
   sets it; under ``~/.cache/bagpipe/data/`` when the source's folder is read-only). The
   cache is reused while the conversion settings and the source files' sizes and mtimes
-  match, and rebuilt otherwise. npy days and parquet go through the same conversion as raw
+  match, and rebuilt otherwise; processes that open one source together convert it once
+  (a file lock beside the cache). npy days and parquet go through the same conversion as raw
   logs, although both could be read in place: one checked pass at start-up finds a bad row
   before training rather than at iteration 10^6, the same code maps ids to rows (hash,
   dictionary, or as they are) for every format, and every role reads one layout (int32
@@ -23,12 +24,14 @@ epoch end (the last partial batch of each epoch is dropped).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,15 +179,39 @@ def _writable(folder: Path) -> bool:
 
 def _cached(spec: DataSpec, progress: bool) -> Preprocessed:
     path = cache_path(spec)
+    data = _current(spec, path, quiet=True)
+    if data is not None:
+        return data
+    with _conversion_lock(path):
+        data = _current(spec, path, quiet=False)  # another process may have converted it meanwhile
+        if data is None:
+            log.info("converting %s into %s", spec.path, path)
+            convert(spec, path, progress=progress)
+            data = open_preprocessed(path)
+    return data
+
+
+def _current(spec: DataSpec, path: Path, *, quiet: bool) -> Preprocessed | None:
+    """The conversion at `path` if it is current with `spec` and its source, else None."""
     try:
         data = open_preprocessed(path)
-        stale = data.manifest.source.get("files") != source_fingerprint(spec)
-        if data.manifest.config == conversion_config(spec) and not stale:
-            return data
-        log.warning("%s is out of date with its source or settings; converting again", path)
     except ConfigError as exc:
-        if path.exists():
+        if path.exists() and not quiet:
             log.warning("cache unusable (%s); converting again", exc)
-    log.info("converting %s into %s", spec.path, path)
-    convert(spec, path, progress=progress)
-    return open_preprocessed(path)
+        return None
+    stale = data.manifest.source.get("files") != source_fingerprint(spec)
+    if data.manifest.config == conversion_config(spec) and not stale:
+        return data
+    if not quiet:
+        log.warning("%s is out of date with its source or settings; converting again", path)
+    return None
+
+
+@contextmanager
+def _conversion_lock(path: Path) -> Iterator[None]:
+    """One conversion into `path` at a time, across processes: roles, runs and test workers
+    started together on one source convert it once; the others wait, then open it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{path.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        yield

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common.data import dataset
 from common.data.convert import convert
 from common.data.dataset import cache_path, open_dataset
 from common.data.hashing import hash_rows
@@ -130,3 +132,44 @@ def test_avazu_round_trip(tmp_path: Path) -> None:
     b = next(data.train_batches(100))
     assert b.dense.shape == (100, 0) and b.sparse.shape == (100, 23)
     assert (b.sparse[:, 0] >= 1).all() and (b.sparse[:, 0] <= 24).all() and (b.sparse[:, 1] <= 7).all()
+
+
+def test_two_openers_of_one_source_convert_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second opener, started while the first converts, waits for that conversion and
+    opens it rather than converting again (or failing to rename its own into place)."""
+    src = tmp_path / "small.tsv"
+    src.write_text("\n".join(KAGGLE.read_text().splitlines()[:100]) + "\n")
+    spec = DataSpec(format="criteo", path=str(src))
+    converting, go = threading.Event(), threading.Event()
+    conversions: list[str] = []
+    missed = {"first": threading.Event(), "second": threading.Event()}
+
+    def slow_convert(*args, **kwargs):
+        conversions.append(threading.current_thread().name)
+        converting.set()
+        go.wait()
+        return convert(*args, **kwargs)
+
+    def recorded_open(path: Path):
+        try:
+            return open_preprocessed(path)
+        except ConfigError:
+            missed[threading.current_thread().name].set()
+            raise
+
+    monkeypatch.setattr(dataset, "convert", slow_convert)
+    monkeypatch.setattr(dataset, "open_preprocessed", recorded_open)
+    opened: dict[str, int] = {}
+
+    def open_it() -> None:
+        opened[threading.current_thread().name] = open_dataset(spec).num_rows
+
+    threads = [threading.Thread(name=name, target=open_it) for name in ("first", "second")]
+    threads[0].start()
+    converting.wait()
+    threads[1].start()
+    missed["second"].wait()  # the second found no conversion either
+    go.set()
+    for t in threads:
+        t.join()
+    assert conversions == ["first"] and opened == {"first": 100, "second": 100}
