@@ -194,9 +194,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
     (run_dir / "logs").mkdir(parents=True)
     # Bagpipe's spec where only the oracle's host sees it (`run_rate`); TorchRec's ranks read theirs.
     spec = run_dir / "spec.toml" if name == torchrec_baseline.MODE else out / JOB_FOLDER / f"{name}.toml"
-    sections = {**base, "checkpoint": {"dir": str(run_dir / "checkpoints")}}
-    if name != torchrec_baseline.MODE:
-        sections["oracle"] = {**base["oracle"], "mode": name}
+    sections = base if name == torchrec_baseline.MODE else e2e.mode_sections(name, base, run_dir)
     spec.write_text(spec_toml(f"cluster-{name}", e2e.SEED, sections))
     iterations = base["train"]["max_iterations"]
     warmup = e2e.warmup_of(iterations)
@@ -211,7 +209,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         window.poll()
     finally:
         stop_processes([r.process for r in reversed(roles)])
-    e2e.drop_final_tables(run_dir)
+    e2e.drop_saved_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
                         warmup=warmup, cooldown=e2e.MAX_AHEAD, trainers=2)
     links = window.figures()

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import shutil
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -81,6 +82,7 @@ from launcher.report import (  # noqa: E402
 TOKEN = "e2e-bench"
 SEED = 3
 MAX_AHEAD = 64
+CHECKPOINTS = "checkpoints"  # a run's checkpoint folder, in its run folder
 
 
 def sections(iterations: int, batch: int, cache_rows: int, data: Path | None = None) -> dict[str, dict]:
@@ -140,13 +142,19 @@ class ModeRun:
 
 def run_mode(mode: str, base: dict, out: Path, ps_host: PsHost | None) -> ModeRun:
     spec_path = out / f"{mode}.toml"
-    spec_path.write_text(spec_toml(f"e2e-{mode}", SEED, {**base, "oracle": {**base["oracle"], "mode": mode}}))
-    job = build_job(load_spec(spec_path))
     run_dir = out / mode
+    spec_path.write_text(spec_toml(f"e2e-{mode}", SEED, mode_sections(mode, base, run_dir)))
+    job = build_job(load_spec(spec_path))
     print(f"running {mode} ...", file=sys.stderr, flush=True)
     run_cluster(job, run_dir, token=TOKEN, ps_host=ps_host)
-    drop_final_tables(run_dir)
+    drop_saved_tables(run_dir)
     return _mode_run(run_dir, mode, base)
+
+
+def mode_sections(mode: str, base: dict, run_dir: Path) -> dict[str, dict]:
+    """The job of `mode`: the benchmark's, its checkpoints (the PS shards' final snapshots) in
+    its run folder rather than under the working directory's runs/."""
+    return {**base, "oracle": {**base["oracle"], "mode": mode}, "checkpoint": {"dir": str(run_dir / CHECKPOINTS)}}
 
 
 def run_torchrec(base: dict, out: Path) -> ModeRun:
@@ -158,12 +166,14 @@ def run_torchrec(base: dict, out: Path) -> ModeRun:
     return _mode_run(run_dir, torchrec_baseline.MODE, base)
 
 
-def drop_final_tables(run_dir: Path) -> None:
-    """Delete the whole table a `local` run saves at its end (2.2 GB here): no benchmark
-    reads it, and three rounds would leave 6.6 GB behind."""
+def drop_saved_tables(run_dir: Path) -> None:
+    """Delete the tables a finished run saved: the whole table a `local` run writes at its
+    end (2.2 GB here) and the PS shards' final snapshots in `run_dir`/checkpoints (140 MB).
+    No benchmark reads them, and three rounds of every mode would leave gigabytes behind."""
     final = final_paths(run_dir)
     final.table.unlink(missing_ok=True)
     final.state.unlink(missing_ok=True)
+    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
 def _mode_run(run_dir: Path, mode: str, base: dict) -> ModeRun:

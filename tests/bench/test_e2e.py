@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.e2e import ModeRun, drop_final_tables, figures, phase_table, rss_table
+from bench.e2e import ModeRun, drop_saved_tables, figures, mode_sections, phase_table, rss_table
 from common.checkpoints import final_paths
 from launcher.memory import RssSample, rss_curves, summarise_rss
 from launcher.report import RunSummary
@@ -61,11 +61,25 @@ def test_the_json_of_a_mode_holds_each_roles_figures_and_curve() -> None:
     assert rss["trainer-0"]["points"][:2] == [(0, 400.0), (1, 401.0)]  # (iterations done, MB)
 
 
-def test_a_runs_whole_final_table_is_dropped_and_the_rest_kept(tmp_path) -> None:
+def test_a_runs_saved_tables_are_dropped_and_the_rest_kept(tmp_path) -> None:
     final = final_paths(tmp_path)
     final.table.parent.mkdir()
     for path in (final.table, final.state, final.dense, final.info):
         path.write_bytes(b"x")
-    drop_final_tables(tmp_path)
-    drop_final_tables(tmp_path)  # nothing left to drop: no error
+    snapshot = tmp_path / "checkpoints" / "ps-0" / "ckpt-0000000400"
+    snapshot.mkdir(parents=True)
+    (snapshot / "rows.npy").write_bytes(b"x")
+    (tmp_path / "trainer-0.jsonl").write_bytes(b"{}")
+    drop_saved_tables(tmp_path)
+    drop_saved_tables(tmp_path)  # nothing left to drop: no error
     assert sorted(p.name for p in final.table.parent.iterdir()) == sorted([final.dense.name, final.info.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "trainer-0.jsonl"]
+
+
+def test_a_modes_checkpoints_go_to_its_run_folder(tmp_path) -> None:
+    """Not to the working directory's runs/, where every run of the benchmark left 140 MB."""
+    base = {"oracle": {"lookahead": 100}, "train": {"batch_size": 2048}}
+    sections = mode_sections("bagpipe", base, tmp_path / "bagpipe")
+    assert sections["oracle"] == {"lookahead": 100, "mode": "bagpipe"} and base["oracle"] == {"lookahead": 100}
+    assert sections["checkpoint"] == {"dir": str(tmp_path / "bagpipe" / "checkpoints")}
+    assert sections["train"] == base["train"]
