@@ -179,32 +179,31 @@ def _writable(folder: Path) -> bool:
 
 def _cached(spec: DataSpec, progress: bool) -> Preprocessed:
     path = cache_path(spec)
-    data = _current(spec, path, quiet=True)
+    data, _ = _current(spec, path)
     if data is not None:
         return data
     with _conversion_lock(path):
-        data = _current(spec, path, quiet=False)  # another process may have converted it meanwhile
+        data, why_not = _current(spec, path)  # another process may have converted it meanwhile
         if data is None:
+            if why_not is not None:
+                log.warning("%s; converting again", why_not)
             log.info("converting %s into %s", spec.path, path)
             convert(spec, path, progress=progress)
             data = open_preprocessed(path)
     return data
 
 
-def _current(spec: DataSpec, path: Path, *, quiet: bool) -> Preprocessed | None:
-    """The conversion at `path` if it is current with `spec` and its source, else None."""
+def _current(spec: DataSpec, path: Path) -> tuple[Preprocessed | None, str | None]:
+    """The conversion at `path` if it is current with `spec` and its source; else None, and
+    why it cannot be used (None where there is no conversion at all)."""
     try:
         data = open_preprocessed(path)
     except ConfigError as exc:
-        if path.exists() and not quiet:
-            log.warning("cache unusable (%s); converting again", exc)
-        return None
+        return None, f"cache unusable ({exc})" if path.exists() else None
     stale = data.manifest.source.get("files") != source_fingerprint(spec)
     if data.manifest.config == conversion_config(spec) and not stale:
-        return data
-    if not quiet:
-        log.warning("%s is out of date with its source or settings; converting again", path)
-    return None
+        return data, None
+    return None, f"{path} is out of date with its source or settings"
 
 
 @contextmanager

@@ -166,10 +166,10 @@ def test_two_openers_of_one_source_convert_it_once(tmp_path: Path, monkeypatch: 
 
     threads = [threading.Thread(name=name, target=open_it) for name in ("first", "second")]
     threads[0].start()
-    converting.wait()
+    assert converting.wait(timeout=60), "the first opener never started converting"
     threads[1].start()
-    missed["second"].wait()  # the second found no conversion either
+    assert missed["second"].wait(timeout=60), "the second opener never looked"  # and found none either
     go.set()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
     assert conversions == ["first"] and opened == {"first": 100, "second": 100}
