@@ -166,7 +166,8 @@ class PsClient:
 
         async def one(shard: int, pos: np.ndarray) -> None:
             entry = WriteBack(
-                kind=kind, version=version, keys=keys[pos], rows=rows[pos], state=state[pos]
+                kind=kind, version=version, keys=np.take(keys, pos),
+                rows=np.take(rows, pos, axis=0), state=np.take(state, pos, axis=0),
             )
             if self.journals is not None:
                 self.journals[shard].record(entry)

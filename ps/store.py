@@ -217,7 +217,8 @@ class ShardStore:
     def gather(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of (rows, state, versions) at `local` indices, initialising untouched rows."""
         self._initialise(local)
-        return self._rows[local], self._state[local], self._versions[local]
+        stored = self._stored(local)
+        return stored.rows, stored.state, stored.versions
 
     def write_back(
         self,
@@ -244,19 +245,29 @@ class ShardStore:
         # one, and its own rows that arrive behind the table's newer ones.
         moved = local[ahead & self._touched[local] & self._serves_pending(stored, mine)]
         late = behind & self._serves_pending(mine, stored)
+        written = _rows_at(local, rows, state, mine)
         saved = [
-            _Saved(rows=_rows_at(moved, self._rows[moved], self._state[moved], self._versions[moved]), until=mine[: len(moved)]),
-            _Saved(rows=_rows_at(local[late], rows[late], state[late], mine[late]), until=stored[late]),
+            _Saved(rows=self._stored(moved), until=mine[: len(moved)]),
+            _Saved(rows=_take(written, late), until=stored[late]),
         ]
-        fresh, fresh_rows, fresh_state = local[ahead], rows[ahead], state[ahead]
         self._saved += [s for s in saved if len(s.until)]
-        self._rows[fresh] = fresh_rows
-        self._state[fresh] = fresh_state
-        self._versions[fresh] = version
-        self._touched[fresh] = True
-        if fresh.size:
+        fresh = written if ahead.all() else _take(written, ahead)  # all, in the usual write-back
+        self._rows[fresh.local] = fresh.rows
+        self._state[fresh.local] = fresh.state
+        self._versions[fresh.local] = version
+        self._touched[fresh.local] = True
+        if fresh.local.size:
             self.max_version = max(self.max_version, version)
-        return int(fresh.size)
+        return int(fresh.local.size)
+
+    def _stored(self, local: np.ndarray) -> Snapshot:
+        """Copies of the table's rows at `local`. np.take makes the same copies as
+        ``self._rows[local]``, three to four times faster for rows of a few dozen values: numpy's
+        fancy indexing copies them value by value."""
+        return _rows_at(
+            local, np.take(self._rows, local, axis=0), np.take(self._state, local, axis=0),
+            np.take(self._versions, local),
+        )
 
     def _serves_pending(self, versions: np.ndarray, until: np.ndarray) -> np.ndarray:
         """Row by row, whether a checkpoint not taken yet falls in versions <= c < until."""
@@ -285,10 +296,8 @@ class ShardStore:
         Taking checkpoint c forgets the saved rows that no later checkpoint needs.
         """
         if checkpoint is None:
-            local = np.flatnonzero(self._touched)
-            return Snapshot(local=local, rows=self._rows[local], state=self._state[local], versions=self._versions[local])
-        live = np.flatnonzero(self._touched & (self._versions <= checkpoint))
-        parts = [Snapshot(local=live, rows=self._rows[live], state=self._state[live], versions=self._versions[live])]
+            return self._stored(np.flatnonzero(self._touched))
+        parts = [self._stored(np.flatnonzero(self._touched & (self._versions <= checkpoint)))]
         parts += [_take(s.rows, (s.rows.versions <= checkpoint) & (checkpoint < s.until)) for s in self._saved]
         self.last_checkpoint = max(self.last_checkpoint, checkpoint)
         kept = (_take_saved(s, self._serves_pending(s.rows.versions, s.until)) for s in self._saved)
@@ -325,8 +334,8 @@ def _rows_at(local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: n
 
 
 def _take(snap: Snapshot, keep: np.ndarray) -> Snapshot:
-    """The rows of `snap` where `keep` (copies: boolean indexing copies)."""
-    return _rows_at(snap.local[keep], snap.rows[keep], snap.state[keep], snap.versions[keep])
+    """Copies of the rows of `snap` where `keep`."""
+    return _rows_at(*(np.compress(keep, a, axis=0) for a in (snap.local, snap.rows, snap.state, snap.versions)))
 
 
 def _take_saved(saved: _Saved, keep: np.ndarray) -> _Saved:

@@ -217,10 +217,11 @@ class Engine:
             return
         rows, state = self.cache.read_host(a.slots)
         if a.hold.any():
-            self._held[a.iteration] = _HeldRows(rows=rows[a.hold], state=state[a.hold])
+            self._held[a.iteration] = _HeldRows(rows=_rows_where(a.hold, rows), state=_rows_where(a.hold, state))
         now = ~a.hold
         if now.any():
-            self._send(a.keys[now], rows[now], state[now], a.iteration, a.flush[now])
+            keys, rows, state, flush = (_rows_where(now, v) for v in (a.keys, rows, state, a.flush))
+            self._send(keys, rows, state, a.iteration, flush)
 
     def _send(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: np.ndarray) -> None:
         """Write back evicted rows and checkpoint flushes (separate requests: a flush may be
@@ -229,8 +230,8 @@ class Engine:
         for kind in (False, True):
             part = flush == kind
             if part.any():
-                future = self.rows.write_back(keys[part], rows[part], state[part], version, kind)
-                self._writes.append((version, future))
+                sent = (_rows_where(part, v) for v in (keys, rows, state))
+                self._writes.append((version, self.rows.write_back(*sent, version, kind)))
         self.written_rows += len(keys)
 
     def _write_joins(self, a: WriteJoins) -> None:
@@ -313,3 +314,8 @@ class Engine:
         with a tensor, several times faster on the CPU for rows of a few dozen values."""
         return rows.index_select(0, self.cache.index(positions))
 
+
+def _rows_where(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values[mask]`` (rows along the first axis): `values` itself where the mask is all
+    True, else by np.compress, the same copy three times faster than boolean indexing."""
+    return values if mask.all() else np.compress(mask, values, axis=0)
