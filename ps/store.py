@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.arrays import bounds, has_duplicates
+from common.arrays import bounds, has_duplicates, rows_where
 from common.checkpoints import first_checkpoint_from, is_checkpoint
 from common.errors import BadRequest, ConfigError, Conflict
 from common.init import initial_rows
@@ -251,14 +251,15 @@ class ShardStore:
             _Saved(rows=_take(written, late), until=stored[late]),
         ]
         self._saved += [s for s in saved if len(s.until)]
-        fresh = written if ahead.all() else _take(written, ahead)  # all, in the usual write-back
-        self._rows[fresh.local] = fresh.rows
-        self._state[fresh.local] = fresh.state
-        self._versions[fresh.local] = version
-        self._touched[fresh.local] = True
-        if fresh.local.size:
+        # the rows this write moves forward: all of them, not copied, in the usual write-back
+        fresh, fresh_rows, fresh_state = (rows_where(ahead, a) for a in (local, rows, state))
+        self._rows[fresh] = fresh_rows
+        self._state[fresh] = fresh_state
+        self._versions[fresh] = version
+        self._touched[fresh] = True
+        if fresh.size:
             self.max_version = max(self.max_version, version)
-        return int(fresh.local.size)
+        return int(fresh.size)
 
     def _stored(self, local: np.ndarray) -> Snapshot:
         """Copies of the table's rows at `local`. np.take makes the same copies as

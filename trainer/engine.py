@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common.arrays import rows_where
 from common.directive import WRITE_LAG, Directive
 from trainer.boundary import (
     Action,
@@ -217,10 +218,10 @@ class Engine:
             return
         rows, state = self.cache.read_host(a.slots)
         if a.hold.any():
-            self._held[a.iteration] = _HeldRows(rows=_rows_where(a.hold, rows), state=_rows_where(a.hold, state))
+            self._held[a.iteration] = _HeldRows(rows=rows_where(a.hold, rows), state=rows_where(a.hold, state))
         now = ~a.hold
         if now.any():
-            keys, rows, state, flush = (_rows_where(now, v) for v in (a.keys, rows, state, a.flush))
+            keys, rows, state, flush = (rows_where(now, v) for v in (a.keys, rows, state, a.flush))
             self._send(keys, rows, state, a.iteration, flush)
 
     def _send(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: np.ndarray) -> None:
@@ -230,7 +231,7 @@ class Engine:
         for kind in (False, True):
             part = flush == kind
             if part.any():
-                sent = (_rows_where(part, v) for v in (keys, rows, state))
+                sent = (rows_where(part, v) for v in (keys, rows, state))
                 self._writes.append((version, self.rows.write_back(*sent, version, kind)))
         self.written_rows += len(keys)
 
@@ -313,9 +314,3 @@ class Engine:
         """``rows[positions]`` (positions >= 0) by `index_select`: the same copy as indexing
         with a tensor, several times faster on the CPU for rows of a few dozen values."""
         return rows.index_select(0, self.cache.index(positions))
-
-
-def _rows_where(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``values[mask]`` (rows along the first axis): `values` itself where the mask is all
-    True, else by np.compress, the same copy three times faster than boolean indexing."""
-    return values if mask.all() else np.compress(mask, values, axis=0)

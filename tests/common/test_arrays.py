@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.arrays import FEW, bounds, has_duplicates, in_sorted
+from common.arrays import FEW, bounds, has_duplicates, in_sorted, rows_where
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -43,3 +43,13 @@ def test_bounds_are_min_and_max(size: int) -> None:
 
 def test_bounds_of_a_two_dimensional_array_of_a_few_keys() -> None:
     assert bounds(np.array([[3, -1], [7, 2]])) == (-1, 7)
+
+
+@pytest.mark.parametrize("shape", [(0,), (7,), (7, 16), (7, 1)])
+def test_rows_where_is_boolean_indexing_and_copies_only_a_part(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(5)
+    values = rng.random(shape).astype(np.float32)
+    for mask in (rng.random(shape[0]) < 0.5, np.zeros(shape[0], bool), np.ones(shape[0], bool)):
+        got = rows_where(mask, values)
+        assert got.dtype == values.dtype and got.tobytes() == values[mask].tobytes() and got.shape == values[mask].shape
+        assert (got is values) == bool(mask.all())
