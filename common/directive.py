@@ -89,11 +89,16 @@ class Directive:
     #: int64 [W]: rows this trainer writes to the PS after x. At boundary into x+1, step 3, it
     #: copies each `write_slots` row out; if the key is in `sync_later_keys` of x it applies
     #: that update to the copy at boundary into x+2, step 1, and sends then, else sends at
-    #: once. A write whose slot is not in `leave_slots` is a checkpoint flush: the row stays.
+    #: once.
     write_keys: np.ndarray
     #: int32 [W]: slot each written row is copied from (its slot during x). The PS stores
     #: every written row at version x.
     write_slots: np.ndarray
+    #: uint8 [W]: 1 where the write is checkpoint x's flush of a residency that goes on (the
+    #: copy written may itself be leaving after x while another trainer keeps the row), 0
+    #: where it ends the residency. Only a flush may reach the PS after a newer version of
+    #: its row, so only a flush is sent as one (docs/design.md, "Checkpoints").
+    write_flush: np.ndarray
     #: True if x is a checkpoint: after sending this directive's writes (flushes included) the
     #: trainer saves its dense model and optimizer as checkpoint x (DESIGN §9).
     checkpoint: bool
@@ -152,6 +157,7 @@ class Directive:
         values = {"input_slots": require(arrays, "input_slots", "<i4", 2)}
         values.update({n: require(arrays, n, "<i4", 1) for n in cls._INT32})
         values.update({n: require(arrays, n, "<i8", 1) for n in cls._INT64})
+        values["write_flush"] = require(arrays, "write_flush", "|u1", 1)
         directive = cls(**scalars, checkpoint=meta["checkpoint"], **values)
         directive.validate()
         return directive
@@ -162,7 +168,8 @@ class Directive:
         _same_length(self, "join_", ("keys", "send_slots", "recv_slots"))
         _same_length(self, "sync_now_", ("keys", "slots"))
         _same_length(self, "sync_later_", ("keys", "slots"))
-        _same_length(self, "write_", ("keys", "slots"))
+        _same_length(self, "write_", ("keys", "slots", "flush"))
+        _check(bool(np.all(self.write_flush <= 1)), "write_flush not 0 or 1")
         for name in ("input_slots", "prefetch_slots", "leave_slots", "write_slots"):
             _check(getattr(self, name).size == 0 or getattr(self, name).min() >= 0, f"{name} < 0")
         for name in ("join_send_slots", "join_recv_slots", "sync_now_slots", "sync_later_slots"):

@@ -13,6 +13,7 @@ from oracle.engine import (
     N_JOIN_SRC,
     N_LEAVE_NOW,
     N_LEAVE_PREV,
+    N_FLUSH_PREV,
     N_WRITE_NOW,
     N_WRITE_PREV,
     RING_SIZE,
@@ -81,6 +82,7 @@ class BagpipeRules:
             leave_now=ev.leave_now[: n[N_LEAVE_NOW]],
             write_prev=ev.write_prev[: n[N_WRITE_PREV]],
             write_now=ev.write_now[: n[N_WRITE_NOW]],
+            flush_prev=ev.flush_prev[: n[N_FLUSH_PREV]],
             stats=ev.stats,
         )
 

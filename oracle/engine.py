@@ -109,6 +109,7 @@ EV_KEY = 1
 EV_SLOT = 2
 EV_MIN_VERSION = 3  # fetch rows only
 EV_TARGET = 4  # appended by oracle/planner.py when it files a fetch
+EV_FLUSH = 3  # write rows: appended by oracle/planner.py, 1 for a checkpoint flush
 
 # Events.counts, int64 [NUM_COUNTS]: rows filled in each event buffer.
 N_FETCH = 0
@@ -119,7 +120,8 @@ N_LEAVE_PREV = 4
 N_LEAVE_NOW = 5
 N_WRITE_PREV = 6
 N_WRITE_NOW = 7
-NUM_COUNTS = 8
+N_FLUSH_PREV = 8
+NUM_COUNTS = 9
 
 # Events.stats, int64 [T, NUM_STATS]: per trainer, for the iteration planned.
 STAT_USES = 0
@@ -422,8 +424,9 @@ class Events(NamedTuple):
     join_src: np.ndarray  # int64 [n, 3]
     leave_prev: np.ndarray  # int64 [n, 3]: copies leaving after x-1 (victims)
     leave_now: np.ndarray  # int64 [n, 3]: copies leaving after x (rule 3)
-    write_prev: np.ndarray  # int64 [n, 3]: writes of version x-1 (victim ends, flushes)
+    write_prev: np.ndarray  # int64 [n, 3]: writes of version x-1 ending residencies (victims)
     write_now: np.ndarray  # int64 [n, 3]: writes of version x
+    flush_prev: np.ndarray  # int64 [n, 3]: checkpoint x-1's flushes of residencies going on
     group_keys: np.ndarray  # int64 [n]
     group_slots: np.ndarray  # int32 [n, T]
     stats: np.ndarray  # int64 [T, NUM_STATS]: STAT_*
@@ -441,8 +444,9 @@ def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int
         join_src=np.empty((num_keys, 3), np.int64),
         leave_prev=np.empty((fetches, 3), np.int64),
         leave_now=np.empty((num_keys * t, 3), np.int64),
-        write_prev=np.empty((fetches + flush_rows, 3), np.int64),
+        write_prev=np.empty((fetches, 3), np.int64),
         write_now=np.empty((num_keys, 3), np.int64),
+        flush_prev=np.empty((flush_rows, 3), np.int64),
         group_keys=np.empty(num_keys, np.int64),
         group_slots=np.empty((num_keys, t), np.int32),
         stats=np.zeros((t, NUM_STATS), np.int64),
@@ -966,12 +970,13 @@ def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None
 
 @nb.njit(cache=True)
 def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
-    """Checkpoint flushes (`_flush_candidates`) of the residencies still going."""
-    entry, write_prev, counts = st.entry, ev.write_prev, ev.counts
+    """Checkpoint flushes (`_flush_candidates`) of the residencies still going: apart from
+    the writes that end residencies, since the writer's own copy may be leaving too."""
+    entry, flush_prev, counts = st.entry, ev.flush_prev, ev.counts
     for i in range(rows.shape[0]):
         j, key, s = rows[i, FLUSH_TRAINER], rows[i, FLUSH_KEY], rows[i, FLUSH_SLOT]
         if entry[rows[i, FLUSH_ENTRY], ENTRY_COPIES] > 0:
-            _emit(write_prev, counts, N_WRITE_PREV, j, key, s)
+            _emit(flush_prev, counts, N_FLUSH_PREV, j, key, s)
 
 
 @nb.njit(cache=True)

@@ -32,6 +32,7 @@ from oracle.config import (
     required_capacity,
 )
 from oracle.engine import (
+    EV_FLUSH,
     EV_KEY,
     EV_MIN_VERSION,
     EV_SLOT,
@@ -67,7 +68,8 @@ class _Pending:
     join_dst: list[np.ndarray] = field(default_factory=list)
     join_src: list[np.ndarray] = field(default_factory=list)
     leave: list[np.ndarray] = field(default_factory=list)
-    write: list[np.ndarray] = field(default_factory=list)
+    write: list[np.ndarray] = field(default_factory=list)  # EV_TRAINER, EV_KEY, EV_SLOT, 0
+    flush: list[np.ndarray] = field(default_factory=list)  # the same, 1: checkpoint flushes
     group_keys: np.ndarray | None = None
     group_slots: np.ndarray | None = None
     stats: np.ndarray | None = None
@@ -119,7 +121,7 @@ class Planner:
             closing = self._rules.close(self._read - 1)
             if closing is not None:
                 self._pending[self._read - 1].leave.append(closing.leave_now)
-                self._pending[self._read - 1].write.append(closing.write_now)
+                self._pending[self._read - 1].write.append(_flagged(closing.write_now, 0))
         return self._emit(self._read)
 
     # ----------------------------------------------------------------- internals
@@ -157,10 +159,11 @@ class Planner:
         here.join_dst.append(planned.join_dst)
         here.join_src.append(planned.join_src)
         here.leave.append(planned.leave_now)
-        here.write.append(planned.write_now)
+        here.write.append(_flagged(planned.write_now, 0))
         if x > 0:
             self._pending[x - 1].leave.append(planned.leave_prev)
-            self._pending[x - 1].write.append(planned.write_prev)
+            self._pending[x - 1].write.append(_flagged(planned.write_prev, 0))
+            self._pending[x - 1].write.append(_flagged(planned.flush_prev, 1))
 
     def _emit(self, upto: int) -> list[list[Directive]]:
         out = []
@@ -180,7 +183,7 @@ class Planner:
         # each event list sorted once, then cut per trainer: [at[j], at[j + 1]) is trainer j's
         fetch, fetch_at = _by_trainer(_cat(p.fetch, 5), t, by_target=True)
         leave, leave_at = _by_trainer(_cat(p.leave, 3), t)
-        write, write_at = _by_trainer(_cat(p.write, 3), t)
+        write, write_at = _by_trainer(_cat(p.write, 4), t)
         join_dst = _cat(p.join_dst, 3)
         join_keys, send, recv = _joins(_cat(p.join_src, 3), join_dst, t)
         now = in_sorted(p.group_keys, next_keys)
@@ -212,6 +215,7 @@ class Planner:
                     leave_slots=lv[:, EV_SLOT].astype(np.int32),
                     write_keys=wr[:, EV_KEY].copy(),
                     write_slots=wr[:, EV_SLOT].astype(np.int32),
+                    write_flush=wr[:, EV_FLUSH].astype(np.uint8),
                     checkpoint=self.config.is_checkpoint(g),
                 )
             )
@@ -232,6 +236,11 @@ def _min_versions(versions: np.ndarray, landed: int, first: int) -> np.ndarray:
     """A directive's fetch versions, local, as global min_versions: -1 for none since the
     planner started and for those `landed` (`PlannerConfig.landed_through`)."""
     return np.where(versions > max(landed, -1), versions + first, -1)
+
+
+def _flagged(writes: np.ndarray, flush: int) -> np.ndarray:
+    """Write events with their EV_FLUSH column: 1 for checkpoint flushes, 0 for residency ends."""
+    return np.column_stack([writes, np.full(writes.shape[0], flush, np.int64)])
 
 
 def _cat(parts: list[np.ndarray], width: int) -> np.ndarray:

@@ -49,8 +49,9 @@ class Planned:
     join_src: np.ndarray  # int64 [n, 3]
     leave_prev: np.ndarray  # int64 [n, 3]: leave after x-1
     leave_now: np.ndarray  # int64 [n, 3]: leave after x
-    write_prev: np.ndarray  # int64 [n, 3]: write version x-1
-    write_now: np.ndarray  # int64 [n, 3]: write version x
+    write_prev: np.ndarray  # int64 [n, 3]: write version x-1, ending a residency
+    write_now: np.ndarray  # int64 [n, 3]: write version x, ending a residency
+    flush_prev: np.ndarray  # int64 [n, 3]: write version x-1, checkpoint x-1's flush
     group_keys: np.ndarray  # int64 [G]: G_x
     group_slots: np.ndarray  # int32 [G, T]
     stats: np.ndarray  # int64 [T, 5]: uses, hits, fetched for use, joined, occupancy

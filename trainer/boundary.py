@@ -60,7 +60,7 @@ class ApplySyncLater:
     """Step 1: wait for the sum of sync_later(`iteration`) and apply it, divided by T, to the
     copies that stay (`slots`, taking row `positions[i]` of the sum) and to the rows held back
     for write-back (`held_keys`, row `held_positions[i]`), then send those at version
-    `iteration` (`held_flush`: a checkpoint copy of a row that stays cached)."""
+    `iteration` (`held_flush`: a checkpoint's flush, sent as one)."""
 
     iteration: int
     slots: np.ndarray  # int32
@@ -91,8 +91,9 @@ class ReadJoinSources:
 class Leave:
     """Step 3: copies leaving after `iteration` leave `freed`. This trainer copies out the
     rows it writes (`keys`, from `slots`); rows not in `hold` are sent at once, version
-    `iteration`; held rows wait for `ApplySyncLater(iteration)`. `flush`: a checkpoint copy of
-    a row that stays cached."""
+    `iteration`; held rows wait for `ApplySyncLater(iteration)`. `flush`: checkpoint
+    `iteration`'s flush of a residency that goes on (`Directive.write_flush`), whether or not
+    this copy leaves."""
 
     iteration: int
     keys: np.ndarray  # int64 [W]
@@ -267,7 +268,7 @@ class Boundary:
             return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
         keys = prev.write_keys
         hold = in_sorted(keys, prev.sync_later_keys)
-        flush = ~_slot_mask(prev.leave_slots, prev.write_slots)[prev.write_slots]
+        flush = prev.write_flush.astype(bool)
         if hold.any():
             later = self._later[prev.iteration]
             later.held_keys, later.held_flush = keys[hold], flush[hold]

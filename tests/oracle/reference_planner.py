@@ -43,7 +43,7 @@ class _Acc:
     join_send: dict[int, int] = field(default_factory=dict)  # key -> slot
     join_recv: dict[int, int] = field(default_factory=dict)
     leave: list[tuple[int, int]] = field(default_factory=list)  # key, slot
-    write: list[tuple[int, int]] = field(default_factory=list)  # key, slot
+    write: list[tuple[int, int, int]] = field(default_factory=list)  # key, slot, 1 if a flush
 
 
 class ReferencePlanner:
@@ -170,7 +170,7 @@ class ReferencePlanner:
                 ended.add(k)
         for k, (j, slot) in flush.items():
             if k not in ended:
-                self.acc[x - 1][j].write.append((k, slot))
+                self.acc[x - 1][j].write.append((k, slot, 1))
         # e. (rule 6) G_x and the input slots
         for k in used:
             if self.synchronised(x, k):
@@ -217,7 +217,7 @@ class ReferencePlanner:
     def end_residency(self, e: int, key: int, leavers: list[tuple[int, int]]) -> None:
         """The residency of `key` ends after e: the lowest-index leaver writes version e."""
         writer, slot = min(leavers)
-        self.acc[e][writer].write.append((key, slot))
+        self.acc[e][writer].write.append((key, slot, 0))
         self.last_wb[key] = e
 
     def flush_candidates(self, c: int) -> dict[int, tuple[int, int]]:
@@ -258,7 +258,7 @@ class ReferencePlanner:
             if len(holders) >= 2:
                 self.groups[x].append((k, slots))
             if k not in hot_slot:
-                self.acc[x][holders[0]].write.append((k, slots[holders[0]]))
+                self.acc[x][holders[0]].write.append((k, slots[holders[0]], 0))
                 self.last_wb[k] = x
             self.last_use[k] = x
         self.static_hot_writes(x, hot)
@@ -273,11 +273,11 @@ class ReferencePlanner:
         if x == self.N - 1:
             for j in range(self.T):
                 self.acc[x][j].leave.extend((k, i) for i, k in enumerate(hot))
-            self.acc[x][0].write.extend((k, i) for i, k in enumerate(hot))
+            self.acc[x][0].write.extend((k, i, 0) for i, k in enumerate(hot))
         elif self.cfg.is_local_checkpoint(x):
             previous = x - self.cfg.checkpoint_every
             self.acc[x][0].write.extend(
-                (k, i) for i, k in enumerate(hot) if self.last_use.get(k, -1) > previous
+                (k, i, 1) for i, k in enumerate(hot) if self.last_use.get(k, -1) > previous
             )
 
     # ----------------------------------------------------------------- directives
@@ -314,8 +314,9 @@ class ReferencePlanner:
             sync_later_keys=np.array([k for k, _ in later], dtype=i64),
             sync_later_slots=np.array([s for _, s in later], dtype=i32),
             leave_slots=np.array([s for _, s in leave], dtype=i32),
-            write_keys=np.array([k for k, _ in write], dtype=i64),
-            write_slots=np.array([s for _, s in write], dtype=i32),
+            write_keys=np.array([k for k, _, _ in write], dtype=i64),
+            write_slots=np.array([s for _, s, _ in write], dtype=i32),
+            write_flush=np.array([f for _, _, f in write], dtype=np.uint8),
             checkpoint=self.cfg.is_checkpoint(first + x),
         )
 

@@ -6,10 +6,17 @@ changes every later value. A single-process reference applies the same updates t
 Trainers execute the actions of `trainer.boundary.Boundary` — the production implementation
 of "The boundary into x" (DESIGN §4), which the trainer's engine executes too — in lockstep
 (their collectives make them so), checking every index the actions carry; the PS and network
-are asynchronous: write-backs arrive in a random order at random times, fetches are served at
-random times once the PS version reaches their `min_version`, from the moment they are
-issued. A trainer waiting for a fetch lets the network deliver what is in flight; if the
-write-back it needs has not been sent, that is a deadlock.
+are asynchronous: write-backs arrive at random times, fetches are served at random times once
+the PS version reaches their `min_version`, from the moment they are issued. A trainer waiting
+for a fetch lets the network deliver what is in flight; if the write-back it needs has not been
+sent, that is a deadlock. Each run picks a delivery order: random, or the worst one, newest
+version first, so that writes that different trainers send at one boundary land against the
+order of their versions whenever nothing forces them apart.
+
+The PS applies the version rules of `ps.store.ShardStore.check_write`: a write-back whose
+version is not above the stored one is refused, unless it is a checkpoint flush (then it is
+refused only at the stored version itself, and a late one goes to its checkpoint alone). A
+refused write-back is a failed checkpoint in a real run, so here it is a `SimulationError`.
 
 `simulate` raises `SimulationError` at the first broken invariant of §4: reads see every
 earlier update (value and state, bit for bit); slots stay in [0, C) and are never written
@@ -104,6 +111,16 @@ class _Trainer:
     used: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # Train.used at x
 
 
+@dataclass(frozen=True)
+class _Write:
+    """A write-back in flight: `flush` is a checkpoint's copy of a residency that goes on."""
+
+    key: int
+    version: int
+    row: Row
+    flush: bool
+
+
 @dataclass
 class _Fetch:
     trainer: int
@@ -133,7 +150,8 @@ class Simulation:
         self.ref_history: dict[int, list[tuple[int, Row]]] = {}
         self.ps: dict[int, tuple[int, Row]] = {}  # key -> version, row
         self.ps_writes: dict[int, list[tuple[int, Row]]] = {}
-        self.in_flight: list[tuple[int, int, Row]] = []  # key, version, row
+        self.in_flight: list[_Write] = []
+        self.newest_first = self.rng.random() < 0.5  # the delivery order (module docstring)
         self.fetches: list[_Fetch] = []
         self.trainers = [_Trainer() for _ in range(self.T)]
         self.later: dict[int, tuple[list[int], list[tuple[float, float]]]] = {}  # x -> keys, sums / T
@@ -144,6 +162,7 @@ class Simulation:
         self.join_keys: list[int] = []
         self.leaving: int | None = None  # copies left after this iteration: check residency ends
         self.sent: dict[int, dict[int, int]] = {}  # version -> key -> write count
+        self.flushed: dict[int, set[int]] = {}  # version -> keys written as checkpoint flushes
         self.resident: dict[int, set[int]] = {}
         self.resumed: dict[int, int] = self.resumed_versions()  # key -> version before F
         self.newest_sent = dict(self.resumed)  # key -> newest version written back so far
@@ -178,29 +197,41 @@ class Simulation:
             row = r
         return row
 
-    def send(self, key: int, version: int, row: Row) -> None:
+    def send(self, key: int, version: int, row: Row, flush: bool) -> None:
         if row != self.ref_at(key, version):
             self.fail(f"write-back of key {key} version {version} carries a stale row")
+        if flush and not self.cfg.is_checkpoint(version):
+            self.fail(f"flush of key {key} with version {version}, not a checkpoint")
         self.newest_sent[key] = max(version, self.newest_sent.get(key, -1))
         self.sent_since_train.add(key)
         self.unsure.add((key, version))
-        self.in_flight.append((key, version, row))
+        self.in_flight.append(_Write(key, version, row, flush))
 
-    def deliver(self, item: tuple[int, int, Row]) -> None:
-        key, version, row = item
-        self.ps_writes.setdefault(key, []).append((version, row))
-        stored = self.ps.get(key, (-1, initial_row(key)))[0]
-        if version == stored:
-            self.fail(f"two write-backs of key {key} with version {version}")
-        if version > stored:
-            self.ps[key] = (version, row)
+    def deliver(self, w: _Write) -> None:
+        """The PS's version rules (module docstring): a refusal fails the simulation."""
+        stored = self.ps.get(w.key, (-1, initial_row(w.key)))[0]
+        if w.version == stored or (w.version < stored and not w.flush):
+            kind = "flush" if w.flush else "write-back"
+            self.fail(
+                f"the PS refuses the {kind} of key {w.key} with version {w.version}: it is already "
+                f"at version {stored}"
+            )
+        self.ps_writes.setdefault(w.key, []).append((w.version, w.row))
+        if w.version > stored:
+            self.ps[w.key] = (w.version, w.row)
+
+    def in_delivery_order(self) -> list[_Write]:
+        """What is in flight, in this run's delivery order."""
+        self.rng.shuffle(self.in_flight)
+        if self.newest_first:
+            self.in_flight.sort(key=lambda w: -w.version)  # stable: ties stay shuffled
+        return self.in_flight
 
     def network(self) -> None:
         """Random progress: some write-backs land, some eligible fetches are served."""
-        self.rng.shuffle(self.in_flight)
         keep = []
-        for item in self.in_flight:
-            (self.deliver if self.rng.random() < self.delivery else keep.append)(item)
+        for w in self.in_delivery_order():
+            (self.deliver if self.rng.random() < self.delivery else keep.append)(w)
         self.in_flight = keep
         for f in self.fetches:
             if f.row is None and self.rng.random() < 0.5:
@@ -219,8 +250,8 @@ class Simulation:
         return True
 
     def wait(self, f: _Fetch) -> None:
-        """The trainer blocks: in-flight write-backs land (random order) until f is served."""
-        self.rng.shuffle(self.in_flight)
+        """The trainer blocks: in-flight write-backs land (in delivery order) until f is served."""
+        self.in_delivery_order().reverse()  # popped from the end
         while f.row is None and not self.serve(f):
             if not self.in_flight:
                 self.fail(
@@ -257,8 +288,9 @@ class Simulation:
             self.network()
             self.resident[x] = self.keys_resident()
         self.execute([b.drain() for b in boundaries])
-        while self.in_flight:
-            self.deliver(self.in_flight.pop())
+        for w in self.in_delivery_order():
+            self.deliver(w)
+        self.in_flight = []
         self.final_checks(n)
 
     def check_lists(self, x: int, ds: list[Directive]) -> None:
@@ -301,9 +333,10 @@ class Simulation:
         """The bounded write lag: every write-back of a version <= up_to lands now."""
         up_to = actions[0].up_to
         self.unsure = {(key, version) for key, version in self.unsure if version > up_to}
-        for item in [i for i in self.in_flight if i[1] <= up_to]:
-            self.in_flight.remove(item)
-            self.deliver(item)
+        due = [w for w in self.in_delivery_order() if w.version <= up_to]
+        self.in_flight = [w for w in self.in_flight if w.version > up_to]
+        for w in due:
+            self.deliver(w)
 
     def apply_sync_later(self, actions: list[ApplySyncLater]) -> None:
         e = actions[0].iteration
@@ -316,10 +349,10 @@ class Simulation:
             held = t.held.pop(e, [])
             if [k for k, _ in held] != [int(k) for k in a.held_keys]:
                 self.fail(f"trainer {j}: rows held after {e} are not the ones sync_later({e}) updates")
-            for (key, row), pos in zip(held, a.held_positions):
+            for (key, row), pos, flush in zip(held, a.held_positions, a.held_flush):
                 if keys[int(pos)] != key:
                     self.fail(f"trainer {j}: held row of key {key} takes the sync_later gradient of {keys[int(pos)]}")
-                self.send(key, e, apply(row, reduced[int(pos)]))
+                self.send(key, e, apply(row, reduced[int(pos)]), bool(flush))
 
     def checkpoints_written(self, actions: list[CheckpointsWritten]) -> None:
         """Checkpoints are checked at the end, from every write the PS received."""
@@ -338,15 +371,17 @@ class Simulation:
         e = actions[0].iteration
         for j, a in enumerate(actions):
             t = self.trainers[j]
-            for k, s, hold in zip(a.keys, a.slots, a.hold):
+            for k, s, hold, flush in zip(a.keys, a.slots, a.hold, a.flush):
                 key = int(k)
                 row = self.read_slot(j, int(s), key, f"write-back after {e}")
                 self.sent.setdefault(e, {}).setdefault(key, 0)
                 self.sent[e][key] += 1
+                if flush:
+                    self.flushed.setdefault(e, set()).add(key)
                 if hold:
                     t.held.setdefault(e, []).append((key, row))
                 else:
-                    self.send(key, e, row)
+                    self.send(key, e, row, bool(flush))
             for s in a.freed:
                 if int(s) not in t.cache:
                     self.fail(f"trainer {j} frees empty slot {int(s)} after {e}")
@@ -377,16 +412,22 @@ class Simulation:
             self.write_slot(self.trainers[f.trainer], f.trainer, f.slot, f.key, f.row)
 
     def check_residency_ends(self, e: int) -> None:
-        """Keys resident during e and gone now ended after e: one write-back of version e."""
+        """Keys resident during e and gone now ended after e: one write-back of version e, not
+        a flush; a key written while its residency goes on was flushed once, as a flush (only
+        a flush may land after a newer version, as a residency's next write can)."""
         self.leaving = None
         ended = self.resident.get(e, set()) - self.keys_resident()
-        written = self.sent.get(e, {})
+        written, flushed = self.sent.get(e, {}), self.flushed.get(e, set())
         for key in ended:
             if written.get(key, 0) != 1:
                 self.fail(f"residency of key {key} ended after {e} with {written.get(key, 0)} write-backs")
+            if key in flushed:
+                self.fail(f"residency of key {key} ended after {e} with a flush, not a write-back")
         for key, count in written.items():
             if key not in ended and not (self.cfg.is_checkpoint(e) and count == 1):
                 self.fail(f"key {key} written {count} times with version {e} but its residency goes on")
+            if key not in ended and key not in flushed:
+                self.fail(f"key {key} written with version {e} while its residency goes on, not as a flush")
 
     def keys_resident(self) -> set[int]:
         return {key for t in self.trainers for key, _ in t.cache.values()}
@@ -535,8 +576,12 @@ class Workload:
     hot: int
     seed: int
     write_lag: int = WRITE_LAG
+    epochs: int = 1  # the stream read this many times over, as a run of several epochs does
 
     def batches(self) -> list[np.ndarray]:
+        return self.epoch() * self.epochs
+
+    def epoch(self) -> list[np.ndarray]:
         rng = np.random.default_rng(self.seed)
         t, per, f, n, k = self.trainers, self.per_trainer, self.features, self.iterations, self.keys
         shape = (t * per, f)

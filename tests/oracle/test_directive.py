@@ -30,6 +30,7 @@ def make(**overrides: object) -> Directive:
         leave_slots=np.array([2], i32),
         write_keys=np.array([13], i64),
         write_slots=np.array([2], i32),
+        write_flush=np.array([0], np.uint8),
         checkpoint=True,
     )
     fields.update(overrides)
@@ -54,6 +55,8 @@ def test_round_trip_is_exact() -> None:
         {"sync_now_slots": np.array([-2], np.int32)},
         {"prefetch_targets": np.array([2, 5], np.int32)},  # before the iteration
         {"write_slots": np.array([2, 3], np.int32)},  # lengths differ
+        {"write_flush": np.array([0, 1], np.uint8)},  # lengths differ
+        {"write_flush": np.array([2], np.uint8)},  # a flag is 0 or 1
         {"input_slots": np.array([[0, -1], [2, 0]], np.int32)},
     ],
 )

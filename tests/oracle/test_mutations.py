@@ -128,9 +128,41 @@ def _cases() -> list[tuple[PlannerConfig, list[np.ndarray], int]]:
 CASES = _cases()
 
 
-def _failures(planner: type[ReferencePlanner], boundary: type[Boundary] = Boundary) -> int:
+def _checkpoint_cases() -> list[tuple[PlannerConfig, list[np.ndarray], int]]:
+    """Bagpipe runs of several epochs with a checkpoint every 1 to 10 iterations."""
+    rng = np.random.default_rng(11)
+    out = []
+    for i in range(80):
+        w = Workload(
+            trainers=int(rng.integers(2, 5)),
+            per_trainer=int(rng.integers(1, 4)),
+            features=int(rng.integers(1, 3)),
+            iterations=int(rng.integers(3, 10)),
+            keys=int(rng.integers(2, 24)),
+            lookahead=int(rng.integers(0, 5)),
+            lead=int(rng.integers(0, 5)),
+            slack=int(rng.integers(0, 2)),
+            mode="bagpipe",
+            stream=("zipf", "uniform", "alternating")[i % 3],
+            checkpoint_every=int(rng.integers(1, 11)),
+            hot=0,
+            seed=1000 + i,
+            write_lag=(1, 2, 4)[i // 3 % 3],
+            epochs=int(rng.integers(1, 5)),
+        )
+        config, batches = w.build()
+        out.append((config, batches, i))
+    return out
+
+
+CHECKPOINT_CASES = _checkpoint_cases()
+
+
+def _failures(
+    planner: type[ReferencePlanner], boundary: type[Boundary] = Boundary, cases: list = CASES
+) -> int:
     failures = 0
-    for config, batches, seed in CASES:
+    for config, batches, seed in cases:
         try:
             simulate(config, batches, planner(config, batches).plan(), seed=seed, boundary=boundary)
         except SimulationError:
@@ -188,6 +220,35 @@ def test_simulator_catches_a_boundary_in_another_order(boundary: type[Boundary])
 
 def test_reference_passes_every_case() -> None:
     assert _failures(ReferencePlanner) == 0
+    assert _failures(ReferencePlanner, cases=CHECKPOINT_CASES) == 0
+
+
+class FlushIffCopyStays(Boundary):
+    """The trainer of c90f137: a write counts as a checkpoint flush only where its copy stays
+    cached. A flush written by a copy that leaves while another trainer keeps the row is then
+    sent as a plain write-back, and the keeper's write of a later version, sent at the same
+    boundary, can reach the PS first: the PS refuses the older one."""
+
+    def _leave(self, prev: Directive | None) -> Leave:
+        leave = super()._leave(prev)
+        if prev is None or not len(leave.keys):
+            return leave
+        stays = ~np.isin(prev.write_slots, prev.leave_slots)
+        if leave.hold.any():
+            self._later[prev.iteration].held_flush = stays[leave.hold]
+        return dataclasses.replace(leave, flush=stays)
+
+
+class NoFlush(ReferencePlanner):
+    """Checkpoints flush nothing: a checkpoint misses the rows still cached when it is taken."""
+
+    def flush_candidates(self, c: int) -> dict[int, tuple[int, int]]:
+        return {}
+
+
+def test_simulator_catches_checkpoint_mutants() -> None:
+    assert _failures(ReferencePlanner, FlushIffCopyStays, cases=CHECKPOINT_CASES) > 0
+    assert _failures(NoFlush, cases=CHECKPOINT_CASES) > 0
 
 
 def test_correct_but_slower_variant_passes() -> None:

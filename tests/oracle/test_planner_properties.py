@@ -24,23 +24,28 @@ FAST = settings(
 
 
 @st.composite
-def workloads(draw: st.DrawFn, modes: tuple[str, ...] = MODES, max_trainers: int = 8) -> Workload:
+def workloads(
+    draw: st.DrawFn, modes: tuple[str, ...] = MODES, max_trainers: int = 8, checkpointed: bool = False
+) -> Workload:
+    """Random workloads; `checkpointed` ones take a checkpoint every 1 to 10 iterations over
+    one to four epochs of their stream, where shared keys come and go across checkpoints."""
     mode = draw(st.sampled_from(modes))
     return Workload(
-        trainers=draw(st.integers(1, max_trainers)),
+        trainers=draw(st.integers(2 if checkpointed else 1, max_trainers)),
         per_trainer=draw(st.integers(1, 3)),
         features=draw(st.integers(1, 3)),
-        iterations=draw(st.integers(1, 12)),
+        iterations=draw(st.integers(2 if checkpointed else 1, 12)),
         keys=draw(st.integers(1, 40)),
         lookahead=draw(st.integers(0, 6)),
         lead=draw(st.integers(0, 8)),
         slack=draw(st.sampled_from([0, 0, 1, 3])),
         mode=mode,
         stream=draw(st.sampled_from(STREAMS)),
-        checkpoint_every=draw(st.integers(0, 3)),
+        checkpoint_every=draw(st.integers(1, 10) if checkpointed else st.integers(0, 3)),
         hot=draw(st.integers(0, 4)) if mode == "static-cache" else 0,
         seed=draw(st.integers(0, 2**31)),
         write_lag=draw(st.integers(1, 6)),
+        epochs=draw(st.integers(1, 4)) if checkpointed else 1,
     )
 
 
@@ -70,6 +75,46 @@ def test_baselines_pass_simulation(w: Workload) -> None:
 @given(workloads(max_trainers=6))
 def test_production_matches_reference(w: Workload) -> None:
     check_equivalence(w)
+
+
+@settings(FAST, max_examples=300)
+@given(workloads(modes=("bagpipe",), checkpointed=True))
+def test_bagpipe_with_checkpoints_passes_simulation(w: Workload) -> None:
+    check_simulation(w)
+
+
+@settings(FAST, max_examples=100)
+@given(workloads(modes=("no-cache", "static-cache", "local"), checkpointed=True))
+def test_baselines_with_checkpoints_pass_simulation(w: Workload) -> None:
+    check_simulation(w)
+
+
+@settings(FAST, max_examples=150)
+@given(workloads(max_trainers=6, checkpointed=True))
+def test_production_matches_reference_with_checkpoints(w: Workload) -> None:
+    check_equivalence(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=1000, derandomize=False)
+@given(workloads(checkpointed=True))
+def test_simulation_with_checkpoints_more(w: Workload) -> None:
+    check_simulation(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=500, derandomize=False)
+@given(workloads(checkpointed=True))
+def test_equivalence_with_checkpoints_more(w: Workload) -> None:
+    check_equivalence(w)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@settings(FAST, max_examples=10000, derandomize=False)
+@given(workloads(checkpointed=True))
+def test_simulation_with_checkpoints_many(w: Workload) -> None:
+    check_simulation(w)
 
 
 @pytest.mark.slow

@@ -31,9 +31,12 @@ I32, I64 = np.int32, np.int64
 
 def directive(x: int, *, inputs: list[list[int]], checkpoint: bool = False, **arrays: list[int]) -> Directive:
     """A directive of trainer 0 at iteration x; arrays not given are empty."""
-    values = {name: np.zeros(0, I64 if name in Directive._INT64 else I32) for name in Directive._INT32 + Directive._INT64}
+    dtypes = {**dict.fromkeys(Directive._INT32, I32), **dict.fromkeys(Directive._INT64, I64), "write_flush": np.uint8}
+    values = {name: np.zeros(0, dtype) for name, dtype in dtypes.items()}
     for name, value in arrays.items():
-        values[name] = np.asarray(value, I64 if name in Directive._INT64 else I32)
+        values[name] = np.asarray(value, dtypes[name])
+    if "write_keys" in arrays and "write_flush" not in arrays:
+        values["write_flush"] = np.zeros(len(arrays["write_keys"]), np.uint8)
     return Directive(iteration=x, trainer=0, input_slots=np.asarray(inputs, I32), checkpoint=checkpoint, **values)
 
 
@@ -90,14 +93,27 @@ def test_a_writer_in_sync_later_holds_its_row_until_the_update_two_boundaries_on
     assert apply.held_keys.tolist() == [11] and apply.held_positions.tolist() == [1]
 
 
-def test_a_write_whose_copy_stays_is_a_checkpoint_flush_reported_once_sent() -> None:
+def test_a_write_marked_as_a_flush_is_sent_as_one_and_reported_once_sent() -> None:
     b = Boundary()
-    b.plan(directive(0, inputs=[[0]], write_keys=[4], write_slots=[0], checkpoint=True))
+    b.plan(directive(0, inputs=[[0]], write_keys=[4], write_slots=[0], write_flush=[1], checkpoint=True))
     actions = b.plan(directive(1, inputs=[[0]]))
     leave = of(actions, Leave)
     assert leave.flush.tolist() == [True] and leave.hold.tolist() == [False]
     assert of(actions, CheckpointsWritten).iterations == ()
     assert of(b.plan(directive(2, inputs=[[0]])), CheckpointsWritten).iterations == (0,)
+
+
+def test_a_flush_whose_copy_leaves_is_still_a_flush_held_for_sync_later() -> None:
+    # Checkpoint 0's flush written by a copy that leaves after 0 while another trainer keeps
+    # the row: that trainer's own write of a later version may reach the PS first, so this
+    # one must travel as a flush (the PS takes a late flush into its checkpoint alone).
+    b = Boundary()
+    b.plan(directive(0, inputs=[[0]], sync_later_keys=[4], sync_later_slots=[0], leave_slots=[0],
+                     write_keys=[4], write_slots=[0], write_flush=[1], checkpoint=True))
+    leave = of(b.plan(directive(1, inputs=[[1]])), Leave)
+    assert (leave.flush.tolist(), leave.hold.tolist(), leave.freed.tolist()) == ([True], [True], [0])
+    apply = of(b.plan(directive(2, inputs=[[1]])), ApplySyncLater)
+    assert apply.held_keys.tolist() == [4] and apply.held_flush.tolist() == [True]
 
 
 def test_sync_positions_point_into_the_used_rows_or_minus_one() -> None:

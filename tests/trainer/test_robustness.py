@@ -64,7 +64,8 @@ def _step(x: int) -> Step:
         prefetch_keys=i64, prefetch_slots=i32, prefetch_min_versions=i64, prefetch_targets=i32,
         join_keys=i64, join_send_slots=i32, join_recv_slots=i32,
         sync_now_keys=i64, sync_now_slots=i32, sync_later_keys=i64, sync_later_slots=i32,
-        leave_slots=i32, write_keys=i64, write_slots=i32, checkpoint=False,
+        leave_slots=i32, write_keys=i64, write_slots=i32, write_flush=np.zeros(0, np.uint8),
+        checkpoint=False,
     )
     return Step(directive=directive, labels=np.full(2, x, np.float32), dense=np.zeros((2, 3), np.float32))
 
