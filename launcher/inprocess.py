@@ -163,6 +163,7 @@ def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu") -> InProces
             step = iteration[rank]
             stats[rank].append(engine.step(step.directive, step.labels, step.dense))
         engine.drain()
+        comm.close()
 
     _run_ranks(world, train)
     first = engines[0]

@@ -9,10 +9,13 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import queue
 import socket
 import struct
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -50,12 +53,17 @@ class Collectives:
 
     `background` (default: `group`) carries the sums that are not waited for at once
     (sync_later): a process group runs its collectives one after another, so on `group`
-    the next boundary's join and the sync_now after it would queue behind them."""
+    the next boundary's join and the sync_now after it would queue behind them. Above two
+    trainers a background sum is two collectives with a fold between them; one thread of
+    this object's runs them, in the order they were started, so that every trainer issues
+    the same collectives in the same order on the background group. `close()` stops it.
+    """
 
     world_size: int
     rank: int
     group: Any  # torch.distributed.ProcessGroup
     background: Any = None
+    _runner: list[_Runner] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.background is None:
@@ -74,16 +82,36 @@ class Collectives:
         starting at a different rank, so the same row summed at two positions of a buffer
         could differ in its last bits, and modes lay their sync buffers out differently.
 
-        Two trainers need no care (a + b = b + a); more gather every buffer (T times the
-        bytes of one, against about twice for a ring all-reduce) and add them here.
+        Two trainers need no care (a + b = b + a). More reduce in rank order at the cost of
+        a ring all-reduce (`ordered_sum`): each trainer receives about 2 (T - 1) / T of the
+        buffer whatever T is. The result is a new tensor (the input's values are kept).
         """
         if self.world_size == 1 or not tensor.numel():
             return RowSum(None, lambda: tensor)
         group = self.background if background else self.group
         if self.world_size == 2:
             return RowSum(group.allreduce([tensor]), lambda: tensor)
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        return RowSum(group.allgather([parts], [tensor]), lambda: _sum_in_order(parts))
+        if not background:
+            total = ordered_sum(group, tensor, self.rank, self.world_size)
+            return RowSum(None, lambda: total)
+        future = self._background_runner().submit(ordered_sum, group, tensor, self.rank, self.world_size)
+        return RowSum(None, future.result)
+
+    def mean_gradients_hook(self) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+        """A DDP communication hook that averages a bucket of dense gradients as the
+        data-parallel reference does: each trainer's gradient times 1/T, summed in rank order
+        (`ordered_sum`). DDP's own all-reduce adds in ring order, exact only at T <= 2."""
+
+        # DDP reads the annotations of `bucket` and of the result, and this module's are
+        # strings (postponed evaluation): it would refuse them, so the hook has none.
+        def hook(_, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            flat = bucket.buffer()
+            flat.mul_(1.0 / self.world_size)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(ordered_sum(self.group, flat, self.rank, self.world_size))
+            return done
+
+        return hook
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
@@ -96,12 +124,69 @@ class Collectives:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def close(self) -> None:
+        """Stop the background thread, after the sums it was given."""
+        for runner in self._runner:
+            runner.close()
+        self._runner.clear()
 
-def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0]
-    for part in parts[1:]:
-        total.add_(part)
-    return total
+    def _background_runner(self) -> _Runner:
+        if not self._runner:
+            self._runner.append(_Runner(f"sync-later-{self.rank}"))
+        return self._runner[0]
+
+
+class _Runner:
+    """One daemon thread running submitted calls in order. A daemon, unlike an executor's
+    worker: a trainer that fails while a sum waits in gloo must still exit at once."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the trainer's thread re-raises it at wait()
+                future.set_exception(exc)
+
+
+def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The elementwise sum of `tensor` over the group's T ranks, added in rank order, as a new
+    tensor shaped like it (blocking).
+
+    The flat buffer is cut into T chunks. An all-to-all sends chunk r of every rank to rank
+    r, which adds the T copies in rank order; an all-gather then gives every rank every
+    folded chunk. Each rank receives (T - 1) chunks twice: 2 (T - 1) / T of the buffer, what
+    a ring all-reduce receives, where gathering every buffer would take T - 1 of them.
+    """
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    chunk = -(-n // world_size)
+    sizes = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
+    mine = sizes[rank]
+    received = torch.empty(world_size * mine, dtype=flat.dtype, device=flat.device)
+    group.alltoall_base(received, flat.contiguous(), [mine] * world_size, sizes).wait()
+    folded = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+    copies = received.view(world_size, mine)
+    folded[:mine] = copies[0]
+    for r in range(1, world_size):
+        folded[:mine].add_(copies[r])
+    gathered = torch.empty(world_size * chunk, dtype=flat.dtype, device=flat.device)
+    group._allgather_base(gathered, folded).wait()
+    return gathered[:n].view(tensor.shape)
 
 
 @dataclass(frozen=True, kw_only=True)

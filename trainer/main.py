@@ -128,6 +128,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
                             reconnect_s=spec.cluster.reconnect_s)
         iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
         engine.drain()
+        comm.close()  # every background sum was applied by the drain
         stream.close()
         checkpoints.wait()
         comm.barrier()  # every trainer's write-backs are acknowledged: the PS holds the model
@@ -212,6 +213,8 @@ def build_engine(
     ddp = DistributedDataParallel(
         model, process_group=comm.group, device_ids=[device.torch_device.index] if device.is_cuda else None,
     )
+    if comm.world_size > 2:  # DDP's ring all-reduce is exact only at T <= 2
+        ddp.register_comm_hook(None, comm.mean_gradients_hook())
     dense_optimizer = build_dense_optimizer(job.optimizer, ddp.parameters())
     embedding_optimizer = build_embedding_optimizer(job.optimizer)
     if rows is None:

@@ -1,6 +1,6 @@
 """Real clusters (oracle, PS shards and trainer processes over HTTP/2 and gloo) end bit for
 bit where the in-process harness and the data-parallel reference end: one run per mode,
-and one with four trainers, where the embedding sums' rank order matters. The full matrix
+and runs with three, four and eight trainers, where the sums' rank order matters. The full matrix
 of modes, models, optimizers and trainer counts runs in process (test_equivalence.py)."""
 
 from __future__ import annotations
@@ -44,10 +44,24 @@ def assert_bytes_by_kind_add_up(job: Job, records: dict[int, list[dict]], mode: 
     assert (totals["join_bytes"] > 0) == (mode == "bagpipe")  # only bagpipe copies rows between trainers
 
 
-def test_a_four_trainer_cluster_is_bit_identical_to_the_harness(tmp_path: Path) -> None:
-    overrides = {"oracle": {"mode": "bagpipe", "cache_rows": CACHE_ROWS[4]}, "trainers": {"count": 4}}
-    job, result = run_spec(write_spec(tmp_path, "bagpipe-t4", overrides), tmp_path / "run")
-    assert_identical(final_model(job, result.run_dir), run_in_process(job).model)
+@pytest.mark.parametrize(
+    ("trainers", "shards", "batch", "cache"),
+    [pytest.param(3, 2, 48, 70, marks=pytest.mark.nightly), (4, 2, 32, CACHE_ROWS[4]), (8, 4, 32, CACHE_ROWS[8])],
+)
+def test_clusters_past_two_trainers_are_bit_identical_to_the_harness_and_the_reference(
+    tmp_path: Path, trainers: int, shards: int, batch: int, cache: int
+) -> None:
+    """Where the rank order of the sums matters (T > 2): embedding and dense gradients."""
+    overrides = {
+        "oracle": {"mode": "bagpipe", "cache_rows": cache},
+        "trainers": {"count": trainers},
+        "ps": {"shards": shards},
+        "train": {"batch_size": batch, "max_iterations": 40},
+    }
+    job, result = run_spec(write_spec(tmp_path, f"bagpipe-t{trainers}", overrides), tmp_path / "run")
+    got = final_model(job, result.run_dir)
+    assert_identical(got, run_in_process(job).model)
+    assert_identical(got, as_final(reference_for(job)))
 
 
 def test_checkpoints_every_few_iterations_over_several_epochs_change_nothing(tmp_path: Path) -> None:

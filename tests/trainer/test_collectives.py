@@ -1,0 +1,111 @@
+"""The exact sums of `trainer.collectives` over real gloo groups (in one process, a thread per
+rank): every element added in rank order, at any T, for the embedding gradients and, through
+DDP's communication hook, for the dense ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from launcher.inprocess import _run_ranks, process_groups
+from trainer.collectives import Collectives, ordered_sum
+
+
+def _ranks(world: int, name: str, work: Callable[[Collectives], object]) -> list[object]:
+    """`work(comm)` on one thread per rank; the results in rank order."""
+    groups, background = process_groups(world, name), process_groups(world, f"{name}-background")
+    out: list[object] = [None] * world
+
+    def run(rank: int) -> None:
+        comm = Collectives(world_size=world, rank=rank, group=groups[rank], background=background[rank])
+        try:
+            out[rank] = work(comm)
+        finally:
+            comm.close()
+
+    _run_ranks(world, run)
+    return out
+
+
+def _in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    return total
+
+
+def _operands(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    # Magnitudes far apart, so that the order of the additions shows in the last bits.
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 5, shape, generator=g)
+
+
+@pytest.mark.parametrize("world", [3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(1,), (2, 3), (7, 16), (1000, 16)])
+def test_ordered_sum_adds_every_element_in_rank_order(world: int, shape: tuple[int, ...]) -> None:
+    def work(comm: Collectives) -> torch.Tensor:
+        return ordered_sum(comm.group, _operands(comm.rank, shape), comm.rank, comm.world_size)
+
+    want = _in_rank_order([_operands(r, shape) for r in range(world)])
+    for got in _ranks(world, f"ordered-{world}", work):
+        assert isinstance(got, torch.Tensor) and got.shape == shape
+        assert torch.equal(got, want)
+
+
+def test_a_ring_all_reduce_adds_in_another_order() -> None:
+    """Why `ordered_sum` exists: gloo's ring all-reduce starts each chunk's sum at another
+    rank, so some elements differ in their last bits from the rank-ordered sum."""
+    world, shape = 4, (4096, 16)
+
+    def work(comm: Collectives) -> torch.Tensor:
+        t = _operands(comm.rank, shape)
+        comm.group.allreduce([t]).wait()
+        return t
+
+    want = _in_rank_order([_operands(r, shape) for r in range(world)])
+    got = _ranks(world, "ring-4", work)[0]
+    assert isinstance(got, torch.Tensor)
+    assert not torch.equal(got, want)
+
+
+def test_background_sums_run_in_the_order_they_were_started() -> None:
+    world = 3
+
+    def work(comm: Collectives) -> list[torch.Tensor]:
+        started = [comm.sum_rows(_operands(comm.rank + 10 * i, (50, 4)), background=True) for i in range(5)]
+        return [s.wait() for s in started]
+
+    for per_rank in _ranks(world, "background-3", work):
+        assert isinstance(per_rank, list)
+        for i, got in enumerate(per_rank):
+            assert torch.equal(got, _in_rank_order([_operands(r + 10 * i, (50, 4)) for r in range(world)]))
+
+
+def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does() -> None:
+    """Each trainer's gradient times 1/T, summed in rank order: the data-parallel reference's
+    dense step (tests/trainer/reference.py), bit for bit."""
+    world = 3
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+
+    def grads_of(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def work(comm: Collectives) -> list[torch.Tensor]:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        model.load_state_dict(base.state_dict())
+        ddp = DistributedDataParallel(model, process_group=comm.group)
+        ddp.register_comm_hook(None, comm.mean_gradients_hook())
+        return grads_of(ddp, inputs[comm.rank])
+
+    local = [grads_of(base, x) for x in inputs]
+    want = [_in_rank_order([g[i] * (1.0 / world) for g in local]) for i in range(len(local[0]))]
+    for got in _ranks(world, "ddp-3", work):
+        assert isinstance(got, list)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
