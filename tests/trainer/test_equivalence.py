@@ -101,3 +101,25 @@ def _full_matrix() -> list:
 @pytest.mark.parametrize(("trainers", "model", "optimizer"), _full_matrix())
 def test_full_matrix_is_bit_identical(tmp_path: Path, trainers: int, model: str, optimizer: str) -> None:
     check_every_mode(tmp_path, trainers=trainers, model=model, optimizer=optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.parametrize("trainers", [16, 32])
+def test_every_mode_is_bit_identical_with_many_trainers(tmp_path: Path, trainers: int) -> None:
+    """Past the cluster sizes CI runs: 16 and 32 trainers (threads), two samples each."""
+    runs = {}
+    for mode in MODES:
+        overrides = {
+            "oracle": {"mode": mode, "cache_rows": 12},
+            "trainers": {"count": trainers},
+            "train": {"batch_size": 2 * trainers, "max_iterations": 30},
+        }
+        job = build_job(load_spec(write_spec(tmp_path, f"{mode}-t{trainers}", overrides)))
+        runs[mode] = run_in_process(job)
+        if mode == "bagpipe":
+            bagpipe = job
+    for mode in MODES[1:]:
+        assert_identical(runs[mode].model, runs["bagpipe"].model)
+    assert_identical(runs["bagpipe"].model, as_final(reference_for(bagpipe)))
+    assert_cache_was_exercised(bagpipe, runs["bagpipe"])
