@@ -198,6 +198,8 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
             raise ConfigError(f"data.{key}", f"has the wrong type ({type(value).__name__})")
         if key in FORMAT_KEYS and section.get("format") != FORMAT_KEYS[key]:
             raise ConfigError(f"data.{key}", f"only format {FORMAT_KEYS[key]!r} takes it")
+    if "format" not in section:
+        raise ConfigError("data.format", f"is required: one of {FORMATS}")
     fields = dict(section)
     fields.pop("num_tables", None)
     for key in ("path", "cache_dir", "sparse_path"):

@@ -51,6 +51,7 @@ def test_defaults_per_format(tmp_path: Path) -> None:
         ({"format": "parquet", "path": "a", "dense_columns": ["C1"]}, "data.sparse_columns"),
         ({"format": "parquet", "path": "a", "label_column": "I3"}, "data.dense_columns"),
         ({"format": "parquet", "path": "a", "dense_transform": "log"}, "data.dense_transform"),
+        ({"path": "a"}, "data.format"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, section: dict, field: str) -> None:
