@@ -12,7 +12,9 @@ run folder written before reads as before (the launcher's report reads the same 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +22,30 @@ from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
+import pytest
 
 from trainer import main
 from trainer.engine import IterationStats
-from trainer.main import Checkpointer, RecordWriter
+from trainer.main import Checkpointer
 from trainer.metrics import MetricAccumulator
+from trainer.records import (
+    BYTE_KINDS,
+    COUNTERS,
+    CheckpointRecord,
+    EvalRecord,
+    FinalRecord,
+    IterationRecord,
+    MetricsRecord,
+    Record,
+    RecordError,
+    RecordTail,
+    RecordWriter,
+    RunTail,
+    read_records,
+    read_run,
+    record_from_wire,
+    trainer_log_path,
+)
 from trainer.timing import COMPUTE_PHASES, PHASES
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -109,7 +130,7 @@ def _checkpoint(c: int, clock: Clock, records: RecordWriter) -> None:
         asyncio.run(checkpoints._report(c, []))
 
 
-def _line(record: dict, clock: Clock, records: RecordWriter) -> None:
+def _line(record: Record, clock: Clock, records: RecordWriter) -> None:
     clock.now += 0.01
     records.write(record)
 
@@ -126,7 +147,7 @@ def write_trainer_run(run_dir: Path) -> None:
                 restart_s = 1.5 if first else 0.0  # the resumed process starts 1.5 s later
                 clock.now = START - 0.5 + restart_s
                 url = f"http://127.0.0.1:{9105 + j}/metrics"
-                _line({"kind": "metrics", "time": clock.now, "url": url}, clock, records)
+                _line(MetricsRecord(time=clock.now, url=url), clock, records)
                 for x in itertools.count(first, 10):
                     if x > last:
                         break
@@ -137,7 +158,7 @@ def write_trainer_run(run_dir: Path) -> None:
                         if j == 0:
                             _checkpoint(stop, clock, records)
             _eval(rng, j, ITERATIONS, "held-out", clock, records)
-            _line({"kind": "final", "time": clock.now, "iterations": ITERATIONS}, clock, records)
+            _line(FinalRecord(time=clock.now, iterations=ITERATIONS), clock, records)
         finally:
             records.close()
 
@@ -153,3 +174,160 @@ def test_the_trainer_writes_its_records_byte_for_byte_as_before(tmp_path: Path) 
     for j in range(2):
         name = f"trainer-{j}.jsonl"
         assert (tmp_path / name).read_bytes() == (RUN / name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+def test_every_line_the_trainer_wrote_reads_back_and_writes_the_same_bytes() -> None:
+    kinds = set()
+    for name, line in fixture_lines():
+        record = record_from_wire(line)
+        assert record is not None, (name, line)
+        assert record.to_wire() == line, name
+        assert type(record).from_wire(line) == record  # a null reads as math.nan itself: equal
+        kinds.add(type(record))
+    assert kinds == {IterationRecord, EvalRecord, CheckpointRecord, FinalRecord, MetricsRecord}
+
+
+def test_nan_is_written_as_null_and_read_back_as_nan() -> None:
+    record = EvalRecord(split="progressive", iteration=10, time=1.5, auc=math.nan, log_loss=0.25, count=4)
+    assert record.to_wire() == (b'{"kind":"eval","split":"progressive","iteration":10,"time":1.5,"auc":null,'
+                                b'"log_loss":0.25,"count":4}')
+    back = EvalRecord.from_wire(record.to_wire())
+    assert math.isnan(back.auc) and back.log_loss == 0.25
+
+
+def test_a_record_of_an_older_trainer_takes_the_defaults_of_what_it_lacks() -> None:
+    line = (b'{"kind":"iter","iteration":3,"time":2.0,"samples":64,"loss":null,"uses":4,"hits":2,"fetch_rows":1,'
+            b'"fetch_bytes":68,"write_back_rows":0,"write_back_bytes":0,"sync_rows":0,"sync_bytes":0,'
+            b'"join_rows":0,"phases":{"forward":0.5}}')
+    record = IterationRecord.from_wire(line)
+    assert (record.sync_now_bytes, record.sync_later_bytes, record.join_bytes, record.dense_bytes) == (0, 0, 0, 0)
+    assert record.compute_cpu == {} and record.phases == {"forward": 0.5} and math.isnan(record.loss)
+
+
+def test_unknown_fields_are_ignored_and_unknown_kinds_read_as_none() -> None:
+    assert record_from_wire(b'{"kind":"final","time":1.0,"iterations":3,"host":"tr0"}') == FinalRecord(
+        time=1.0, iterations=3)
+    assert record_from_wire(b'{"kind":"profile","time":1.0}') is None
+    assert record_from_wire(b'{"time":1.0}') is None
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        (b'{"kind":"checkpoint","iteration":9,"time":1.0,"seconds":0.5}', "'checkpoint' record of iteration 9 lacks bytes"),
+        (b'{"kind":"final","time":"soon","iterations":3}', "'final' record: time is 'soon', not a number"),
+        (b'{"kind":"final","time":1.0,"iterations":2.5}', "iterations is 2.5, not an integer"),
+        (b'{"kind":"metrics","time":1.0,"url":null}', "url is None, not a string"),
+        (b'[1, 2]', "not a JSON object"),
+    ],
+)
+def test_a_line_that_is_not_a_record_is_named(line: bytes, match: str) -> None:
+    with pytest.raises(RecordError, match=match):
+        record_from_wire(line)
+
+
+def test_from_wire_of_a_class_refuses_another_kind() -> None:
+    with pytest.raises(RecordError, match="expected a 'eval' record"):
+        EvalRecord.from_wire(FinalRecord(time=1.0, iterations=3).to_wire())
+
+
+def test_the_counters_and_byte_kinds_are_fields_of_an_iteration_record() -> None:
+    names = {f.name for f in dataclasses.fields(IterationRecord)}
+    assert set(COUNTERS) <= names and set(BYTE_KINDS) <= names
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def it_rec(iteration: int, time: float) -> IterationRecord:
+    return IterationRecord(iteration=iteration, time=time, loss=0.5, **dict.fromkeys(COUNTERS, 1))
+
+
+def line(record: Record) -> bytes:
+    return record.to_wire() + b"\n"
+
+
+def test_an_old_run_folder_reads_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    """The older trainer's file: its torn line is skipped with a warning, its unknown kind
+    and unfinished last line left out."""
+    path = trainer_log_path(FIXTURES / "old-run", 0)
+    with caplog.at_level(logging.WARNING):
+        records = read_records(path)
+    assert f"{path}:8: skipping a line that is not a JSON object" in caplog.text
+    assert [type(r).__name__ for r in records] == ["IterationRecord"] * 6 + ["EvalRecord"] + [
+        "IterationRecord"] * 6 + ["EvalRecord", "FinalRecord"]
+    assert [r.iteration for r in records if isinstance(r, IterationRecord)] == list(range(12))
+
+
+def test_read_records_ignores_an_unfinished_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "trainer-0.jsonl"
+    whole = line(it_rec(0, 1.0)) + line(it_rec(1, 2.0))
+    path.write_bytes(whole + line(it_rec(2, 3.0))[:25])
+    assert read_records(path) == [it_rec(0, 1.0), it_rec(1, 2.0)]
+    path.write_bytes(whole + line(it_rec(2, 3.0))[:-1])  # complete object, newline not yet
+    assert read_records(path) == [it_rec(0, 1.0), it_rec(1, 2.0), it_rec(2, 3.0)]
+
+
+def test_a_torn_line_in_the_middle_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "trainer-0.jsonl"
+    path.write_bytes(line(it_rec(0, 1.0)) + b'{"kind": "it\n' + line(it_rec(1, 2.0)))
+    with caplog.at_level(logging.WARNING):
+        assert [r.iteration for r in read_records(path)] == [0, 1]  # type: ignore[union-attr]
+    assert f"{path}:2" in caplog.text
+
+
+def test_a_record_that_does_not_read_is_named_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "trainer-0.jsonl"
+    path.write_bytes(line(it_rec(0, 1.0)) + line(it_rec(1, 2.0)).replace(b'"hits":1,', b""))
+    with pytest.raises(RecordError, match=f"{path}:2: 'iter' record of iteration 1 lacks hits"):
+        read_records(path)
+
+
+def test_record_tail_returns_each_record_once_as_it_completes(tmp_path: Path) -> None:
+    path = tmp_path / "trainer-0.jsonl"
+    tail = RecordTail(path)
+    assert tail.poll() == []  # not created yet
+    a, b, c = line(it_rec(0, 1.0)), line(it_rec(1, 2.0)), line(it_rec(2, 3.0))
+    pieces = [a + b[:10], b[10:30], b[30:], c[:-1], b"\n", b""]
+    seen = []
+    with open(path, "ab") as f:
+        for piece in pieces:
+            f.write(piece)
+            f.flush()
+            seen.append([r.iteration for r in tail.poll()])  # type: ignore[union-attr]
+    assert seen == [[0], [], [1], [2], [], []]
+    assert tail.offset == len(a + b + c)
+
+
+def test_record_tail_rejects_a_file_that_shrank(tmp_path: Path) -> None:
+    path = tmp_path / "trainer-0.jsonl"
+    path.write_bytes(line(it_rec(0, 1.0)))
+    tail = RecordTail(path)
+    tail.poll()
+    path.write_bytes(b"")
+    with pytest.raises(RecordError, match="shrank"):
+        tail.poll()
+
+
+def test_read_run_and_run_tail_cover_every_trainer(tmp_path: Path) -> None:
+    trainer_log_path(tmp_path, 0).write_bytes(line(it_rec(0, 1.0)))
+    assert read_run(tmp_path, 2) == {0: [it_rec(0, 1.0)], 1: []}
+    tail = RunTail(tmp_path, 2)
+    assert tail.poll() == {0: [it_rec(0, 1.0)], 1: []}
+    trainer_log_path(tmp_path, 1).write_bytes(line(it_rec(0, 1.5)))
+    assert tail.poll() == {0: [], 1: [it_rec(0, 1.5)]}
+
+
+def test_the_writer_appends_a_line_a_record(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "trainer-0.jsonl"
+    for records in ([it_rec(0, 1.0)], [it_rec(1, 2.0), FinalRecord(time=3.0, iterations=2)]):
+        writer = RecordWriter(path)  # a resumed trainer appends
+        for record in records:
+            writer.write(record)
+        writer.close()
+    assert read_records(path) == [it_rec(0, 1.0), it_rec(1, 2.0), FinalRecord(time=3.0, iterations=2)]
