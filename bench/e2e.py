@@ -75,9 +75,9 @@ from launcher.memory import (  # noqa: E402
     RssCurve, RssFigures, format_figure, read_rss, rss_curves, summarise_rss,
 )
 from launcher.report import (  # noqa: E402
-    Record, RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run,
-    summarise,
+    RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, summarise,
 )
+from trainer.records import Record, read_run  # noqa: E402
 
 TOKEN = "e2e-bench"
 SEED = 3

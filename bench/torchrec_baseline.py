@@ -56,9 +56,9 @@ from common.job import Job, build_job
 from common.runtime import pin_process, pinned_cpus
 from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
-from launcher.report import RunSummary, read_run, summarise
+from launcher.report import RunSummary, summarise
 from oracle.main import build_workload
-from trainer.records import FinalRecord, IterationRecord, RecordWriter
+from trainer.records import FinalRecord, IterationRecord, RecordWriter, read_run
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
 from trainer.timing import PhaseTimer

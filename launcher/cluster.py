@@ -331,8 +331,9 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     from common.runtime import configure_logging
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
     from launcher.report import (
-        ProgressBar, RunTail, format_summary, iteration_series, plot_rss, plot_run, read_run, summarise, write_report,
+        ProgressBar, format_summary, iteration_series, plot_rss, plot_run, summarise, write_report,
     )
+    from trainer.records import RunTail, read_run
 
     configure_logging("launch")
     spec = load_spec(spec_path)

@@ -1,27 +1,11 @@
-"""Run reports: read the trainers' logs, summarise a run, show it as text, JSON, plots, progress.
+"""Run reports: summarise a run from its trainers' records, show it as text, JSON, plots, progress.
 
-Trainer j of a run appends one JSON object per line to ``RUN_DIR/trainer-<j>.jsonl``:
-
-* ``{"kind": "iter", "iteration", "time", "samples", "loss", "uses", "hits", "fetch_rows",
-  "fetch_bytes", "write_back_rows", "write_back_bytes", "sync_rows", "sync_bytes", "join_rows",
-  "sync_now_bytes", "sync_later_bytes", "join_bytes", "dense_bytes", "phases": {name: seconds},
-  "compute_cpu": {name: seconds}}`` once per iteration; ``time`` is unix seconds at its end;
-  ``sync_bytes`` is the sum of the sync now, sync later and join payloads, ``dense_bytes`` the
-  dense gradients DDP all-reduces (records written before these four were added read as 0);
-  ``compute_cpu`` is the training thread's CPU time in each of `COMPUTE_PHASES` (records
-  written before it was added read as NaN);
-* ``{"kind": "eval", "iteration", "time", "auc", "log_loss", "count"}`` after an evaluation;
-* ``{"kind": "checkpoint", "iteration", "time", "bytes", "seconds"}`` from trainer 0 when a
-  checkpoint is complete (bytes of PS snapshots and dense model; seconds from its last
-  write-back being sent to its manifest);
-* ``{"kind": "final", "time", "iterations"}`` when the trainer is done;
-* ``{"kind": "metrics", "time", "url"}`` once its Prometheus scrape target listens.
+The records are `trainer.records`'s (read there, from ``RUN_DIR/trainer-<j>.jsonl``).
 
 Layers, from pure to I/O: `iteration_series` and `summarise` turn records into numbers;
-`format_summary` and `compare_modes` turn numbers into text; `read_records`, `RecordTail`,
-`read_run`, `write_report`, `plot_run`, `plot_rss`, `plot_modes` and `ProgressBar` touch files
-or the terminal. matplotlib is imported only by the plotting functions, so a launcher that never
-plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
+`format_summary` and `compare_modes` turn numbers into text; `write_report`, `plot_run`,
+`plot_rss`, `plot_modes` and `ProgressBar` touch files or the terminal. matplotlib is imported
+only by the plotting functions, so a launcher that never plots does not pay for it. Sizes are decimal: 1 MB = 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +29,15 @@ from tqdm import tqdm
 from common.errors import BagpipeError
 from common.files import write_atomically
 from common.spec import MODES
+from trainer.records import (
+    BYTE_KINDS,
+    COUNTERS,
+    CheckpointRecord,
+    EvalRecord,
+    FinalRecord,
+    IterationRecord,
+    Record,
+)
 from trainer.timing import COMPUTE_PHASES, PHASES
 
 if TYPE_CHECKING:
@@ -54,31 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Record = dict[str, Any]
-
-#: Integer counters of an iteration record, summed across trainers.
-COUNTERS: tuple[str, ...] = (
-    "samples",
-    "uses",
-    "hits",
-    "fetch_rows",
-    "fetch_bytes",
-    "write_back_rows",
-    "write_back_bytes",
-    "sync_rows",
-    "sync_bytes",
-    "join_rows",
-)
-#: Payload bytes of an iteration record by what carries them, beside `COUNTERS`: summed the
-#: same way, but optional (absent from records of earlier versions: 0).
-BYTE_KINDS: tuple[str, ...] = (
-    "fetch_bytes",
-    "write_back_bytes",
-    "sync_now_bytes",
-    "sync_later_bytes",
-    "join_bytes",
-    "dense_bytes",
-)
 _OPTIONAL_COUNTERS = tuple(k for k in BYTE_KINDS if k not in COUNTERS)
 
 _MB = 1e6
@@ -88,113 +56,6 @@ class ReportError(BagpipeError):
     """Trainer records are missing, inconsistent or too few for the figure asked for."""
 
     code = "report"
-
-
-def trainer_log_path(run_dir: str | os.PathLike[str], trainer: int) -> Path:
-    """Where trainer `trainer` of the run in `run_dir` writes its records."""
-    return Path(run_dir) / f"trainer-{trainer}.jsonl"
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def _parse_lines(data: bytes, source: str, first_line: int) -> tuple[list[Record], int, int]:
-    """Parse the complete lines at the start of `data`.
-
-    Returns the records, the bytes consumed and the lines consumed. A trailing piece without
-    a newline counts as complete only if it parses as a JSON object: a record cut short never
-    does, since its closing brace comes last. A complete line that is not a JSON object (a
-    line torn by a crash, then appended to) is skipped with a warning naming it.
-    """
-    records: list[Record] = []
-    consumed = 0
-    line_no = first_line
-    while consumed < len(data):
-        end = data.find(b"\n", consumed)
-        last = end < 0
-        raw = data[consumed:] if last else data[consumed:end]
-        if raw.strip():
-            try:
-                value = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                value = None
-            if last and not isinstance(value, dict):
-                break  # still being written
-            if isinstance(value, dict):
-                records.append(value)
-            else:
-                logger.warning("%s:%d: skipping a line that is not a JSON object", source, line_no)
-        consumed = len(data) if last else end + 1
-        line_no += 0 if last else 1
-    return records, consumed, line_no - first_line
-
-
-def read_records(path: str | os.PathLike[str]) -> list[Record]:
-    """All complete records of one trainer log, in file order.
-
-    An unfinished last line (the trainer is still writing it) is left out.
-    Raises FileNotFoundError if the file does not exist.
-    """
-    data = Path(path).read_bytes()
-    return _parse_lines(data, str(path), 1)[0]
-
-
-def read_run(run_dir: str | os.PathLike[str], trainers: int) -> dict[int, list[Record]]:
-    """Records of trainers 0..trainers-1; a trainer without a log file gets an empty list,
-    so that `summarise` can name every missing trainer at once."""
-    out: dict[int, list[Record]] = {}
-    for j in range(trainers):
-        path = trainer_log_path(run_dir, j)
-        out[j] = read_records(path) if path.exists() else []
-    return out
-
-
-class RecordTail:
-    """Follows one growing trainer log: each `poll()` returns the records completed since the
-    previous poll. Keeps the byte offset of the first unread line; a file that does not exist
-    yet gives no records. A file that shrinks (a new run started in the same directory) raises
-    `ReportError`."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._offset = 0
-        self._line = 1
-
-    @property
-    def offset(self) -> int:
-        """Bytes of the file already turned into records."""
-        return self._offset
-
-    def poll(self) -> list[Record]:
-        """New complete records since the last poll (possibly none)."""
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < self._offset:
-                    raise ReportError(
-                        f"{self.path} shrank from {self._offset} to {size} bytes; "
-                        "was a new run started in the same directory?",
-                        path=str(self.path),
-                    )
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        records, consumed, lines = _parse_lines(data, str(self.path), self._line)
-        self._offset += consumed
-        self._line += lines
-        return records
-
-
-class RunTail:
-    """`RecordTail`s of all trainers of a run; `poll()` gives {trainer: new records}."""
-
-    def __init__(self, run_dir: str | os.PathLike[str], trainers: int) -> None:
-        self._tails = {j: RecordTail(trainer_log_path(run_dir, j)) for j in range(trainers)}
-
-    def poll(self) -> dict[int, list[Record]]:
-        """New complete records of every trainer since the last poll."""
-        return {j: tail.poll() for j, tail in self._tails.items()}
 
 
 # --------------------------------------------------------------------------- series
@@ -240,23 +101,12 @@ class IterationSeries:
         return self.counters[name].sum(axis=0)
 
 
-def _iteration_records(j: int, records: Iterable[Record]) -> dict[int, Record]:
-    by_iteration: dict[int, Record] = {}
-    for rec in records:
-        if rec.get("kind") != "iter":
-            continue
-        missing = [k for k in ("iteration", "time", "loss", *COUNTERS) if k not in rec]
-        if missing:
-            raise ReportError(
-                f"trainer {j}: iteration record {rec.get('iteration')} lacks {', '.join(missing)}",
-                trainer=j,
-            )
-        by_iteration[int(rec["iteration"])] = rec
-    return by_iteration
+def _iteration_records(records: Iterable[Record]) -> dict[int, IterationRecord]:
+    return {rec.iteration: rec for rec in records if isinstance(rec, IterationRecord)}
 
 
 def _check_trainers(
-    per_trainer: Mapping[int, dict[int, Record]], trainers: int | None
+    per_trainer: Mapping[int, dict[int, IterationRecord]], trainers: int | None
 ) -> tuple[int, ...]:
     if not per_trainer and not trainers:
         raise ReportError("no trainer records at all")
@@ -278,24 +128,24 @@ def _check_trainers(
 
 
 def _combine_evals(records_by_trainer: Mapping[int, Sequence[Record]]) -> tuple[EvalPoint, ...]:
-    latest: dict[tuple[int, int], Record] = {}  # (iteration, trainer) -> last record
+    latest: dict[tuple[int, int], EvalRecord] = {}  # (iteration, trainer) -> last record
     for j, records in records_by_trainer.items():
         for rec in records:
-            if rec.get("kind") == "eval":
-                latest[(int(rec["iteration"]), j)] = rec
-    by_iteration: dict[int, list[Record]] = {}
+            if isinstance(rec, EvalRecord):
+                latest[(rec.iteration, j)] = rec
+    by_iteration: dict[int, list[EvalRecord]] = {}
     for (it, _), rec in sorted(latest.items()):
         by_iteration.setdefault(it, []).append(rec)
     points = []
     for it, recs in by_iteration.items():
-        counts = np.array([float(r.get("count", 0)) for r in recs])
+        counts = np.array([float(r.count) for r in recs])
         weights = counts if counts.sum() > 0 else np.ones_like(counts)
-        aucs = np.array([_float(r.get("auc")) for r in recs])
+        aucs = np.array([r.auc for r in recs])
         ok = ~np.isnan(aucs)
         has_auc = weights[ok].sum() > 0
         auc = float(np.average(aucs[ok], weights=weights[ok])) if has_auc else math.nan
-        log_loss = float(np.average([_float(r.get("log_loss")) for r in recs], weights=weights))
-        when = max(float(r.get("time", math.nan)) for r in recs)
+        log_loss = float(np.average([r.log_loss for r in recs], weights=weights))
+        when = max(r.time for r in recs)
         points.append(EvalPoint(iteration=it, time=when, auc=auc, log_loss=log_loss,
                                 count=int(counts.sum())))
     return tuple(points)
@@ -311,37 +161,34 @@ def iteration_series(
     outside that range. Only iterations that every trainer has logged are kept, so a run still
     in progress gives the iterations done so far.
     """
-    per_trainer = {j: _iteration_records(j, recs) for j, recs in records_by_trainer.items()}
+    per_trainer = {j: _iteration_records(recs) for j, recs in records_by_trainer.items()}
     order = _check_trainers(per_trainer, trainers)
     common = set.intersection(*(set(per_trainer[j]) for j in order))
     iterations = np.array(sorted(common), dtype=np.int64)
     rows = [[per_trainer[j][int(it)] for it in iterations] for j in order]
 
-    def grid(get: Callable[[Record], float]) -> np.ndarray:
+    def grid(get: Callable[[IterationRecord], float]) -> np.ndarray:
         return np.array([[get(r) for r in row] for row in rows], dtype=np.float64).reshape(
             len(order), len(iterations)
         )
 
     names = list(PHASES) + sorted(
-        {p for row in rows for r in row for p in r.get("phases", {})} - set(PHASES)
+        {p for row in rows for r in row for p in r.phases} - set(PHASES)
     )
-    times = grid(lambda r: float(r["time"]))
+    times = grid(lambda r: r.time)
     return IterationSeries(
         trainers=order,
         iterations=iterations,
         end_time=times.max(axis=0) if len(iterations) else np.zeros(0),
         counters={
-            **{c: grid(lambda r, c=c: float(r[c])) for c in COUNTERS},
-            **{c: grid(lambda r, c=c: float(r.get(c, 0))) for c in _OPTIONAL_COUNTERS},
+            c: grid(lambda r, c=c: getattr(r, c)) for c in (*COUNTERS, *_OPTIONAL_COUNTERS)
         },
-        loss=grid(lambda r: _float(r["loss"])),
-        phases={p: grid(lambda r, p=p: float(r.get("phases", {}).get(p, 0.0))) for p in names},
-        compute_cpu={
-            p: grid(lambda r, p=p: float(r.get("compute_cpu", {}).get(p, math.nan))) for p in COMPUTE_PHASES
-        },
+        loss=grid(lambda r: r.loss),
+        phases={p: grid(lambda r, p=p: r.phases.get(p, 0.0)) for p in names},
+        compute_cpu={p: grid(lambda r, p=p: r.compute_cpu.get(p, math.nan)) for p in COMPUTE_PHASES},
         evals=_combine_evals(records_by_trainer),
         finished=all(
-            any(r.get("kind") == "final" for r in records_by_trainer.get(j, ())) for j in order
+            any(isinstance(r, FinalRecord) for r in records_by_trainer.get(j, ())) for j in order
         ),
     )
 
@@ -518,14 +365,14 @@ def machinery(s: IterationSeries) -> np.ndarray:
 
 
 def _checkpoint_figures(records_by_trainer: Mapping[int, Sequence[Record]]) -> dict[str, Any]:
-    done = {int(r["iteration"]): r for recs in records_by_trainer.values() for r in recs
-            if r.get("kind") == "checkpoint"}  # a resumed run may log one twice: count it once
+    done = {r.iteration: r for recs in records_by_trainer.values() for r in recs
+            if isinstance(r, CheckpointRecord)}  # a resumed run may log one twice: count it once
     if not done:
         return {}
     return {
         "checkpoints": len(done),
-        "checkpoint_bytes": float(np.mean([float(r["bytes"]) for r in done.values()])),
-        "checkpoint_s": float(np.mean([float(r["seconds"]) for r in done.values()])),
+        "checkpoint_bytes": float(np.mean([float(r.bytes) for r in done.values()])),
+        "checkpoint_s": float(np.mean([r.seconds for r in done.values()])),
     }
 
 
@@ -929,7 +776,7 @@ class ProgressBar:
         self._total = total_iterations
         self._description = description
         self._done: dict[int, set[int]] = {j: set() for j in range(trainers or 0)}
-        self._recent: dict[int, deque[Record]] = {}
+        self._recent: dict[int, deque[IterationRecord]] = {}
         self._window = max(window, 2)
         self._clock = clock
         self._last_log = clock()
@@ -944,8 +791,8 @@ class ProgressBar:
         """Take each trainer's records written since the previous call."""
         for j, records in records_by_trainer_new.items():
             for rec in records:
-                if rec.get("kind") == "iter":
-                    self._done.setdefault(j, set()).add(int(rec["iteration"]))
+                if isinstance(rec, IterationRecord):
+                    self._done.setdefault(j, set()).add(rec.iteration)
                     self._recent.setdefault(j, deque(maxlen=self._window)).append(rec)
         done = self.done
         self._bar.set_postfix_str(self._stats_text(), refresh=False)
@@ -956,13 +803,13 @@ class ProgressBar:
     def _stats(self) -> tuple[float, float, float]:
         rate, hits, uses, loss_sum, loss_n = 0.0, 0, 0, 0.0, 0
         for recent in self._recent.values():
-            if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
+            if len(recent) >= 2 and recent[-1].time > recent[0].time:
                 timed = list(recent)[1:]
-                rate += sum(r["samples"] for r in timed) / (recent[-1]["time"] - recent[0]["time"])
+                rate += sum(r.samples for r in timed) / (recent[-1].time - recent[0].time)
             for r in recent:
-                hits, uses = hits + r["hits"], uses + r["uses"]
-                if not math.isnan(_float(r["loss"])):
-                    loss_sum, loss_n = loss_sum + r["loss"] * r["samples"], loss_n + r["samples"]
+                hits, uses = hits + r.hits, uses + r.uses
+                if not math.isnan(r.loss):
+                    loss_sum, loss_n = loss_sum + r.loss * r.samples, loss_n + r.samples
         return (rate if rate > 0 else math.nan, loss_sum / loss_n if loss_n else math.nan,
                 hits / uses if uses else math.nan)
 
@@ -971,7 +818,7 @@ class ProgressBar:
         if not self._total or not self._done:
             return math.nan
         return max(
-            remaining_seconds([r["time"] for r in self._recent.get(j, ())], self._total - len(done))
+            remaining_seconds([r.time for r in self._recent.get(j, ())], self._total - len(done))
             for j, done in self._done.items()
         )
 

@@ -22,10 +22,10 @@ from launcher.report import (
     compare_bytes,
     compare_modes,
     format_summary,
-    read_run,
     summarise,
     write_report,
 )
+from trainer.records import read_run
 
 TRAINER_FIXTURES = Path(__file__).resolve().parents[1] / "trainer" / "fixtures"
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "golden"

@@ -13,49 +13,40 @@ import pytest
 from launcher.report import (
     breakdown_ms,
     ProgressBar,
-    RecordTail,
     ReportError,
     RunSummary,
-    RunTail,
     compare_bytes,
     compare_modes,
     format_summary,
     iteration_series,
     plot_modes,
     plot_run,
-    read_records,
-    read_run,
     remaining_seconds,
     summarise,
-    trainer_log_path,
     write_report,
 )
+from trainer.records import CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, Record
 from trainer.timing import PHASES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def it_rec(iteration: int, time: float, **over: Any) -> dict[str, Any]:
+def it_rec(iteration: int, time: float, **over: Any) -> IterationRecord:
     """An iteration record with small defaults; `phases` entries override the zero phases."""
-    rec: dict[str, Any] = {
-        "kind": "iter", "iteration": iteration, "time": time, "samples": 100, "loss": 0.5,
-        "uses": 10, "hits": 5, "fetch_rows": 5, "fetch_bytes": 500, "write_back_rows": 4,
-        "write_back_bytes": 400, "sync_rows": 2, "sync_bytes": 200, "join_rows": 1,
+    fields: dict[str, Any] = {
+        "samples": 100, "loss": 0.5, "uses": 10, "hits": 5, "fetch_rows": 5, "fetch_bytes": 500,
+        "write_back_rows": 4, "write_back_bytes": 400, "sync_rows": 2, "sync_bytes": 200, "join_rows": 1,
     }
     phases = {p: 0.0 for p in PHASES} | over.pop("phases", {})
-    return rec | over | {"phases": phases}
+    return IterationRecord(iteration=iteration, time=time, phases=phases, **(fields | over))
 
 
-def eval_rec(iteration: int, auc: float, log_loss: float, count: int) -> dict[str, Any]:
-    return {"kind": "eval", "iteration": iteration, "time": 100.0 + iteration, "auc": auc,
-            "log_loss": log_loss, "count": count}
+def eval_rec(iteration: int, auc: float, log_loss: float, count: int) -> EvalRecord:
+    return EvalRecord(split="progressive", iteration=iteration, time=100.0 + iteration, auc=auc,
+                      log_loss=log_loss, count=count)
 
 
-def line(rec: dict[str, Any]) -> bytes:
-    return orjson.dumps(rec) + b"\n"
-
-
-def two_trainer_run() -> dict[int, list[dict[str, Any]]]:
+def two_trainer_run() -> dict[int, list[Record]]:
     """Two trainers, iterations 0..3; every figure below is worked out by hand from these."""
     t0 = [
         it_rec(0, 10.0, samples=100, uses=10, hits=0, fetch_bytes=1000, loss=0.9,
@@ -75,9 +66,8 @@ def two_trainer_run() -> dict[int, list[dict[str, Any]]]:
         it_rec(3, 11.9, samples=50, uses=20, hits=14, fetch_bytes=600, loss=0.6,
                phases={"forward": 0.5}),
     ]
-    t0 += [eval_rec(1, 0.6, 0.7, 100), eval_rec(3, 0.7, 0.5, 100), {"kind": "final", "time": 13.0,
-                                                                       "iterations": 4}]
-    t1 += [eval_rec(3, 0.8, 0.4, 300), {"kind": "final", "time": 13.0, "iterations": 4}]
+    t0 += [eval_rec(1, 0.6, 0.7, 100), eval_rec(3, 0.7, 0.5, 100), FinalRecord(time=13.0, iterations=4)]
+    t1 += [eval_rec(3, 0.8, 0.4, 300), FinalRecord(time=13.0, iterations=4)]
     return {0: t0, 1: t1}
 
 
@@ -109,12 +99,10 @@ def test_summary_figures_match_hand_computation() -> None:
 
 
 def test_machinery_is_every_phase_but_the_models_own_work() -> None:
-    run = two_trainer_run()
-    for j, records in run.items():
-        for r in records:
-            if r["kind"] == "iter":
-                r["phases"] |= {"backward": 0.5, "dense_optimizer": 0.25, "boundary": 0.125 * (j + 1),
-                                "other": 0.0625}
+    run = {j: [dataclasses.replace(r, phases=r.phases | {"backward": 0.5, "dense_optimizer": 0.25,
+                                                          "boundary": 0.125 * (j + 1), "other": 0.0625})
+               if isinstance(r, IterationRecord) else r for r in records]
+           for j, records in two_trainer_run().items()}
     s = summarise(run, mode="bagpipe", global_batch=160, warmup=1)
     assert s.machinery_s == pytest.approx((0.125 + 0.25) / 2 + 0.0625)
     assert RunSummary.from_json(s.to_json()).machinery_s == s.machinery_s
@@ -124,11 +112,10 @@ def test_machinery_is_every_phase_but_the_models_own_work() -> None:
 def test_compute_cpu_is_averaged_beside_the_wall_time_and_unknown_without_it() -> None:
     """The training thread's CPU time in the compute phases: measured iterations only, and
     NaN (n/a) where the records do not carry it, as records from before it did not."""
-    run = two_trainer_run()
-    for j, records in run.items():
-        for r in records:
-            if r["kind"] == "iter":
-                r["compute_cpu"] = {"forward": 0.0625 * (j + 1), "backward": 0.125, "dense_optimizer": 0.0}
+    cpu = {0: {"forward": 0.0625, "backward": 0.125, "dense_optimizer": 0.0},
+           1: {"forward": 0.125, "backward": 0.125, "dense_optimizer": 0.0}}
+    run = {j: [dataclasses.replace(r, compute_cpu=cpu[j]) if isinstance(r, IterationRecord) else r
+               for r in records] for j, records in two_trainer_run().items()}
     s = summarise(run, mode="bagpipe", global_batch=160, warmup=1)
     assert s.compute_cpu_s == pytest.approx({"forward": (0.0625 + 0.125) / 2, "backward": 0.125, "dense_optimizer": 0.0})
     assert RunSummary.from_json(s.to_json()).compute_cpu_s == s.compute_cpu_s
@@ -177,7 +164,7 @@ def test_no_warmup_counts_every_iteration_but_times_from_the_first_end() -> None
 
 def test_unfinished_run_uses_iterations_every_trainer_did() -> None:
     run = two_trainer_run()
-    run[1] = [r for r in run[1] if r.get("iteration") != 3 and r["kind"] != "final"]
+    run[1] = [r for r in run[1] if getattr(r, "iteration", None) != 3 and not isinstance(r, FinalRecord)]
     s = summarise(run, mode="bagpipe", global_batch=160)
     assert s.last_iteration == 2 and not s.finished
     assert s.wall_time_s == pytest.approx(11.2 - 10.1)
@@ -217,74 +204,10 @@ def test_no_eval_and_no_uses_give_none_and_nan() -> None:
         ({0: [it_rec(0, 1.0), it_rec(1, 2.0)]}, {"warmup": 1, "cooldown": 1}, "cooldown=1 leave no iteration"),
     ],
 )
-def test_errors_name_what_is_missing(run: dict[int, list[dict[str, Any]]], kwargs: dict[str, int],
+def test_errors_name_what_is_missing(run: dict[int, list[Record]], kwargs: dict[str, int],
                                      match: str) -> None:
     with pytest.raises(ReportError, match=match):
         summarise(run, mode="bagpipe", global_batch=100, **kwargs)
-
-
-def test_a_record_missing_a_field_is_named() -> None:
-    bad = it_rec(0, 1.0)
-    del bad["hits"]
-    with pytest.raises(ReportError, match="trainer 0: iteration record 0 lacks hits"):
-        iteration_series({0: [bad]})
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def test_read_records_ignores_an_unfinished_last_line(tmp_path: Path) -> None:
-    path = tmp_path / "trainer-0.jsonl"
-    whole = line(it_rec(0, 1.0)) + line(it_rec(1, 2.0))
-    path.write_bytes(whole + line(it_rec(2, 3.0))[:25])
-    assert [r["iteration"] for r in read_records(path)] == [0, 1]
-    path.write_bytes(whole + line(it_rec(2, 3.0))[:-1])  # complete object, newline not yet
-    assert [r["iteration"] for r in read_records(path)] == [0, 1, 2]
-
-
-def test_a_torn_line_in_the_middle_is_skipped_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = tmp_path / "trainer-0.jsonl"
-    path.write_bytes(line(it_rec(0, 1.0)) + b'{"kind": "it\n' + line(it_rec(1, 2.0)))
-    with caplog.at_level(logging.WARNING):
-        assert [r["iteration"] for r in read_records(path)] == [0, 1]
-    assert f"{path}:2" in caplog.text
-
-
-def test_record_tail_returns_each_record_once_as_it_completes(tmp_path: Path) -> None:
-    path = tmp_path / "trainer-0.jsonl"
-    tail = RecordTail(path)
-    assert tail.poll() == []  # not created yet
-    a, b, c = line(it_rec(0, 1.0)), line(it_rec(1, 2.0)), line(it_rec(2, 3.0))
-    pieces = [a + b[:10], b[10:30], b[30:], c[:-1], b"\n", b""]
-    seen = []
-    with open(path, "ab") as f:
-        for piece in pieces:
-            f.write(piece)
-            f.flush()
-            seen.append([r["iteration"] for r in tail.poll()])
-    assert seen == [[0], [], [1], [2], [], []]
-    assert tail.offset == len(a + b + c)
-
-
-def test_record_tail_rejects_a_file_that_shrank(tmp_path: Path) -> None:
-    path = tmp_path / "trainer-0.jsonl"
-    path.write_bytes(line(it_rec(0, 1.0)))
-    tail = RecordTail(path)
-    tail.poll()
-    path.write_bytes(b"")
-    with pytest.raises(ReportError, match="shrank"):
-        tail.poll()
-
-
-def test_read_run_and_run_tail_cover_every_trainer(tmp_path: Path) -> None:
-    trainer_log_path(tmp_path, 0).write_bytes(line(it_rec(0, 1.0)))
-    assert read_run(tmp_path, 2) == {0: [it_rec(0, 1.0)], 1: []}
-    tail = RunTail(tmp_path, 2)
-    assert tail.poll() == {0: [it_rec(0, 1.0)], 1: []}
-    trainer_log_path(tmp_path, 1).write_bytes(line(it_rec(0, 1.5)))
-    assert tail.poll() == {0: [], 1: [it_rec(0, 1.5)]}
 
 
 # --------------------------------------------------------------------------- text
@@ -427,7 +350,7 @@ def test_remaining_seconds_go_at_the_pace_of_the_recent_iterations() -> None:
     assert math.isnan(remaining_seconds([], 10))
 
 
-def _started_late(trainer_records: int) -> dict[int, list[dict[str, Any]]]:
+def _started_late(trainer_records: int) -> dict[int, list[Record]]:
     """Two trainers whose first iteration ended a minute after the launch (start-up), the
     next ones 0.1 s apart."""
     return {j: [it_rec(i, 60.0 + 0.1 * i) for i in range(trainer_records)] for j in range(2)}
@@ -453,9 +376,9 @@ def test_progress_bar_shows_its_own_eta_only() -> None:
 def test_checkpoint_cost_is_summarised_and_printed() -> None:
     run = two_trainer_run()
     run[0] += [
-        {"kind": "checkpoint", "iteration": 4, "time": 1.0, "bytes": 3_000_000, "seconds": 0.5},
-        {"kind": "checkpoint", "iteration": 9, "time": 2.0, "bytes": 5_000_000, "seconds": 1.5},
-        {"kind": "checkpoint", "iteration": 9, "time": 3.0, "bytes": 5_000_000, "seconds": 1.5},  # after a resume
+        CheckpointRecord(iteration=4, time=1.0, bytes=3_000_000, seconds=0.5),
+        CheckpointRecord(iteration=9, time=2.0, bytes=5_000_000, seconds=1.5),
+        CheckpointRecord(iteration=9, time=3.0, bytes=5_000_000, seconds=1.5),  # after a resume
     ]
     s = summarise(run, mode="bagpipe", global_batch=8)
     assert (s.checkpoints, s.checkpoint_bytes, s.checkpoint_s) == (2, 4_000_000.0, 1.0)
