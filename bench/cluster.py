@@ -55,9 +55,8 @@ from bench.topology import (  # noqa: E402
 )
 from common.errors import BagpipeError, ConfigError  # noqa: E402
 from common.spec import MODES, TOKEN_ENV, load_spec, spec_toml  # noqa: E402
-from launcher.report import (  # noqa: E402
-    RunSummary, compare_bytes, compare_modes, summarise, write_report,
-)
+from launcher.summary import RunSummary, summarise, write_report  # noqa: E402
+from launcher.text import compare_bytes, compare_modes  # noqa: E402
 from trainer.records import IterationRecord, RunTail, read_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

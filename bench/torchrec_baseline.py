@@ -4,7 +4,7 @@ What is the same as in the bagpipe modes: the spec (table sizes, embedding dim, 
 and its seed, optimizers and their lr/eps, global batch, iterations), the batches (the
 oracle's `build_workload`, each rank its contiguous slice of B/T samples of the global batch,
 as `common.steps.trainer_steps` gives our trainers), T processes with `trainers.threads`
-intra-op threads each over gloo, and the records and summary (`launcher.report.summarise`
+intra-op threads each over gloo, and the records and summary (`launcher.summary.summarise`
 with the caller's warm-up), so the figures line up with the modes'.
 
 What TorchRec does its own way: `DistributedModelParallel` shards an `EmbeddingBagCollection`
@@ -56,7 +56,7 @@ from common.job import Job, build_job
 from common.runtime import pin_process, pinned_cpus
 from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
-from launcher.report import RunSummary, summarise
+from launcher.summary import RunSummary, summarise
 from oracle.main import build_workload
 from trainer.records import FinalRecord, IterationRecord, RecordWriter, read_run
 from trainer.models import build_model

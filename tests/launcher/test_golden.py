@@ -17,14 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.report import (
-    ProgressBar,
-    compare_bytes,
-    compare_modes,
-    format_summary,
-    summarise,
-    write_report,
-)
+from launcher.progress import ProgressBar
+from launcher.summary import summarise, write_report
+from launcher.text import compare_bytes, compare_modes, format_summary
 from trainer.records import read_run
 
 TRAINER_FIXTURES = Path(__file__).resolve().parents[1] / "trainer" / "fixtures"
