@@ -89,15 +89,15 @@ class _Codec:
 
     def to_wire(self) -> bytes:
         """This record's line, without the newline."""
-        body = {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}  # type: ignore[arg-type]
-        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return orjson.dumps({"kind": self.kind, **values}, option=orjson.OPT_SERIALIZE_NUMPY)
 
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
         """The record of this class in `body`; RecordError if it holds another."""
         record = record_from_wire(body)
         if not isinstance(record, cls):
-            raise RecordError(f"expected a {cls.kind!r} record, got {bytes(body[:60])!r}")
+            raise RecordError(f"not a {cls.kind!r} record: {bytes(body[:60])!r}")
         return record
 
     @classmethod

@@ -230,7 +230,7 @@ def test_a_line_that_is_not_a_record_is_named(line: bytes, match: str) -> None:
 
 
 def test_from_wire_of_a_class_refuses_another_kind() -> None:
-    with pytest.raises(RecordError, match="expected a 'eval' record"):
+    with pytest.raises(RecordError, match="not a 'eval' record"):
         EvalRecord.from_wire(FinalRecord(time=1.0, iterations=3).to_wire())
 
 
