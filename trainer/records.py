@@ -145,7 +145,7 @@ class IterationRecord(_Codec):
     sync_later_bytes: int = 0
     join_bytes: int = 0
     dense_bytes: int = 0  # the dense gradients DDP all-reduces
-    phases: dict[str, float] = field(default_factory=dict, hash=False)
+    phases: dict[str, float] = field(default_factory=dict, hash=False)  # {} where a line lacks it
     # Added later: empty in the records of earlier trainers (the report shows n/a).
     compute_cpu: dict[str, float] = field(default_factory=dict, hash=False)
 
