@@ -55,9 +55,9 @@ from bench.topology import (  # noqa: E402
 )
 from common.errors import BagpipeError, ConfigError  # noqa: E402
 from common.spec import MODES, TOKEN_ENV, load_spec, spec_toml  # noqa: E402
-from launcher.report import (  # noqa: E402
-    RunSummary, RunTail, compare_bytes, compare_modes, read_run, summarise, write_report,
-)
+from launcher.summary import RunSummary, summarise, write_report  # noqa: E402
+from launcher.text import compare_bytes, compare_modes  # noqa: E402
+from trainer.records import IterationRecord, RunTail, read_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("oracle", "ps0", "ps1", "tr0", "tr1")
@@ -165,7 +165,7 @@ class LinkWindow:
 
     def poll(self) -> None:
         for j, records in self.tail.poll().items():
-            finished = [r["iteration"] + 1 for r in records if r.get("kind") == "iter"]
+            finished = [r.iteration + 1 for r in records if isinstance(r, IterationRecord)]
             self.done[j] = max([self.done[j], *finished])
         done = min(self.done)
         while len(self.snapshots) < 2 and done >= self.marks[len(self.snapshots)]:

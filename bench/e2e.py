@@ -74,10 +74,10 @@ from launcher.cluster import PsHost, run_cluster  # noqa: E402
 from launcher.memory import (  # noqa: E402
     RssCurve, RssFigures, format_figure, read_rss, rss_curves, summarise_rss,
 )
-from launcher.report import (  # noqa: E402
-    Record, RunSummary, compare_bytes, compare_modes, iteration_series, plot_modes, plot_rss, read_run,
-    summarise,
-)
+from launcher.plots import plot_modes, plot_rss  # noqa: E402
+from launcher.summary import RunSummary, iteration_series, summarise  # noqa: E402
+from launcher.text import compare_bytes, compare_modes  # noqa: E402
+from trainer.records import Record, read_run  # noqa: E402
 
 TOKEN = "e2e-bench"
 SEED = 3

@@ -30,7 +30,8 @@ from common.job import Job, build_job
 from common.spec import MODES, load_spec, spec_toml
 from launcher.cluster import run_cluster
 from launcher.inprocess import InProcessRun, run_in_process
-from launcher.report import read_run, summarise
+from launcher.summary import summarise
+from trainer.records import read_run
 
 TOKEN = "gpu-check"
 

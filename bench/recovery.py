@@ -33,7 +33,7 @@ from common.checkpoints import ps_dir  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
 from launcher.cluster import LocalCluster, run_cluster  # noqa: E402
-from launcher.report import RunTail  # noqa: E402
+from trainer.records import IterationRecord, RunTail  # noqa: E402
 from ps.checkpoint import load_snapshot  # noqa: E402
 
 TOKEN = "recovery-bench"
@@ -73,11 +73,11 @@ class Watch:
         if self.killed is not None and self.restarted is None and self._replaced(cluster):
             self.restarted = time.time()  # the new process is up: later records needed it
         for trainer, records in self.tail.poll().items():
-            for r in (r for r in records if r["kind"] == "iter"):
-                if self.killed is None or r["time"] <= self.killed:  # read late on a busy machine
-                    self.done[trainer] = max(self.done.get(trainer, -1), r["iteration"])
-                elif self.restarted is not None and r["time"] > self.restarted:
-                    self.first_new = self.first_new or r["time"]
+            for r in (r for r in records if isinstance(r, IterationRecord)):
+                if self.killed is None or r.time <= self.killed:  # read late on a busy machine
+                    self.done[trainer] = max(self.done.get(trainer, -1), r.iteration)
+                elif self.restarted is not None and r.time > self.restarted:
+                    self.first_new = self.first_new or r.time
         if self.killed is None and self._all_reached():
             self.reached_kill_point = time.time()
             target = next(r for r in cluster.roles if r.name == self.role)

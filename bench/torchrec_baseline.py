@@ -4,7 +4,7 @@ What is the same as in the bagpipe modes: the spec (table sizes, embedding dim, 
 and its seed, optimizers and their lr/eps, global batch, iterations), the batches (the
 oracle's `build_workload`, each rank its contiguous slice of B/T samples of the global batch,
 as `common.steps.trainer_steps` gives our trainers), T processes with `trainers.threads`
-intra-op threads each over gloo, and the records and summary (`launcher.report.summarise`
+intra-op threads each over gloo, and the records and summary (`launcher.summary.summarise`
 with the caller's warm-up), so the figures line up with the modes'.
 
 What TorchRec does its own way: `DistributedModelParallel` shards an `EmbeddingBagCollection`
@@ -56,9 +56,9 @@ from common.job import Job, build_job
 from common.runtime import pin_process, pinned_cpus
 from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
-from launcher.report import COUNTERS, RunSummary, read_run, summarise
+from launcher.summary import RunSummary, summarise
 from oracle.main import build_workload
-from trainer.main import RecordWriter
+from trainer.records import FinalRecord, IterationRecord, RecordWriter, read_run
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
 from trainer.timing import PhaseTimer
@@ -239,10 +239,12 @@ def _train(
         # No PS traffic, cache or sync: every counter but the samples and DDP's is zero (its
         # all-to-alls are not counted here: bench/cluster.py sees them on the links).
         phases = timer.end_iteration()
-        records.write({"kind": "iter", "iteration": x, **dict.fromkeys(COUNTERS, 0),
-                       "samples": len(labels), "loss": float(loss.detach()), "time": time.time(),
-                       "dense_bytes": dense_bytes, "phases": phases, "compute_cpu": timer.compute_cpu})
-    records.write({"kind": "final", "time": time.time(), "iterations": len(batches)})
+        records.write(IterationRecord(
+            iteration=x, time=time.time(), samples=len(labels), loss=float(loss.detach()), uses=0, hits=0,
+            fetch_rows=0, fetch_bytes=0, write_back_rows=0, write_back_bytes=0, sync_rows=0, sync_bytes=0,
+            join_rows=0, dense_bytes=dense_bytes, phases=phases, compute_cpu=timer.compute_cpu,
+        ))
+    records.write(FinalRecord(time=time.time(), iterations=len(batches)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -330,9 +330,11 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     from common.data.dataset import open_dataset
     from common.runtime import configure_logging
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
-    from launcher.report import (
-        ProgressBar, RunTail, format_summary, iteration_series, plot_rss, plot_run, read_run, summarise, write_report,
-    )
+    from launcher.plots import plot_rss, plot_run
+    from launcher.progress import ProgressBar
+    from launcher.summary import iteration_series, summarise, write_report
+    from launcher.text import format_summary
+    from trainer.records import RunTail, read_run
 
     configure_logging("launch")
     spec = load_spec(spec_path)

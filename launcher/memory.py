@@ -158,7 +158,7 @@ class RssCurve:
 
 def rss_curves(samples: Sequence[RssSample], iterations: np.ndarray, end_time: np.ndarray) -> dict[str, RssCurve]:
     """Per role, its samples on the iteration axis. `iterations` and `end_time` are
-    `launcher.report.IterationSeries`'s: the common iterations, ascending, and when the
+    `launcher.summary.IterationSeries`'s: the common iterations, ascending, and when the
     slowest trainer finished each."""
     if not len(iterations):
         raise ValueError("no iteration finished by every trainer: nothing to place the samples on")

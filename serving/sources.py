@@ -33,10 +33,10 @@ from common.errors import ConfigError, NotFound
 from common.init import initial_rows
 from common.job import Job
 from common.keys import shard_size
-from launcher.report import read_records, trainer_log_path
 from ps.checkpoint import snapshot_files
 from serving.safetensors import FormatError
 from trainer.models import build_model
+from trainer.records import EvalRecord, read_records, trainer_log_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,11 +59,16 @@ class RunEval:
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> RunEval:
-        """From a trainer's eval record or its own JSON, where an undefined AUC (one class
-        only) is null: JSON has no NaN."""
+        """From its own JSON (an export's manifest), where an undefined AUC (one class only)
+        is null: JSON has no NaN."""
         auc = math.nan if record["auc"] is None else float(record["auc"])
         return cls(iteration=int(record["iteration"]), auc=auc, log_loss=float(record["log_loss"]),
                    count=int(record["count"]))
+
+    @classmethod
+    def of(cls, record: EvalRecord) -> RunEval:
+        """The evaluation a trainer recorded."""
+        return cls(iteration=record.iteration, auc=record.auc, log_loss=record.log_loss, count=record.count)
 
 
 StateDict = dict[str, torch.Tensor]
@@ -141,8 +146,8 @@ def _held_out(run_dir: Path) -> RunEval | None:
     """The last held-out evaluation in trainer 0's records, if it wrote any."""
     path = trainer_log_path(run_dir, 0)
     records = read_records(path) if path.exists() else []
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("split") == "held-out"]
-    return RunEval.from_json(evals[-1]) if evals else None
+    evals = [r for r in records if isinstance(r, EvalRecord) and r.split == "held-out"]
+    return RunEval.of(evals[-1]) if evals else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,6 @@ import shutil
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
 from bench.cluster import HOSTS, start_roles
@@ -17,6 +16,7 @@ from bench.topology import HostSpec, Topology
 from tests.bench.test_topology import needs_namespaces
 from tests.cluster_helpers import differing_elements, final_model, run_spec, write_spec
 from tests.test_launch import wait_for
+from trainer.records import IterationRecord, read_records, trainer_log_path
 
 pytestmark = [pytest.mark.slow, needs_namespaces]
 ITERATIONS = 240
@@ -25,11 +25,10 @@ CUT_S = 3.0  # for this long: well within the trainers' reconnect_s
 
 
 def iteration_times(run_dir: Path) -> list[float]:
-    records = run_dir / "trainer-0.jsonl"
-    if not records.exists():
+    path = trainer_log_path(run_dir, 0)
+    if not path.exists():
         return []
-    lines = [orjson.loads(line) for line in records.read_bytes().splitlines() if line]
-    return [r["time"] for r in lines if r.get("kind") == "iter"]
+    return [r.time for r in read_records(path) if isinstance(r, IterationRecord)]
 
 
 def iterations_done(run_dir: Path) -> int:

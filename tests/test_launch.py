@@ -255,7 +255,7 @@ def test_a_killed_trainer_stops_every_role(launcher: Callable[[], Launcher]) -> 
     assert headline in err, err
     message = err[err.index(headline) :]
     assert marker in message, err  # its last log lines are shown, last of all
-    assert "launcher.report" not in message, err
+    assert "launcher.progress" not in message, err
     assert_stopped_by(run.process, procs)
     for port in ports:
         assert_port_free(port)

@@ -23,9 +23,9 @@ from common.checkpoints import latest_complete, manifest_path
 from common.job import Job, build_job
 from common.spec import load_spec
 from launcher.cluster import ClusterResult, LocalCluster, Restart, Role, RoleFailed, run_cluster
-from launcher.report import RunTail
 from ps.checkpoint import list_checkpoints
 from tests.cluster_helpers import TOKEN, FinalModel, assert_identical, final_model, write_spec
+from trainer.records import IterationRecord, RunTail, read_records, trainer_log_path
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,8 @@ class KillAt:
             return
         for trainer, records in self.tail.poll().items():
             for r in records:
-                if r["kind"] == "iter":
-                    self.done[trainer] = max(self.done.get(trainer, -1), r["iteration"])
+                if isinstance(r, IterationRecord):
+                    self.done[trainer] = max(self.done.get(trainer, -1), r.iteration)
         if len(self.done) == 2 and min(self.done.values()) >= self.iteration:
             target = next(r for r in cluster.roles if r.name == self.role)
             os.kill(target.process.pid, signal.SIGKILL)
@@ -84,9 +84,8 @@ def run_with_kill(tmp_path: Path, role: str, iteration: int, *, alone: bool) -> 
     return final_model(job, result.run_dir), kill
 
 
-def iteration_records(run_dir: Path, trainer: int = 0) -> list[dict]:
-    lines = (run_dir / f"trainer-{trainer}.jsonl").read_bytes().splitlines()
-    return [r for r in map(orjson.loads, lines) if r["kind"] == "iter"]
+def iteration_records(run_dir: Path, trainer: int = 0) -> list[IterationRecord]:
+    return [r for r in read_records(trainer_log_path(run_dir, trainer)) if isinstance(r, IterationRecord)]
 
 
 KILL_POINTS = [
@@ -110,7 +109,7 @@ def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: 
             replays = log.count("PS shard 0 restarted: replaying")
             # Still training after the kill, a trainer met the new PS process (its last
             # checkpoint report comes after its last iteration) and replayed to it, once.
-            trained_on = max(r["time"] for r in iteration_records(tmp_path / "run", j)) > kill.killed_at
+            trained_on = max(r.time for r in iteration_records(tmp_path / "run", j)) > kill.killed_at
             assert replays == (1 if role == "ps-0" and trained_on else 0)
 
 
@@ -179,8 +178,8 @@ def test_a_full_checkpoint_disk_is_reported_and_the_last_complete_checkpoint_sti
     trainer_log = (logs / "trainer-0.log").read_text()
     assert "No space left on device" in trainer_log + (logs / "ps-0.log").read_text() + (logs / "ps-1.log").read_text()
     assert "is incomplete" in trainer_log and "the final tables could not be saved" in trainer_log
-    assert max(r["iteration"] for r in iteration_records(out / "full")) == ITERATIONS - 1  # trained to the end regardless
-    resumed = [r["iteration"] for r in iteration_records(out / "resumed")]
+    assert max(r.iteration for r in iteration_records(out / "full")) == ITERATIONS - 1  # trained to the end regardless
+    resumed = [r.iteration for r in iteration_records(out / "resumed")]
     assert (min(resumed), max(resumed)) == (latest + 1, ITERATIONS - 1)
     tables = np.load(out / "tables.npz")
     assert_identical(FinalModel(torch.load(out / "dense.pt"), tables["table"], tables["state"]), uninterrupted)

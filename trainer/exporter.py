@@ -1,6 +1,6 @@
 """A trainer's Prometheus scrape target: the totals of its iteration records, over HTTP/1.1.
 
-The training loop adds each iteration's record (`trainer.main`) to an immutable
+The training loop adds each iteration's record (`trainer.records.IterationRecord`) to an immutable
 `TrainerTotals` and publishes the new one with a single reference swap: no lock, nothing on
 the hot path but a few additions. Scrapes are answered by a small HTTP/1.1 server on the
 trainer's I/O loop, which renders whatever totals are current; it never touches torch.
@@ -19,19 +19,19 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.errors import ConfigError
 from common.metrics import Registry
 from common.runtime import connection_limits
 from common.spec import ClusterSpec
 from common.transport import Http1Server, Request, Response, Router
+from trainer.records import IterationRecord
 from trainer.timing import PHASES
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 16  # scrapes are GETs: no body worth the name
 
-#: Record field -> (counter name, help): each summed over the iterations this process ran.
+#: `IterationRecord` field -> (counter name, help): each summed over the iterations this process ran.
 COUNTERS: Mapping[str, tuple[str, str]] = {
     "samples": ("samples_total", "Training samples in this trainer's slices"),
     "uses": ("row_uses_total", "Embedding rows used (unique rows per iteration)"),
@@ -57,14 +57,14 @@ class TrainerTotals:
     phase_seconds: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     finished: bool = False
 
-    def plus(self, record: Mapping[str, Any]) -> TrainerTotals:
-        """These totals with one more iteration `record` (`kind` "iter") added."""
+    def plus(self, record: IterationRecord) -> TrainerTotals:
+        """These totals with one more iteration's `record` added."""
         return TrainerTotals(
             iterations=self.iterations + 1,
-            last_iteration=record["iteration"],
-            loss=record["loss"],
-            counts={key: total + record[key] for key, total in self.counts.items()},
-            phase_seconds={p: total + record["phases"][p] for p, total in self.phase_seconds.items()},
+            last_iteration=record.iteration,
+            loss=record.loss,
+            counts={key: total + getattr(record, key) for key, total in self.counts.items()},
+            phase_seconds={p: total + record.phases[p] for p, total in self.phase_seconds.items()},
         )
 
     @property
@@ -97,7 +97,7 @@ class TrainerMetrics:
         self.totals = TrainerTotals()  # replaced, never mutated: readers need no lock
         self._final_read = threading.Event()
 
-    def record(self, record: Mapping[str, Any]) -> None:
+    def record(self, record: IterationRecord) -> None:
         """Add one iteration's record (training thread only)."""
         self.totals = self.totals.plus(record)
 

@@ -7,13 +7,11 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import orjson
@@ -39,6 +37,9 @@ from trainer.io_thread import IoThread
 from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
+from trainer.records import (
+    CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, MetricsRecord, RecordWriter, trainer_log_path,
+)
 from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
 from trainer.timing import PhaseTimer
 
@@ -57,24 +58,6 @@ class Peers:
     rendezvous: Rendezvous
 
 
-class RecordWriter:
-    """Appends this trainer's JSON-lines records (read live by the launcher's progress bar)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "ab")
-        self._lock = threading.Lock()  # iterations are logged by the main thread, checkpoints by I/O
-
-    def write(self, record: dict[str, Any]) -> None:
-        line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
 def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path, resume: bool = False) -> None:
     """Train until the oracle's stream ends; with `resume`, from the latest complete
     checkpoint (dense state from it, empty cache, directives from the next iteration)."""
@@ -86,14 +69,14 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     backend = spec.trainers.backend if spec.trainers.backend != "auto" else ("nccl" if device.is_cuda else "gloo")
     comm = init_collectives(backend, peers.rendezvous, rank, world, spec.cluster.request_timeout_s * 4)
     io = IoThread()
-    records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
+    records = RecordWriter(trainer_log_path(run_dir, rank))
     metrics = TrainerMetrics(rank)
     ps_client = None
     watcher: concurrent.futures.Future | None = None
     scrapes = None
     try:
         scrapes = io.run(serve(metrics, spec, token))
-        records.write({"kind": "metrics", "time": time.time(), "url": scrapes.url})
+        records.write(MetricsRecord(time=time.time(), url=scrapes.url))
         # The coordinator holds checkpoints' dense state and manifests, wherever this runs.
         coordinator = CoordinatorClient(peers.oracle, token=token, transport=spec.cluster.transport,
                                         reconnect_s=spec.cluster.reconnect_s)
@@ -314,7 +297,7 @@ class Checkpointer:
             log.error("checkpoint %d is incomplete: the coordinator did not record it: %s", c, exc.message)
             return
         self._oldest_kept = min(kept, default=-1)
-        self.records.write({"kind": "checkpoint", "iteration": c, "time": time.time(), "bytes": nbytes, "seconds": seconds})
+        self.records.write(CheckpointRecord(iteration=c, time=time.time(), bytes=nbytes, seconds=seconds))
         log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent", c, nbytes, seconds)
 
     def wait(self) -> None:
@@ -343,32 +326,31 @@ def _dense_gradient_bytes(model: torch.nn.Module) -> int:
 
 def _iteration_record(
     stats: IterationStats, engine: Engine, row_bytes: int, grad_bytes: int, dense_bytes: int
-) -> dict[str, Any]:
+) -> IterationRecord:
     sync_now, sync_later = stats.sync_now_rows * grad_bytes, stats.sync_later_rows * grad_bytes
     joins = stats.join_rows * row_bytes
     phases = engine.timer.end_iteration()
-    return {
-        "kind": "iter",
-        "iteration": stats.iteration,
-        "time": time.time(),
-        "samples": stats.samples,
-        "loss": stats.loss,
-        "uses": stats.uses,
-        "hits": stats.hits,
-        "fetch_rows": stats.fetch_rows,
-        "fetch_bytes": stats.fetch_rows * row_bytes,
-        "write_back_rows": stats.write_back_rows,
-        "write_back_bytes": stats.write_back_rows * row_bytes,
-        "sync_rows": stats.sync_now_rows + stats.sync_later_rows,
-        "sync_bytes": sync_now + sync_later + joins,
-        "join_rows": stats.join_rows,
-        "sync_now_bytes": sync_now,
-        "sync_later_bytes": sync_later,
-        "join_bytes": joins,
-        "dense_bytes": dense_bytes,
-        "phases": phases,
-        "compute_cpu": engine.timer.compute_cpu,
-    }
+    return IterationRecord(
+        iteration=stats.iteration,
+        time=time.time(),
+        samples=stats.samples,
+        loss=stats.loss,
+        uses=stats.uses,
+        hits=stats.hits,
+        fetch_rows=stats.fetch_rows,
+        fetch_bytes=stats.fetch_rows * row_bytes,
+        write_back_rows=stats.write_back_rows,
+        write_back_bytes=stats.write_back_rows * row_bytes,
+        sync_rows=stats.sync_now_rows + stats.sync_later_rows,
+        sync_bytes=sync_now + sync_later + joins,
+        join_rows=stats.join_rows,
+        sync_now_bytes=sync_now,
+        sync_later_bytes=sync_later,
+        join_bytes=joins,
+        dense_bytes=dense_bytes,
+        phases=phases,
+        compute_cpu=engine.timer.compute_cpu,
+    )
 
 
 def _record_eval(records: RecordWriter, comm: Collectives, acc: MetricAccumulator, iteration: int, *, split: str) -> None:
@@ -378,10 +360,8 @@ def _record_eval(records: RecordWriter, comm: Collectives, acc: MetricAccumulato
     if comm.rank != 0:
         return
     result = evaluate(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    records.write({
-        "kind": "eval", "split": split, "iteration": iteration, "time": time.time(),
-        "auc": result.auc, "log_loss": result.log_loss, "count": result.count,
-    })
+    records.write(EvalRecord(split=split, iteration=iteration, time=time.time(), auc=result.auc,
+                             log_loss=result.log_loss, count=result.count))
     log.info("%s eval at iteration %d: AUC %.4f, log loss %.4f over %d samples",
              split, iteration, result.auc, result.log_loss, result.count)
 
@@ -403,7 +383,7 @@ def _finish(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread
             except BagpipeError as exc:  # training is done; say clearly that its tables were not saved
                 log.error("the final tables could not be saved: %s", exc.message)
         final.info.write_bytes(orjson.dumps({"iterations": iterations, "ps_checkpoint": iterations if ps else None}))
-    records.write({"kind": "final", "time": time.time(), "iterations": iterations})
+    records.write(FinalRecord(time=time.time(), iterations=iterations))
 
 
 def _predict(batches: Iterable[EvalBatch], engine: Engine, io: IoThread, ps: PsClient | None) -> MetricAccumulator:

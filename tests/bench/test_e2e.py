@@ -9,7 +9,7 @@ import pytest
 from bench.e2e import ModeRun, drop_saved_tables, figures, mode_sections, phase_table, rss_table
 from common.checkpoints import final_paths
 from launcher.memory import RssSample, rss_curves, summarise_rss
-from launcher.report import RunSummary
+from launcher.summary import RunSummary
 
 
 def bagpipe_run() -> ModeRun:

@@ -23,7 +23,7 @@ from launcher.memory import (
     rss_curves,
     summarise_rss,
 )
-from launcher.report import plot_rss
+from launcher.plots import plot_rss
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
-import orjson
 import pytest
 
 from common.job import build_job
 from common.spec import load_spec
 from launcher.cluster import LocalCluster, run_cluster
-from launcher.report import read_run
 from tests.cluster_helpers import TOKEN, write_spec
 from tests.prometheus_text import Scrape, parse
 from trainer.exporter import COUNTERS
+from trainer.records import IterationRecord, MetricsRecord, read_records, read_run
 from trainer.timing import PHASES
 
 pytestmark = pytest.mark.slow
@@ -45,8 +44,8 @@ class Scraper:
         urls = {r.name: f"http://{r.info['host']}:{r.info['http1_port']}/metrics" for r in cluster.roles if r.info}
         for trainer in cluster.trainers():
             log = self.run_dir / f"{trainer.name}.jsonl"
-            lines = log.read_bytes().splitlines() if log.exists() else []
-            urls |= {trainer.name: r["url"] for r in map(orjson.loads, lines) if r["kind"] == "metrics"}
+            records = read_records(log) if log.exists() else []
+            urls |= {trainer.name: r.url for r in records if isinstance(r, MetricsRecord)}
         return urls
 
 
@@ -61,7 +60,7 @@ def test_every_role_serves_sane_metrics_to_the_end(tmp_path: Path) -> None:
     assert set(scraper.last) == {"oracle", *(f"ps-{s}" for s in range(shards)), *(f"trainer-{j}" for j in range(trainers))}
     records = read_run(tmp_path / "run", trainers)
     for j in range(trainers):
-        check_trainer(scraper.last[f"trainer-{j}"], [r for r in records[j] if r["kind"] == "iter"], n)
+        check_trainer(scraper.last[f"trainer-{j}"], [r for r in records[j] if isinstance(r, IterationRecord)], n)
     fetched = sum(scraper.last[f"trainer-{j}"].value("bagpipe_fetched_rows_total") for j in range(trainers))
     written = sum(scraper.last[f"trainer-{j}"].value("bagpipe_written_back_rows_total") for j in range(trainers))
     ps = [scraper.last[f"ps-{s}"] for s in range(shards)]
@@ -83,14 +82,14 @@ def test_every_role_serves_sane_metrics_to_the_end(tmp_path: Path) -> None:
     assert oracle.by_label("bagpipe_streams_open", "trainer") == dict.fromkeys(everyone, 0.0)
 
 
-def check_trainer(last: Scrape, iterations: list[dict], n: int) -> None:
+def check_trainer(last: Scrape, iterations: list[IterationRecord], n: int) -> None:
     """The final page equals the sums of the trainer's own records."""
     assert len(iterations) == n
     assert last.value("bagpipe_finished") == 1
     assert last.value("bagpipe_iterations_trained_total") == n
     assert last.value("bagpipe_last_iteration") == n - 1
     for key, (name, _) in COUNTERS.items():
-        assert last.value(f"bagpipe_{name}") == sum(r[key] for r in iterations), name
+        assert last.value(f"bagpipe_{name}") == sum(getattr(r, key) for r in iterations), name
     assert 0 < last.value("bagpipe_hit_rate") < 1  # bagpipe mode: some rows reused, some fetched
     assert last.value("bagpipe_hit_rate") == last.value("bagpipe_row_hits_total") / last.value("bagpipe_row_uses_total")
     phases = last.by_label("bagpipe_phase_seconds_total", "phase")

@@ -27,6 +27,7 @@ from launch import parse_args
 from launcher.torchx_component import BAGPIPE_COORDINATOR_MARK, bagpipe, joined_argv, joined_shell_line, oracle_argv
 from tests.cluster_helpers import write_spec
 from tests.test_launch import ROOT
+from trainer.records import EvalRecord, IterationRecord, read_records, trainer_log_path
 
 NO_TORCHX = "torchx is optional tooling: pip install -r requirements-torchx.txt"
 ROLES = ["oracle-0", "ps-0", "ps-1", "trainer-0", "trainer-1", "trainer-2"]
@@ -188,11 +189,9 @@ def test_local_cwd_runs_the_job_to_its_end(tmp_path: Path) -> None:
     assert orjson.loads((run_dir / "final" / "final.json").read_bytes()) == {"iterations": 20, "ps_checkpoint": 20}
     assert (run_dir / "final" / "dense.pt").exists()
     for rank in range(2):
-        iterations = [r["iteration"] for r in records_of(run_dir / f"trainer-{rank}.jsonl") if r["kind"] == "iter"]
+        records = read_records(trainer_log_path(run_dir, rank))
+        iterations = [r.iteration for r in records if isinstance(r, IterationRecord)]
         assert iterations == list(range(20)), f"trainer {rank}"
-    held_out = [r for r in records_of(run_dir / "trainer-0.jsonl") if r["kind"] == "eval" and r["split"] == "held-out"]
-    assert len(held_out) == 1 and held_out[0]["iteration"] == 20 and held_out[0]["count"] > 0
-
-
-def records_of(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    records = read_records(trainer_log_path(run_dir, 0))
+    held_out = [r for r in records if isinstance(r, EvalRecord) and r.split == "held-out"]
+    assert len(held_out) == 1 and held_out[0].iteration == 20 and held_out[0].count > 0

@@ -16,10 +16,10 @@ from safetensors.numpy import load_file
 
 from common.checkpoints import dense_path
 from common.job import Job
-from launcher.report import read_records, trainer_log_path
 from serving.manifest import MODEL_FILE, TORCHREC_FILE, ExportManifest
 from tests.cluster_helpers import final_model, run_spec, write_spec
 from tests.serving.test_export import assert_holds
+from trainer.records import EvalRecord, read_records, trainer_log_path
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +67,9 @@ def test_predict_reproduces_the_runs_held_out_evaluation_exactly(
     printed = launch("predict", out, "--json", tmp_path / "scores.json")
     got = orjson.loads((tmp_path / "scores.json").read_bytes())
     records = read_records(trainer_log_path(run_dir, 0))
-    recorded = [r for r in records if r["kind"] == "eval" and r["split"] == "held-out"][-1]
-    for key in ("auc", "log_loss", "count"):
-        assert got[key] == recorded[key], key
-    assert recorded["count"] == job.data.rows // 10  # every held-out row
+    recorded = [r for r in records if isinstance(r, EvalRecord) and r.split == "held-out"][-1]
+    assert (got["auc"], got["log_loss"], got["count"]) == (recorded.auc, recorded.log_loss, recorded.count)
+    assert recorded.count == job.data.rows // 10  # every held-out row
     assert printed.endswith(": identical\n"), printed
 
 

@@ -11,7 +11,8 @@ import torch
 
 from common.errors import Unavailable
 from trainer.io_thread import IoThread
-from trainer.main import Checkpointer, RecordWriter
+from trainer.main import Checkpointer
+from trainer.records import RecordWriter
 
 
 class DownPs:

@@ -12,11 +12,11 @@ import pytest
 
 from common.job import Job, build_job
 from launcher.inprocess import run_in_process
-from launcher.report import read_run
 from tests.cluster_helpers import as_final, assert_identical, final_model, reference_for, run_spec, write_spec
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
 from trainer.device import select_device
 from trainer.main import seeded_model
+from trainer.records import CheckpointRecord, IterationRecord, Record, read_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,15 @@ def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str) 
     assert_bytes_by_kind_add_up(job, read_run(result.run_dir, 2), mode)
 
 
-def assert_bytes_by_kind_add_up(job: Job, records: dict[int, list[dict]], mode: str) -> None:
+def assert_bytes_by_kind_add_up(job: Job, records: dict[int, list[Record]], mode: str) -> None:
     dense = 4 * sum(p.numel() for p in seeded_model(job, select_device("cpu", 0)).parameters())
-    iterations = [r for recs in records.values() for r in recs if r["kind"] == "iter"]
+    iterations = [r for recs in records.values() for r in recs if isinstance(r, IterationRecord)]
     for r in iterations:
-        assert r["sync_bytes"] == r["sync_now_bytes"] + r["sync_later_bytes"] + r["join_bytes"]
-        assert r["dense_bytes"] == dense
-    totals = {k: sum(r[k] for r in iterations) for k in ("sync_now_bytes", "sync_later_bytes", "join_bytes")}
-    assert totals["sync_now_bytes"] > 0 and totals["sync_later_bytes"] > 0
-    assert (totals["join_bytes"] > 0) == (mode == "bagpipe")  # only bagpipe copies rows between trainers
+        assert r.sync_bytes == r.sync_now_bytes + r.sync_later_bytes + r.join_bytes
+        assert r.dense_bytes == dense
+    assert sum(r.sync_now_bytes for r in iterations) > 0 and sum(r.sync_later_bytes for r in iterations) > 0
+    # only bagpipe copies rows between trainers
+    assert (sum(r.join_bytes for r in iterations) > 0) == (mode == "bagpipe")
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,6 @@ def test_checkpoints_every_few_iterations_over_several_epochs_change_nothing(tmp
     unchecked = dataclasses.replace(job.spec, checkpoint=dataclasses.replace(job.spec.checkpoint, every=0))
     assert_identical(final_model(job, result.run_dir), run_in_process(build_job(unchecked)).model)
     records = read_run(result.run_dir, 2)[0]  # rank 0 records each checkpoint once complete
-    iterations = sum(r["kind"] == "iter" for r in records)
-    complete = [r["iteration"] for r in records if r["kind"] == "checkpoint"]
+    iterations = sum(isinstance(r, IterationRecord) for r in records)
+    complete = [r.iteration for r in records if isinstance(r, CheckpointRecord)]
     assert iterations > 200 and sorted(complete) == list(range(2, iterations, 3))

@@ -9,7 +9,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,15 +18,14 @@ from tests.cluster_helpers import write_spec
 from tests.prometheus_text import Scrape, parse
 from trainer.exporter import COUNTERS, ScrapeTarget, TrainerMetrics, TrainerTotals, render, serve
 from trainer.io_thread import IoThread
+from trainer.records import IterationRecord
 from trainer.timing import PHASES
 
 
-def record(iteration: int, **counts: int) -> dict[str, Any]:
+def record(iteration: int, **counts: int) -> IterationRecord:
     """An iteration record as `trainer.main` writes it: `counts` over zeros, phases 0.5 s."""
-    return {
-        "kind": "iter", "iteration": iteration, "loss": 0.25 + iteration,
-        **dict.fromkeys(COUNTERS, 0), **counts, "phases": dict.fromkeys(PHASES, 0.5),
-    }
+    return IterationRecord(iteration=iteration, time=0.0, loss=0.25 + iteration,
+                           **(dict.fromkeys(COUNTERS, 0) | counts), phases=dict.fromkeys(PHASES, 0.5))
 
 
 def test_totals_add_records_without_changing_what_was_published() -> None:
