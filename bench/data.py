@@ -33,10 +33,9 @@ from common.data.convert import convert, open_reader  # noqa: E402
 from common.data.dataset import open_dataset  # noqa: E402
 from common.data.hashing import MISSING  # noqa: E402
 from common.data.raw import CRITEO_COLUMNS, RawReader  # noqa: E402
+from common.data.samples import CRITEO_KAGGLE  # noqa: E402
 from common.data.spec import DataSpec  # noqa: E402
 from common.data.synthetic import SyntheticGenerator  # noqa: E402
-
-SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "criteo_kaggle_head8000.tsv"
 
 
 def timed(fn: Callable[[], int], repeat: int) -> dict[str, float | list[float]]:
@@ -106,7 +105,7 @@ def _parquet_schema() -> pa.Schema:
 def run(quick: bool, repeat: int, tmp: Path) -> dict[str, dict[str, float | list[float]]]:
     copies = 25 if quick else 250  # 200k or 2M rows
     raw = tmp / "criteo.tsv"
-    text = SAMPLE.read_bytes()
+    text = CRITEO_KAGGLE.read_bytes()
     with raw.open("wb") as f:
         for _ in range(copies):
             f.write(text)

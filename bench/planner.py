@@ -35,13 +35,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.data.dataset import open_dataset  # noqa: E402
+from common.data.samples import CRITEO_KAGGLE  # noqa: E402
 from common.data.spec import DataSpec  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from oracle.compiled import compile_planner  # noqa: E402
 from oracle.config import PlannerConfig, hottest_keys, required_capacity  # noqa: E402
 from oracle.planner import Planner  # noqa: E402
 
-CRITEO_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
 HIT_T = 2
 HIT_BATCH = 128  # 62 iterations of the 8,000-row sample
 HIT_L, HIT_D = 50, 4
@@ -178,7 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams (under a minute)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--criteo", type=Path, default=CRITEO_SAMPLE, help="Criteo Kaggle sample (raw TSV)")
+    parser.add_argument("--criteo", type=Path, default=CRITEO_KAGGLE, help="Criteo Kaggle sample (raw TSV)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     iterations = 24 if args.quick else 260
