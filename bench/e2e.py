@@ -87,7 +87,8 @@ CHECKPOINTS = "checkpoints"  # a run's checkpoint folder, in its run folder
 
 def sections(iterations: int, batch: int, cache_rows: int, data: Path | None = None) -> dict[str, dict]:
     """The benchmark's job; its rows generated on the fly, or read from `data` (`prepare_data`)."""
-    rows = {"format": "preprocessed", "path": str(data)} if data else synthetic_rows(iterations, batch)
+    # Absolute: a spec's relative paths are relative to the spec's folder, not to ours.
+    rows = {"format": "preprocessed", "path": str(data.resolve())} if data else synthetic_rows(iterations, batch)
     return {
         "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
         "oracle": {"lookahead": 100, "prefetch_lead": 8, "cache_rows": cache_rows, "max_ahead": MAX_AHEAD},
