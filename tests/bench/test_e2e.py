@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.e2e import (
-    SEED, ModeRun, drop_saved_tables, figures, mode_sections, phase_table, prepare_data, rss_table, sections,
+    SEED, SIZES, ModeRun, drop_saved_tables, figures, mode_sections, phase_table, prepare_data, rss_table, sections,
 )
 from common.checkpoints import final_paths
 from common.job import build_job
@@ -95,14 +95,13 @@ def test_a_rounds_spec_finds_the_data_prepared_under_a_relative_out(tmp_path: Pa
     """The default --out is relative to the working directory (runs/bench/e2e); a spec's
     relative paths are relative to its own folder (a round's), so the data's must not be."""
     monkeypatch.chdir(tmp_path)
-    iterations, batch = 30, 128
+    size = SIZES["smoke"]
     out = Path("runs/bench/e2e")
-    data = prepare_data(iterations, batch, out / "data")
+    data = prepare_data(size, out / "data")
     round_dir = out / "round-1"
     round_dir.mkdir(parents=True)
-    base = sections(iterations, batch, 2048, data)
     spec = round_dir / "bagpipe.toml"
-    spec.write_text(spec_toml("e2e-bagpipe", SEED, mode_sections("bagpipe", base, round_dir / "bagpipe")))
+    spec.write_text(spec_toml("e2e-bagpipe", SEED, mode_sections("bagpipe", sections(size, data), round_dir / "bagpipe")))
     job = build_job(load_spec(spec))
     assert job.data.path == str(tmp_path / out / "data" / data.name)
-    assert job.layout.num_tables == 26 and job.spec.train.max_iterations == iterations
+    assert job.layout.num_tables == 26 and job.spec.train.max_iterations == size.iterations
