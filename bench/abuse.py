@@ -13,7 +13,9 @@ and the server's RSS before, at its peak and after. The abuses:
   ``bytes_written`` counts what the attacker's sockets accepted, not what the server read;
 * ``health_flood``: public health requests from many concurrent loops.
 
-    python bench/abuse.py --quick --json runs/bench/abuse.json
+    python bench/abuse.py --quick
+
+`--smoke`: 0.2 s per scenario against a server capped at 16 connections.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import write_json  # noqa: E402
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import ConnectionLimits, H2Server, Http1Server, connect_client, run  # noqa: E402
@@ -49,6 +51,7 @@ from ps.client import PsClient  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
 
+NAME = "abuse"
 TOKEN = "bench"
 TABLE_ROWS = 1 << 16
 DIM = 16
@@ -447,15 +450,17 @@ def _print_row(r: Row) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs (under a minute)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--seconds", type=float, help="fetch loop per scenario (default 10, quick 2)")
+    parser.add_argument("--seconds", type=float, help="fetch loop per scenario (default 10, quick 2, smoke 0.2)")
     parser.add_argument("--shared-cpus", action="store_true",
                         help="let the attacker share the server's CPUs (default: the last CPU is its own)")
-    parser.add_argument("--max-connections", type=int, default=ConnectionLimits().max_connections,
-                        help="the server's connection cap (held_connections opens 16 more)")
+    parser.add_argument("--max-connections", type=int,
+                        help=f"the server's connection cap (default {ConnectionLimits().max_connections}, "
+                             "16 with --smoke; held_connections opens 16 more)")
+    add_result_options(parser, NAME, "0.2 s per scenario, 16 connections at most")
     args = parser.parse_args()
-    seconds = args.seconds or (2.0 if args.quick else 10.0)
-    limits = ConnectionLimits(max_connections=args.max_connections)
+    seconds = args.seconds or (0.2 if args.smoke else 2.0 if args.quick else 10.0)
+    cap = args.max_connections or (16 if args.smoke else ConnectionLimits().max_connections)
+    limits = ConnectionLimits(max_connections=cap)
     split = None if args.shared_cpus else split_cpus()
     if split is not None:
         print(f"attacker on CPU {sorted(split[0])}, server and fetching client on CPUs {sorted(split[1])}")
@@ -464,8 +469,17 @@ def main() -> int:
     print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
           f"{'before':>7} {'peak':>7} {'after':>7} | attacker")
     rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus)
-    write_json(args.json, [asdict(r) for r in rows])
+    config = config_of(args, seconds=seconds, limits=asdict(limits), fetch_rows=FETCH_ROWS, dim=DIM)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
+                  figures={"rows": [asdict(r) for r in rows]}, headline=headline(rows), smoke=args.smoke)
     return 0
+
+
+def headline(rows: list[Row]) -> Table:
+    """Per protocol and abuse: fetches made, their p50 and p99, the server's RSS."""
+    columns = ("protocol", "abuse", "fetches", "p50 ms", "p99 ms", "RSS before MB", "RSS peak MB", "RSS after MB")
+    return Table(columns, tuple((r.protocol, r.abuse, r.fetches, r.p50_ms, r.p99_ms, r.rss_before_mb,
+                                 r.rss_peak_mb, r.rss_after_mb) for r in rows))
 
 
 if __name__ == "__main__":

@@ -28,12 +28,16 @@ and trainers are started with the oracle's address alone and never open the data
 `--hide-data DIR` hides a further folder (e.g. file data) from every host but the oracle's.
 
     python bench/cluster.py --quick
-    python bench/cluster.py --rates 1gbit,100mbit --modes bagpipe,no-cache,local --json runs/bench/cluster.json
+    python bench/cluster.py --rates 1gbit,100mbit --modes bagpipe,no-cache,local
+
+`--smoke` runs `bench/e2e.py --smoke`'s small job, bagpipe alone at 1gbit unless `--modes`
+and `--rates` say otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import shutil
@@ -49,7 +53,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import e2e, torchrec_baseline, write_json  # noqa: E402
+from bench import (  # noqa: E402
+    SMOKE_RESULTS, Table, add_result_options, config_of, e2e, results_path, torchrec_baseline, write_results,
+)
 from bench.topology import (  # noqa: E402
     HostSpec, Snapshot, Terminated, Topology, Traffic, parse_rate, stop_processes,
 )
@@ -59,12 +65,18 @@ from launcher.summary import RunSummary, summarise, write_report  # noqa: E402
 from launcher.text import compare_bytes, compare_modes  # noqa: E402
 from trainer.records import IterationRecord, RunTail, read_run  # noqa: E402
 
+NAME = "cluster"
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("oracle", "ps0", "ps1", "tr0", "tr1")
 JOB_FOLDER = "job"  # the specs of the bagpipe runs: hidden on every host but the oracle's
 TOKEN = "cluster-bench"
 START_TIMEOUT_S = 300.0
 MODES_RUN = ("bagpipe", "no-cache", "local")  # by default; --modes adds static-cache
+SIZES = {
+    "full": e2e.Size(iterations=400, batch=4096, cache_rows=65536),
+    "quick": e2e.Size(iterations=200, batch=2048, cache_rows=32768),
+    "smoke": e2e.SIZES["smoke"],
+}
 
 
 class RunFailed(BagpipeError):
@@ -196,9 +208,9 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
     spec = run_dir / "spec.toml" if name == torchrec_baseline.MODE else out / JOB_FOLDER / f"{name}.toml"
     sections = base if name == torchrec_baseline.MODE else e2e.mode_sections(name, base, run_dir)
     spec.write_text(spec_toml(f"cluster-{name}", e2e.SEED, sections))
-    iterations = base["train"]["max_iterations"]
+    iterations, max_ahead = base["train"]["max_iterations"], base["oracle"]["max_ahead"]
     warmup = e2e.warmup_of(iterations)
-    window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - e2e.MAX_AHEAD)
+    window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - max_ahead)
     print(f"running {name} ...", file=sys.stderr, flush=True)
     roles: list[Role] = []
     try:
@@ -211,7 +223,7 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
         stop_processes([r.process for r in reversed(roles)])
     e2e.drop_saved_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
-                        warmup=warmup, cooldown=e2e.MAX_AHEAD, trainers=2)
+                        warmup=warmup, cooldown=max_ahead, trainers=2)
     links = window.figures()
     report = write_report(run_dir, summary, {"spec": str(spec), "link_mb": links})
     return RunSummary.from_json(orjson.loads(report.read_bytes())["summary"]), links
@@ -249,7 +261,7 @@ def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
     train, cache_rows = base["train"], base["oracle"]["cache_rows"]
     iterations = train["max_iterations"]
     print(f"\n== every host's link at {rate} (tbf, both directions): {iterations} iterations per run "
-          f"(the first {e2e.warmup_of(iterations)} and the last {e2e.MAX_AHEAD} excluded), global batch "
+          f"(the first {e2e.warmup_of(iterations)} and the last {base['oracle']['max_ahead']} excluded), global batch "
           f"{train['batch_size']}, C = {cache_rows} rows per trainer")
     print(compare_modes(result["summaries"]))
     print("\nms per iteration and trainer (machinery: all but forward, backward and the dense optimizer)")
@@ -262,42 +274,45 @@ def print_rate(rate: str, result: Mapping[str, Any], base: dict) -> None:
     print(link_table(result["links"], "run"), flush=True)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args() -> tuple[argparse.Namespace, e2e.Size]:
+    """The arguments, and the size of the job they ask for."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 iterations of batch 2048 (else 400 of 4096)")
     parser.add_argument("--iterations", type=int, help="iterations per run (default 200 quick, 400 full)")
-    parser.add_argument("--rates", default="1gbit,100mbit", help="comma-separated tc rates of every host's link")
-    parser.add_argument("--modes", default=",".join(MODES_RUN), help="comma-separated modes")
+    parser.add_argument("--rates", help="comma-separated tc rates of every host's link (default 1gbit,100mbit; "
+                                         "1gbit with --smoke)")
+    parser.add_argument("--modes", help=f"comma-separated modes (default {','.join(MODES_RUN)}; bagpipe with --smoke)")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
                         help="add the TorchRec baseline (default: when torchrec is importable)")
     parser.add_argument("--hide-data", type=Path, help="a folder to hide from every host but the oracle's")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/cluster"), help="specs, logs and records")
+    parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
+                                                 f"with --smoke {SMOKE_RESULTS}/{NAME})")
+    add_result_options(parser, NAME, "bench/e2e.py's small job, bagpipe alone at 1gbit")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("needs root: network namespaces, veth and tc")
-    args.modes = [m for m in args.modes.split(",") if m]
+    args.modes = [m for m in (args.modes or ("bagpipe" if args.smoke else ",".join(MODES_RUN))).split(",") if m]
     if unknown := set(args.modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
-    args.rates = [r for r in args.rates.split(",") if r]
+    args.rates = [r for r in (args.rates or ("1gbit" if args.smoke else "1gbit,100mbit")).split(",") if r]
     for rate in args.rates:
         try:
             parse_rate(rate)
         except ConfigError as exc:
             parser.error(f"--rates: {exc}")
+    size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    size = dataclasses.replace(size, iterations=args.iterations or size.iterations)
+    if e2e.measured_of(size.iterations, size.max_ahead) < 2:
+        parser.error(f"--iterations {size.iterations} leaves nothing to measure once the first fifth "
+                     f"and the last {size.max_ahead} are left out")
+    args.out = args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench") / NAME)
     args.with_torchrec, args.torchrec_skipped = e2e.torchrec_choice(parser, args.torchrec)
-    return args
+    return args, size
 
 
 def main() -> int:
-    args = parse_args()
-    iterations, batch, cache_rows = (200, 2048, 32768) if args.quick else (400, 4096, 65536)
-    iterations = args.iterations or iterations
-    if e2e.measured_of(iterations) < 2:
-        print(f"cluster.py: --iterations {iterations} leaves nothing to measure once the first fifth "
-              f"and the last {e2e.MAX_AHEAD} are left out", file=sys.stderr)
-        return 2
-    base = e2e.sections(iterations, batch, cache_rows)
+    args, size = parse_args()
+    base = e2e.sections(size)
     names = [*args.modes, *([torchrec_baseline.MODE] if args.with_torchrec else [])]
     hide = args.hide_data.resolve() if args.hide_data else None
     results = {}
@@ -314,11 +329,26 @@ def main() -> int:
         return 128 + exc.signum
     if args.torchrec_skipped:
         print(f"(TorchRec skipped: {args.torchrec_skipped})")
-    if args.json:
-        body = {rate: {name: {"summary": s.to_json(), "link_mb": r["links"][name]}
-                       for name, s in r["summaries"].items()} for rate, r in results.items()}
-        write_json(args.json, {"spec": base, "runs": body})
+    body = {rate: {name: {"summary": s.to_json(), "link_mb": r["links"][name]}
+                   for name, s in r["summaries"].items()} for rate, r in results.items()}
+    config = config_of(args, iterations=size.iterations, batch_size=size.batch, cache_rows=size.cache_rows,
+                       warmup=e2e.warmup_of(size.iterations), cooldown=size.max_ahead)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
+                  figures={"spec": base, "runs": body}, headline=headline(results), smoke=args.smoke)
     return 0
+
+
+def headline(results: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per rate and run: samples/s, hit rate, iteration time, and the MB a trainer host's
+    link carried per measured iteration (sent + received by tr0)."""
+    columns = ("rate", "mode", "samples/s", "hit rate %", "iteration ms", "tr0 link MB/iter")
+    rows = []
+    for rate, result in results.items():
+        for name, s in result["summaries"].items():
+            tr0 = result["links"][name]["per_iteration"]["tr0"]
+            rows.append((rate, name, s.samples_per_s, 100 * s.hit_rate, 1e3 * s.iteration_time_s,
+                         tr0["sent"] + tr0["received"]))
+    return Table(columns, tuple(rows))
 
 
 if __name__ == "__main__":

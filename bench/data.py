@@ -1,6 +1,6 @@
 """Data pipeline throughput on this machine: source readers, conversion, batch reads, synthesis.
 
-    python bench/data.py [--quick] [--repeat N] [--json PATH]
+    python bench/data.py [--quick] [--repeat N]
 
 The raw benchmark replicates the Criteo Kaggle 8k sample into a temporary file; the same
 rows are then written as TorchRec npy days (two, as ``tsv_to_npys`` lays them out) and as
@@ -8,12 +8,12 @@ one NVTabular-style parquet file (float32 dense, int64 ids, nulls for missing va
 each reader is timed over them. Rates are rows per wall second and per CPU second of this
 process (pyarrow may use a second thread); each stage runs `--repeat` times and the table
 gives the median and the spread (lowest to highest rows/s, relative to the median).
+`--smoke`: the sample once (8,000 rows), one run per stage, 10,000 synthetic rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,15 +28,19 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from common.data.chunks import RawChunk, Reader  # noqa: E402
 from common.data.convert import convert, open_reader  # noqa: E402
 from common.data.dataset import open_dataset  # noqa: E402
 from common.data.hashing import MISSING  # noqa: E402
 from common.data.raw import CRITEO_COLUMNS, RawReader  # noqa: E402
+from common.data.samples import CRITEO_KAGGLE  # noqa: E402
 from common.data.spec import DataSpec  # noqa: E402
 from common.data.synthetic import SyntheticGenerator  # noqa: E402
 
-SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "criteo_kaggle_head8000.tsv"
+NAME = "data"
+# Per size: copies of the 8,000-row sample, epochs of batch reads, synthetic rows.
+SIZES = {"full": (250, 20, 1_000_000), "quick": (25, 25, 200_000), "smoke": (1, 1, 10_000)}
 
 
 def timed(fn: Callable[[], int], repeat: int) -> dict[str, float | list[float]]:
@@ -103,10 +107,10 @@ def _parquet_schema() -> pa.Schema:
     return pa.schema(list(zip(CRITEO_COLUMNS, types, strict=True)))
 
 
-def run(quick: bool, repeat: int, tmp: Path) -> dict[str, dict[str, float | list[float]]]:
-    copies = 25 if quick else 250  # 200k or 2M rows
+def run(size: str, repeat: int, tmp: Path) -> dict[str, dict[str, float | list[float]]]:
+    copies, epochs, synthetic_rows = SIZES[size]
     raw = tmp / "criteo.tsv"
-    text = SAMPLE.read_bytes()
+    text = CRITEO_KAGGLE.read_bytes()
     with raw.open("wb") as f:
         for _ in range(copies):
             f.write(text)
@@ -124,7 +128,6 @@ def run(quick: bool, repeat: int, tmp: Path) -> dict[str, dict[str, float | list
     out["convert npy days"] = timed(lambda: convert(npy, tmp / "pre-npy", progress=False).rows, repeat)
     out["convert parquet"] = timed(lambda: convert(parquet, tmp / "pre-pq", progress=False).rows, repeat)
     data = open_dataset(DataSpec(format="preprocessed", path=str(tmp / "pre")))
-    epochs = 25 if quick else 20
 
     def read() -> int:
         n = 0
@@ -134,7 +137,7 @@ def run(quick: bool, repeat: int, tmp: Path) -> dict[str, dict[str, float | list
 
     read()  # warm the page cache: the figure is memory speed, not disk speed
     out["preprocessed batch read (B=4096)"] = timed(read, repeat)
-    synth = SyntheticGenerator(DataSpec(format="synthetic", rows=200_000 if quick else 1_000_000))
+    synth = SyntheticGenerator(DataSpec(format="synthetic", rows=synthetic_rows))
     out["synthetic generate (26 tables)"] = timed(lambda: len(synth.rows(0, synth.num_rows).labels), repeat)
     return out
 
@@ -142,21 +145,35 @@ def run(quick: bool, repeat: int, tmp: Path) -> dict[str, dict[str, float | list
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per stage; the median is shown (3)")
-    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--repeat", type=int, help="runs per stage; the median is shown (default 3; 1 with --smoke)")
+    add_result_options(parser, NAME, "the 8,000-row sample once, one run per stage")
     args = parser.parse_args()
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    repeat = args.repeat or (1 if args.smoke else 3)
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
-        results = run(args.quick, args.repeat, Path(tmp))
+        results = run(size, repeat, Path(tmp))
     print(f"{'stage':<34}{'rows':>11}{'seconds':>9}{'rows/s':>13}{'rows/cpu-s':>13}{'spread':>14}"
-          f"   ({os.cpu_count()} cores, median of {args.repeat})")  # fmt: skip
+          f"   ({os.cpu_count()} cores, median of {repeat})")  # fmt: skip
     for name, r in results.items():
-        runs = r["rows_per_s_runs"]
-        spread = f"-{1 - min(runs) / r['rows_per_s']:.0%}/+{max(runs) / r['rows_per_s'] - 1:.0%}"
         print(f"{name:<34}{r['rows']:>11,}{r['seconds']:>9.2f}{r['rows_per_s']:>13,.0f}"
-              f"{r['rows_per_cpu_s']:>13,.0f}{spread:>14}")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+              f"{r['rows_per_cpu_s']:>13,.0f}{spread(r):>14}")  # fmt: skip
+    copies, epochs, synthetic_rows = SIZES[size]
+    config = config_of(args, repeat=repeat, sample_copies=copies, read_epochs=epochs, synthetic_rows=synthetic_rows)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures={"stages": results},
+                  headline=headline(results), smoke=args.smoke)
     return 0
+
+
+def spread(r: dict) -> str:
+    """The lowest and highest rows/s of a stage's runs, relative to their median."""
+    runs = r["rows_per_s_runs"]
+    return f"-{1 - min(runs) / r['rows_per_s']:.0%}/+{max(runs) / r['rows_per_s'] - 1:.0%}"
+
+
+def headline(results: dict[str, dict]) -> Table:
+    columns = ("stage", "rows", "seconds", "rows/s", "rows/CPU-s", "spread")
+    return Table(columns, tuple((name, r["rows"], r["seconds"], r["rows_per_s"], r["rows_per_cpu_s"], spread(r))
+                                for name, r in results.items()))
 
 
 if __name__ == "__main__":

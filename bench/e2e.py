@@ -5,7 +5,8 @@ T = 2 trainers, S = 2 PS shards, DLRM, synthetic Criteo-like data (Criteo Kaggle
 cardinalities, 33.8 M rows, top 1% of rows = 92% of accesses), a cache far below the table
 sizes. Prints samples/s, iteration time, hit rate and MB moved per iteration with ratios to
 `local` and `no-cache`, then where an iteration's time goes (forward, backward, dense
-optimizer, machinery: everything else); `--json` writes them per mode, `--plot` a PNG.
+optimizer, machinery: everything else); its results (bench/results/e2e.json, or `--json`)
+hold them per mode, `--plot` writes a PNG.
 
 TorchRec (`bench/torchrec_baseline.py`) trains the same job on the same batches with the same
 dense model, optimizers, learning rates and thread count: tables sharded table-wise by
@@ -36,20 +37,24 @@ Memory and CPU: the launcher samples every role's RSS and CPU time about once a 
 (`launcher.memory`); for each mode's reported run the benchmark prints, per role (oracle,
 each PS shard, each trainer), the RSS at the end of the warm-up, at the end of training, the
 peak, the growth per 1,000 iterations after the warm-up (a least-squares slope) and the CPU
-time per measured iteration, which shows where the machine's cores went; `--json` adds the
+time per measured iteration, which shows where the machine's cores went; the results add the
 curve points, and each run's folder gets `memory.png`. TorchRec's ranks are sampled the same
 way, named as trainers. A long run with a small batch checks that memory stays flat:
 
     python bench/e2e.py --quick
-    python bench/e2e.py --quick --rounds 3 --json runs/bench/e2e.json
+    python bench/e2e.py --quick --rounds 3
     python bench/e2e.py --shaped 1gbit          (root: PS behind a 1 Gbit/s link)
     python bench/e2e.py --quick --modes bagpipe --no-torchrec --iterations 5000 --batch 256
+
+`--smoke` runs the same code on a small job in seconds (bagpipe only unless `--modes` says
+otherwise, 30 iterations of 128 on tables of 1,000 rows, the oracle 8 iterations ahead).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import shutil
 import statistics
@@ -62,7 +67,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import torchrec_baseline, write_json  # noqa: E402
+from bench import (  # noqa: E402
+    SMOKE_RESULTS, Table, add_result_options, config_of, results_path, torchrec_baseline, write_results,
+)
 from common.checkpoints import final_paths  # noqa: E402
 from common.data.preprocessed import read_manifest  # noqa: E402
 from common.data.spec import parse_data_spec  # noqa: E402
@@ -79,36 +86,61 @@ from launcher.summary import RunSummary, iteration_series, summarise  # noqa: E4
 from launcher.text import compare_bytes, compare_modes  # noqa: E402
 from trainer.records import Record, read_run  # noqa: E402
 
+NAME = "e2e"
 TOKEN = "e2e-bench"
 SEED = 3
 MAX_AHEAD = 64
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder, in its run folder
+DLRM = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [512, 256, 64, 16], "top_mlp": [512, 256]}
 
 
-def sections(iterations: int, batch: int, cache_rows: int, data: Path | None = None) -> dict[str, dict]:
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """What the full run, --quick and --smoke differ in. `table_sizes` empty: Criteo Kaggle's
+    26 cardinalities (33.8 M rows)."""
+
+    iterations: int
+    batch: int
+    cache_rows: int
+    max_ahead: int = MAX_AHEAD
+    table_sizes: tuple[int, ...] = ()
+    model: Mapping[str, Any] = field(default_factory=lambda: dict(DLRM))
+
+
+SIZES = {
+    "full": Size(iterations=600, batch=4096, cache_rows=65536),
+    "quick": Size(iterations=400, batch=2048, cache_rows=32768),
+    "smoke": Size(iterations=30, batch=128, cache_rows=2048, max_ahead=8, table_sizes=(1000,) * 26,
+                  model={"name": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]}),
+}  # fmt: skip
+
+
+def sections(size: Size, data: Path | None = None) -> dict[str, dict]:
     """The benchmark's job; its rows generated on the fly, or read from `data` (`prepare_data`)."""
-    rows = {"format": "preprocessed", "path": str(data)} if data else synthetic_rows(iterations, batch)
+    # Absolute: a spec's relative paths are relative to the spec's folder, not to ours.
+    rows = {"format": "preprocessed", "path": str(data.resolve())} if data else synthetic_rows(size)
     return {
         "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
-        "oracle": {"lookahead": 100, "prefetch_lead": 8, "cache_rows": cache_rows, "max_ahead": MAX_AHEAD},
+        "oracle": {"lookahead": 100, "prefetch_lead": 8, "cache_rows": size.cache_rows, "max_ahead": size.max_ahead},
         "ps": {"shards": 2},
         "trainers": {"count": 2},
         "data": rows,
-        "model": {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [512, 256, 64, 16], "top_mlp": [512, 256]},
+        "model": dict(size.model),
         "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
-        "train": {"batch_size": batch, "epochs": 1, "max_iterations": iterations},
+        "train": {"batch_size": size.batch, "epochs": 1, "max_iterations": size.iterations},
     }
 
 
-def synthetic_rows(iterations: int, batch: int) -> dict[str, Any]:
-    """The [data] section of the benchmark's synthetic rows: enough for `iterations`."""
-    return {"format": "synthetic", "rows": iterations * batch + 4096, "top1_share": 0.92}
+def synthetic_rows(size: Size) -> dict[str, Any]:
+    """The [data] section of the benchmark's synthetic rows: enough for `size.iterations`."""
+    rows = {"format": "synthetic", "rows": size.iterations * size.batch + 4096, "top1_share": 0.92}
+    return {**rows, "table_sizes": list(size.table_sizes)} if size.table_sizes else rows
 
 
-def prepare_data(iterations: int, batch: int, folder: Path) -> Path:
+def prepare_data(size: Size, folder: Path) -> Path:
     """The benchmark's synthetic rows as a preprocessed directory in `folder`, written unless
     one of the same rows is there already."""
-    spec = parse_data_spec(synthetic_rows(iterations, batch), base_dir=folder)
+    spec = parse_data_spec(synthetic_rows(size), base_dir=folder)
     path = folder / f"synthetic-{spec.rows}"
     with contextlib.suppress(ConfigError):
         if read_manifest(path).config == synthetic_config(spec):
@@ -124,10 +156,10 @@ def warmup_of(iterations: int) -> int:
     return max(2, iterations // 5)
 
 
-def measured_of(iterations: int) -> int:
-    """Iterations every summary measures: all but the warm-up and the last `MAX_AHEAD`, which
+def measured_of(iterations: int, max_ahead: int = MAX_AHEAD) -> int:
+    """Iterations every summary measures: all but the warm-up and the last `max_ahead`, which
     the oracle planned before they began (it plans that far ahead of the slowest trainer)."""
-    return iterations - warmup_of(iterations) - MAX_AHEAD
+    return iterations - warmup_of(iterations) - max_ahead
 
 
 @dataclass(frozen=True)
@@ -178,12 +210,12 @@ def drop_saved_tables(run_dir: Path) -> None:
 
 def _mode_run(run_dir: Path, mode: str, base: dict) -> ModeRun:
     """A finished run's figures over the benchmark's window (`measured_of`)."""
-    iterations = base["train"]["max_iterations"]
+    iterations, max_ahead = base["train"]["max_iterations"], base["oracle"]["max_ahead"]
     warmup = warmup_of(iterations)
     records = read_run(run_dir, 2)
     summary = summarise(records, mode=mode, global_batch=base["train"]["batch_size"], warmup=warmup,
-                        cooldown=MAX_AHEAD, trainers=2)
-    return ModeRun(summary, *_memory(run_dir, records, warmup, iterations - MAX_AHEAD))
+                        cooldown=max_ahead, trainers=2)
+    return ModeRun(summary, *_memory(run_dir, records, warmup, iterations - max_ahead))
 
 
 def _memory(
@@ -302,46 +334,57 @@ def run_rounds(
     return runs
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, Size]:
+    """The arguments, and the size of the job they ask for."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer iterations")
     parser.add_argument("--iterations", type=int,
                         help="iterations per mode (default 400 quick, 600 full; the first fifth and the "
                              f"last {MAX_AHEAD} are not measured)")
     parser.add_argument("--batch", type=int, help="global batch (default 2048 quick, 4096 full)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
+    parser.add_argument("--modes", help=f"comma-separated subset of the modes (default {','.join(MODES)}; "
+                                         "bagpipe with --smoke)")
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
                         help="add the TorchRec baseline (default: when torchrec is importable)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run everything this many times, in turn; report medians")
     parser.add_argument("--shaped", metavar="RATE", help="put the PS behind a veth link shaped to RATE (e.g. 1gbit); root")
-    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/e2e"), help="specs, logs and records")
+    parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
+                                                 f"with --smoke {SMOKE_RESULTS}/{NAME})")
+    add_result_options(parser, NAME, "bagpipe alone, 30 iterations of 128 on small tables")
     args = parser.parse_args()
-    iterations = args.iterations or (400 if args.quick else 600)
-    batch, cache_rows = (2048, 32768) if args.quick else (4096, 65536)
-    batch = args.batch or batch
-    measured = measured_of(iterations)
+    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
+    base = SIZES[kind]
+    size = dataclasses.replace(base, iterations=args.iterations or base.iterations, batch=args.batch or base.batch)
+    measured = measured_of(size.iterations, size.max_ahead)
     if measured < 2:
-        parser.error(f"--iterations {iterations} leaves {measured} to measure: the first fifth and "
-                     f"the last {MAX_AHEAD} are left out")
-    base = sections(iterations, batch, cache_rows, prepare_data(iterations, batch, args.out / "data"))
-    modes = [m for m in args.modes.split(",") if m]
-    if unknown := set(modes) - set(MODES):
+        parser.error(f"--iterations {size.iterations} leaves {measured} to measure: the first fifth and "
+                     f"the last {size.max_ahead} are left out")
+    args.modes = [m for m in (args.modes or ("bagpipe" if args.smoke else ",".join(MODES))).split(",") if m]
+    if unknown := set(args.modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    with_torchrec, skipped = torchrec_choice(parser, args.torchrec)
+    args.out = args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench") / NAME)
+    args.with_torchrec, args.torchrec_skipped = torchrec_choice(parser, args.torchrec)
+    return args, size
+
+
+def main() -> int:
+    args, size = parse_args()
+    iterations, batch, cache_rows, max_ahead = size.iterations, size.batch, size.cache_rows, size.max_ahead
+    base = sections(size, prepare_data(size, args.out / "data"))
+    with_torchrec, skipped = args.with_torchrec, args.torchrec_skipped
     if skipped:
         print(f"TorchRec skipped: {skipped}", file=sys.stderr, flush=True)
-    rounds = run_rounds(modes, with_torchrec, base, args.rounds, args.out, args.shaped)
+    rounds = run_rounds(args.modes, with_torchrec, base, args.rounds, args.out, args.shaped)
     medians = {m: median_run(runs) for m, runs in rounds.items()}
     summaries = {m: run.summary for m, run in medians.items()}
     link = f"PS behind a {args.shaped} tbf-shaped veth link" if args.shaped else "loopback, unshaped"
     median = f", the median of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"\n{iterations} iterations per mode ({measured} measured: the first {warmup_of(iterations)} "
-          f"and the last {MAX_AHEAD}, which the oracle has planned already, excluded), "
+    print(f"\n{iterations} iterations per mode ({measured_of(iterations, max_ahead)} measured: the first "
+          f"{warmup_of(iterations)} and the last {max_ahead}, which the oracle has planned already, excluded), "
           f"global batch {batch}, C = {cache_rows} rows per trainer, {link}{median}")
     print(compare_modes(summaries))
     if args.rounds > 1:
@@ -353,20 +396,30 @@ def main() -> int:
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
     print()
-    print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations), iterations - MAX_AHEAD))
+    print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations), iterations - max_ahead))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
     if skipped:
         print(f"(TorchRec skipped: {skipped})")
-    if args.json:
-        per_mode = {m: figures(run, rounds[m]) for m, run in medians.items()}
-        meta = {"iterations": iterations, "warmup": warmup_of(iterations), "cooldown": MAX_AHEAD, "batch_size": batch,
-                "cache_rows": cache_rows, "shaped": args.shaped, "rounds": args.rounds,
-                "torchrec_skipped": skipped}
-        write_json(args.json, {"config": meta, "modes": per_mode})
+    per_mode = {m: figures(run, rounds[m]) for m, run in medians.items()}
+    config = config_of(args, iterations=iterations, warmup=warmup_of(iterations), cooldown=max_ahead,
+                       batch_size=batch, cache_rows=cache_rows, table_sizes=list(size.table_sizes) or "criteo-kaggle",
+                       model=dict(size.model), modes=args.modes, torchrec_skipped=skipped)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures={"modes": per_mode},
+                  headline=headline(per_mode), smoke=args.smoke)
     if args.plot:
         plot_modes(summaries, args.plot)
     return 0
+
+
+def headline(per_mode: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per mode: samples/s of the median run and their spread over the rounds, hit rate,
+    iteration time, payload fetched and the machinery's ms per iteration."""
+    columns = ("mode", "samples/s", "min", "max", "hit rate %", "iteration ms", "fetch MB/iter", "machinery ms")
+    rows = tuple((mode, f["median_samples_per_s"], f["min_samples_per_s"], f["max_samples_per_s"], 100 * f["hit_rate"],
+                  1e3 * f["iteration_time_s"], f["fetch_bytes_per_iter"] / 1e6, 1e3 * f["machinery_s"])
+                 for mode, f in per_mode.items())  # fmt: skip
+    return Table(columns, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Export benchmark: speed and peak memory of ``launch.py export`` on Criteo Kaggle-sized
 tables (26 tables, 33.8 M rows of 16 floats: 2.16 GB).
 
-    .venv/bin/python bench/export.py [--dir DIR] [--written 0.1] [--tables N] [--json PATH]
+    .venv/bin/python bench/export.py [--dir DIR] [--written 0.1] [--tables N]
 
 Lays out in DIR a local-mode run's final model (the whole table in one array) and a
 two-shard checkpoint whose snapshots hold `--written` of the rows (the rest are initial
@@ -10,12 +10,13 @@ a subprocess under GNU time: wall time, MB/s of safetensors written, and peak re
 memory, beside the same command on a model of 100-row tables (the interpreter, torch and the
 dense model: what the tables add is the difference). The sources were just written, so they
 are read from the page cache; each output file is fsynced before it is renamed.
+`--smoke`: the first 2 tables (2,043 rows), without the 100-row baseline: two exports.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from common.checkpoints import dense_path, final_paths, ps_dir, write_manifest  # noqa: E402
 from common.data.spec import CRITEO_KAGGLE_SIZES  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
@@ -38,6 +40,7 @@ from ps.store import Snapshot  # noqa: E402
 from serving.export import DEFAULT_CHUNK_MB  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 
+NAME = "export"
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS, CHECKPOINT, FILL_ROWS = 2, 0, 1 << 20
 
@@ -99,23 +102,28 @@ def export(spec: Path, out: Path, source: list[str], chunk_mb: float, table_byte
     peak_kb = int(done.stderr.strip().splitlines()[-1])
     seconds = float(done.stdout.split(" in ", 1)[1].split(" s ", 1)[0])
     written = (out / "model.safetensors").stat().st_size
-    return Measured(source=label, table_bytes=table_bytes, seconds=seconds, mb_per_s=written / seconds / 1e6,
-                    peak_rss_mb=peak_kb / 1024)
+    # export prints hundredths of a second: an export faster than that has no rate to tell
+    rate = written / seconds / 1e6 if seconds > 0 else math.nan
+    return Measured(source=label, table_bytes=table_bytes, seconds=seconds, mb_per_s=rate, peak_rss_mb=peak_kb / 1024)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, help="where to lay the runs out (default: a temporary folder)")
     parser.add_argument("--written", type=float, default=0.1, help="share of rows in the snapshots (0.1)")
-    parser.add_argument("--tables", type=int, default=26, help="the first N Criteo Kaggle tables (26)")
+    parser.add_argument("--tables", type=int, help="the first N Criteo Kaggle tables (default 26; 2 with --smoke)")
     parser.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
                         help="export's --chunk-mb (%(default)s)")
-    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    add_result_options(parser, NAME, "the first 2 tables, no 100-row baseline")
     args = parser.parse_args()
+    tables = args.tables or (2 if args.smoke else 26)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory, rng = Path(tmp), np.random.default_rng(0)
         results = []
-        for name, sizes in (("tiny", (100,) * args.tables), ("criteo", CRITEO_KAGGLE_SIZES[: args.tables])):
+        models = {"tiny": (100,) * tables, "criteo": CRITEO_KAGGLE_SIZES[:tables]}
+        if args.smoke:
+            del models["tiny"]  # each export is a process importing torch: the most of a smoke run
+        for name, sizes in models.items():
             spec = write_spec(directory, name, sizes)
             job = build_job(load_spec(spec))
             run_dir = directory / name / "run"
@@ -131,8 +139,15 @@ def main() -> None:
     for r in results:
         print(f"{r.source:<44}{r.table_bytes / 1e6:>11,.1f}{r.seconds:>9.2f}{r.mb_per_s:>8.1f}"
               f"{r.peak_rss_mb:>13.0f}")
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    config = config_of(args, tables=tables, shards=SHARDS)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
+                  figures={"rows": [asdict(r) for r in results]}, headline=headline(results), smoke=args.smoke)
+
+
+def headline(results: list[Measured]) -> Table:
+    columns = ("source", "tables MB", "seconds", "MB/s", "peak RSS MB")
+    return Table(columns, tuple((r.source, r.table_bytes / 1e6, r.seconds, r.mb_per_s, r.peak_rss_mb)
+                                for r in results))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ traffic counted on the links over a window, and a probe of what tbf holds on thi
 The probe builds hosts a (shaped), b and c (unshaped) and prints, per rate, what a sent to b
 and received from b, counted on a's link over the window, beside what the unshaped b to c
 carried: where that is below a rate, the machine, not the tbf, is the limit. Needs root.
+`--smoke` probes 1gbit alone, counting 0.3 s after 0.3 s of ramp-up.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from pathlib import Path
 if not __package__:  # run as a script: the repository root holds the packages
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from bench.topology import HostSpec, Topology, TopologyError, Traffic, parse_rate, stop_processes  # noqa: E402
 
+NAME = "linkrate"
 SINK_PORT = 5201
 
 
@@ -89,25 +92,40 @@ def _source(address: str) -> None:
             conn.sendall(buf)
 
 
-def probe(rates: Sequence[str], *, mtu: int, window_s: float) -> str:
-    """A table of what tbf holds here: per rate, a shaped host's send and receive rates,
-    counted on its link over `window_s`, beside what an unshaped link carries."""
-    lines = [f"MTU {mtu}, {window_s:.0f} s windows, rates counted on the link (Ethernet headers included)",
-             f"{'limit':>10}{'sent Gbit/s':>14}{'recv Gbit/s':>14}{'sent/limit':>12}{'recv/limit':>12}"]
+def probe(rates: Sequence[str], *, mtu: int, window_s: float, settle_s: float = 1.0) -> list[dict[str, float | str]]:
+    """What tbf holds here: per rate ("none" first: an unshaped link), a shaped host's send
+    and receive rates in bits/s, counted on its link over `window_s`."""
     unshaped = [HostSpec(name="b"), HostSpec(name="c")]
     with Topology([HostSpec(name="a"), *unshaped], mtu=mtu) as net:
-        t = measure(net, [("b", "c")], window_s=window_s)
-        sent, received = _bps(t.links["b"].sent, t), _bps(t.links["c"].received, t)
-        lines.append(f"{'none':>10}{sent / 1e9:>14.3f}{received / 1e9:>14.3f}")
+        t = measure(net, [("b", "c")], window_s=window_s, settle_s=settle_s)
+        rows: list[dict[str, float | str]] = [
+            {"rate": "none", "sent_bps": _bps(t.links["b"].sent, t), "received_bps": _bps(t.links["c"].received, t)}]
     for rate in rates:
         with Topology([HostSpec(name="a", rate=rate), *unshaped], mtu=mtu) as net:
-            out = measure(net, [("a", "b")], window_s=window_s)
-            into = measure(net, [("b", "a")], window_s=window_s)
-        sent, received = _bps(out.links["a"].sent, out), _bps(into.links["a"].received, into)
+            out = measure(net, [("a", "b")], window_s=window_s, settle_s=settle_s)
+            into = measure(net, [("b", "a")], window_s=window_s, settle_s=settle_s)
         limit = parse_rate(rate)
-        lines.append(f"{rate:>10}{sent / 1e9:>14.3f}{received / 1e9:>14.3f}"
-                     f"{sent / limit:>12.3f}{received / limit:>12.3f}")
+        sent, received = _bps(out.links["a"].sent, out), _bps(into.links["a"].received, into)
+        rows.append({"rate": rate, "limit_bps": limit, "sent_bps": sent, "received_bps": received,
+                     "sent_over_limit": sent / limit, "received_over_limit": received / limit})
+    return rows
+
+
+def probe_table(rows: Sequence[dict[str, float | str]], *, mtu: int, window_s: float) -> str:
+    lines = [f"MTU {mtu}, {window_s:g} s windows, rates counted on the link (Ethernet headers included)",
+             f"{'limit':>10}{'sent Gbit/s':>14}{'recv Gbit/s':>14}{'sent/limit':>12}{'recv/limit':>12}"]
+    for r in rows:
+        line = f"{r['rate']:>10}{float(r['sent_bps']) / 1e9:>14.3f}{float(r['received_bps']) / 1e9:>14.3f}"
+        if "limit_bps" in r:
+            line += f"{r['sent_over_limit']:>12.3f}{r['received_over_limit']:>12.3f}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def headline(rows: Sequence[dict[str, float | str]]) -> Table:
+    columns = ("limit", "sent Gbit/s", "received Gbit/s", "sent / limit", "received / limit")
+    return Table(columns, tuple((r["rate"], float(r["sent_bps"]) / 1e9, float(r["received_bps"]) / 1e9,
+                                 r.get("sent_over_limit"), r.get("received_over_limit")) for r in rows))
 
 
 def _bps(nbytes: int, t: Traffic) -> float:
@@ -116,19 +134,29 @@ def _bps(nbytes: int, t: Traffic) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--probe", metavar="RATES", help="comma-separated tc rates: measure what tbf holds at each")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--probe", metavar="RATES", help="comma-separated tc rates: measure what tbf holds at each "
+                                                        "(1gbit with --smoke)")
     what.add_argument("--sink", type=int, help=argparse.SUPPRESS)  # the two ends of a flow
     what.add_argument("--source", help=argparse.SUPPRESS)
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the links")
-    parser.add_argument("--window", type=float, default=3.0, help="seconds each rate is counted")
+    parser.add_argument("--window", type=float, help="seconds each rate is counted (default 3; 0.3 with --smoke)")
+    add_result_options(parser, NAME, "1gbit alone, 0.3 s windows")
     args = parser.parse_args(argv)
     if args.sink is not None:
         _sink(args.sink)
     elif args.source is not None:
         _source(args.source)
+    elif args.probe or args.smoke:
+        rates = [r for r in (args.probe or "1gbit").split(",") if r]
+        window, settle = args.window or (0.3 if args.smoke else 3.0), 0.3 if args.smoke else 1.0
+        rows = probe(rates, mtu=args.mtu, window_s=window, settle_s=settle)
+        print(probe_table(rows, mtu=args.mtu, window_s=window))
+        config = config_of(args, rates=rates, window=window, settle_s=settle)
+        write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures={"rates": rows},
+                      headline=headline(rows), smoke=args.smoke)
     else:
-        print(probe([r for r in args.probe.split(",") if r], mtu=args.mtu, window_s=args.window))
+        parser.error("say what to do: --probe RATES (or --smoke)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Planner benchmark: key uses planned per second per mode, and hit rates at equal C.
 
-    .venv/bin/python bench/planner.py [--quick] [--json PATH] [--criteo PATH]
+    .venv/bin/python bench/planner.py [--quick] [--criteo PATH]
 
 Throughput: the stream is Criteo-like and synthetic, generated inline (26 tables, global batch
 16,384, T = 4, L = 200): per table, 92% of the accesses go to the hottest 1% of rows
@@ -20,12 +20,14 @@ Memory (bagpipe and no-cache, the settings of `bench/e2e.py --batch 256`: T = 2,
 256, L = 200, D = 8, C = 32,768): the keys the planner keeps state for (`Planner.keys_held`)
 along a long inline stream, beside the distinct keys read so far, which is what a planner that
 remembered every write-back's version would hold.
+
+`--smoke`: 4 iterations of 1,024 for the throughput, 8,192 synthetic rows beside the sample
+for the hit rates, 100 iterations of the memory stream.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,20 +36,26 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from common.data.dataset import open_dataset  # noqa: E402
+from common.data.samples import CRITEO_KAGGLE  # noqa: E402
 from common.data.spec import DataSpec  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from oracle.compiled import compile_planner  # noqa: E402
 from oracle.config import PlannerConfig, hottest_keys, required_capacity  # noqa: E402
 from oracle.planner import Planner  # noqa: E402
 
-CRITEO_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
+NAME = "planner"
 HIT_T = 2
 HIT_BATCH = 128  # 62 iterations of the 8,000-row sample
 HIT_L, HIT_D = 50, 4
 HIT_FACTORS = (2, 4)
 HIT_MODES = ("bagpipe", "static-cache", "no-cache")
 MEMORY_MODES = ("bagpipe", "no-cache")
+# Per size: throughput iterations and batch, synthetic rows of the hit rates, memory-stream
+# iterations and how often it is read.
+SIZES = {"full": (260, 16_384, 256 * 1024, 5000, 500), "quick": (24, 16_384, 32 * 1024, 1000, 250),
+         "smoke": (4, 1024, 8 * 1024, 100, 50)}  # fmt: skip
 
 TABLE_SIZES = (
     1460, 583, 10_131_227, 2_202_608, 305, 24, 12_517, 633, 3, 93_145, 5_683, 8_351_593, 3_194,
@@ -147,9 +155,8 @@ def hit_rates(batches: list[np.ndarray], factor: int) -> dict[str, float]:
     return rates
 
 
-def hit_rate_table(criteo: Path, quick: bool) -> list[dict[str, object]]:
+def hit_rate_table(criteo: Path, synthetic_rows: int) -> list[dict[str, object]]:
     """Rows of the hit-rate table: one per (stream, C factor)."""
-    synthetic_rows = 32 * 1024 if quick else 256 * 1024
     streams = {
         "criteo-kaggle-8k": DataSpec(format="criteo", path=str(criteo)),
         f"synthetic-{synthetic_rows // 1024}k": DataSpec(
@@ -177,40 +184,56 @@ def print_hit_rates(rows: list[dict[str, object]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams (under a minute)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--criteo", type=Path, default=CRITEO_SAMPLE, help="Criteo Kaggle sample (raw TSV)")
+    parser.add_argument("--criteo", type=Path, default=CRITEO_KAGGLE, help="Criteo Kaggle sample (raw TSV)")
+    add_result_options(parser, NAME, "short streams of small batches")
     args = parser.parse_args()
+    iterations, batch, synthetic_rows, held_iterations, every = SIZES[
+        "smoke" if args.smoke else "quick" if args.quick else "full"]
     rng = np.random.default_rng(0)
-    iterations = 24 if args.quick else 260
-    batches = [criteo_like(rng, 16_384, TABLE_SIZES) for _ in range(iterations)]
+    batches = [criteo_like(rng, batch, TABLE_SIZES) for _ in range(iterations)]
     per_trainer_need = required_capacity(PlannerConfig(num_trainers=4, lookahead=0, prefetch_lead=0, capacity=1 << 30), batches[:8])
     capacity = 4 * per_trainer_need
     hot = hottest_keys(batches[:8], capacity - 2 * per_trainer_need)
     modes = ("bagpipe", "no-cache", "static-cache", "local")
     throughput_results = {mode: throughput(mode, batches, capacity, 200, hot) for mode in modes}
-    print(f"throughput: inline stream, {iterations} iterations x 16,384 x 26 keys, "
+    print(f"throughput: inline stream, {iterations} iterations x {batch:,} x 26 keys, "
           f"T=4, L=200, D=8, C={capacity}")
     print(f"{'':<14}{'M key uses/s (CPU)':^32}")
     print(f"{'mode':<14}{'first pass':>16}{'steady':>16}")
     for mode, rates in throughput_results.items():
         print(f"{mode:<14}{rates['first_pass'] / 1e6:>16.2f}{rates['steady'] / 1e6:>16.2f}")
-    rows = hit_rate_table(args.criteo, args.quick)
+    rows = hit_rate_table(args.criteo, synthetic_rows)
     print_hit_rates(rows)
-    held = {mode: keys_held(mode, 1000 if args.quick else 5000, 250 if args.quick else 500) for mode in MEMORY_MODES}
+    held = {mode: keys_held(mode, held_iterations, every) for mode in MEMORY_MODES}
     print_keys_held(held)
-    if args.json:
-        results = {
-            "throughput": {
-                m: {"key_uses_per_s": r["steady"], "first_pass_key_uses_per_s": r["first_pass"]}
-                for m, r in throughput_results.items()
-            },
-            "hit_rates": {
-                "trainers": HIT_T, "batch_size": HIT_BATCH, "lookahead": HIT_L, "prefetch_lead": HIT_D,
-                "rows": rows,
-            },
-            "keys_held": held,
-        }
-        args.json.write_text(json.dumps(results, indent=2))
+    results = {
+        "throughput": {
+            m: {"key_uses_per_s": r["steady"], "first_pass_key_uses_per_s": r["first_pass"]}
+            for m, r in throughput_results.items()
+        },
+        "hit_rates": {
+            "trainers": HIT_T, "batch_size": HIT_BATCH, "lookahead": HIT_L, "prefetch_lead": HIT_D,
+            "rows": rows,
+        },
+        "keys_held": held,
+    }
+    config = config_of(args, iterations=iterations, batch=batch, capacity=capacity, synthetic_rows=synthetic_rows,
+                       memory_iterations=held_iterations)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=results,
+                  headline=headline(results), smoke=args.smoke)
+
+
+def headline(results: dict) -> Table:
+    """Per mode: M key uses planned per CPU second (steady), and its hit rate on each stream
+    at C = 2 and 4 times the working set."""
+    streams = [(r["stream"], r["factor"]) for r in results["hit_rates"]["rows"]]
+    columns = ("mode", "M key uses/s", *(f"hit rate % {s}, C = {f}W" for s, f in streams))
+    rows = []
+    for mode, rate in results["throughput"].items():
+        # local mode holds every row: no hit rate of its own
+        hits = [100 * r[mode] if mode in r else None for r in results["hit_rates"]["rows"]]
+        rows.append((mode, rate["key_uses_per_s"] / 1e6, *hits))
+    return Table(columns, tuple(rows))
 
 
 if __name__ == "__main__":

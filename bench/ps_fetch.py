@@ -26,8 +26,11 @@ one such request. No socket, event loop or other process takes part, so it is th
 Python cost per request, steady from run to run where the rates above are not
 (`protocol_h2_us_per_req`, `..._1`, `protocol_handler_us_per_req`).
 
-    python bench/ps_fetch.py --quick --json runs/bench/ps_fetch.json
+    python bench/ps_fetch.py --quick
     python bench/ps_fetch.py --small-only --rounds 5
+
+`--smoke`: a shard of 65,536 rows, batches of 1 and 16,384 rows, 0.05 s windows (0.5 s for
+the small fetches), one round.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import write_json  # noqa: E402
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from bench.fetch_load import FetchLoad, Fetches, H2Requests  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
@@ -56,8 +59,10 @@ from ps.protocol import FETCH, INCARNATION_HEADER  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
 
+NAME = "ps_fetch"
 TOKEN = "bench"
 TABLE_ROWS = 1 << 20
+SMOKE_ROWS = 1 << 16
 HEADLINE = (16384, 64)
 SMALL_KEYS, SMALL_DIM, SMALL_IN_FLIGHT = 4, 64, 16
 TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figure prefix
@@ -72,9 +77,9 @@ def _service(dim: int, rows: int = TABLE_ROWS) -> PsService:
     return PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
 
 
-def _serve(dim: int, ports: mp.Queue, stop: mp.Event) -> None:
+def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event) -> None:
     async def main() -> None:
-        service = _service(dim)
+        service = _service(dim, rows)
         servers = [
             H2Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
             Http1Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
@@ -90,12 +95,14 @@ def _serve(dim: int, ports: mp.Queue, stop: mp.Event) -> None:
     run(main())
 
 
-async def _fetch_rate(port: int, transport: str, dim: int, batch: int, in_flight: int, seconds: float) -> float:
-    """Row-payload bytes per second fetched by `in_flight` concurrent loops."""
+async def _fetch_rate(
+    port: int, transport: str, dim: int, batch: int, in_flight: int, seconds: float, rows: int
+) -> float:
+    """Row-payload bytes per second fetched by `in_flight` concurrent loops from a shard of `rows`."""
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=dim, state_width=0,
                       transport=transport, timeout_s=120)
     rng = np.random.default_rng(0)
-    keys = [rng.integers(0, TABLE_ROWS, batch, dtype=np.int64) for _ in range(in_flight)]
+    keys = [rng.integers(0, rows, batch, dtype=np.int64) for _ in range(in_flight)]
     try:
         await asyncio.gather(*(client.fetch(k) for k in keys))  # warm the connection
         done = 0
@@ -115,9 +122,9 @@ async def _fetch_rate(port: int, transport: str, dim: int, batch: int, in_flight
     return done * batch * dim * 4 / elapsed
 
 
-def _take_rate(dim: int, batch: int, seconds: float) -> float:
-    table = np.random.default_rng(0).random((TABLE_ROWS, dim), dtype=np.float32)
-    keys = np.random.default_rng(1).integers(0, TABLE_ROWS, batch)
+def _take_rate(dim: int, batch: int, seconds: float, rows: int) -> float:
+    table = np.random.default_rng(0).random((rows, dim), dtype=np.float32)
+    keys = np.random.default_rng(1).integers(0, rows, batch)
     done, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds or done < 3:
         np.take(table, keys, axis=0)
@@ -125,19 +132,20 @@ def _take_rate(dim: int, batch: int, seconds: float) -> float:
     return done * batch * dim * 4 / elapsed
 
 
-def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float) -> list[dict]:
+def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float,
+            table_rows: int = TABLE_ROWS) -> list[dict]:
     rows = []
     ctx = mp.get_context("spawn")
     for dim in dims:
         ports, stop = ctx.Queue(), ctx.Event()
-        server = ctx.Process(target=_serve, args=(dim, ports, stop), daemon=True)
+        server = ctx.Process(target=_serve, args=(dim, table_rows, ports, stop), daemon=True)
         server.start()
         h2_port, http1_port = ports.get(timeout=120)
         try:
             for batch in batches:
-                h2 = run(_fetch_rate(h2_port, "h2", dim, batch, in_flight, seconds))
-                http1 = run(_fetch_rate(http1_port, "http1", dim, batch, in_flight, seconds))
-                take = _take_rate(dim, batch, seconds)
+                h2 = run(_fetch_rate(h2_port, "h2", dim, batch, in_flight, seconds, table_rows))
+                http1 = run(_fetch_rate(http1_port, "http1", dim, batch, in_flight, seconds, table_rows))
+                take = _take_rate(dim, batch, seconds, table_rows)
                 rows.append({"dim": dim, "rows": batch, "in_flight": in_flight,
                              "http2_MBps": h2 / 1e6, "http1_MBps": http1 / 1e6, "inproc_MBps": take / 1e6})
                 _print_row(rows[-1])
@@ -188,7 +196,7 @@ async def _start_load(
 
 
 async def _count_fetches(
-    load: str, port: int, transport: str, in_flight: int, jobs: mp.Queue, answers: mp.Queue
+    load: str, port: int, transport: str, in_flight: int, rows: int, jobs: mp.Queue, answers: mp.Queue
 ) -> None:
     """Connect and warm up, say so on `answers`, then take the window (start, stop) from
     `jobs` (`time.perf_counter`, the same clock in every process here) and answer with the
@@ -197,7 +205,7 @@ async def _count_fetches(
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=SMALL_DIM,
                       state_width=0, transport=transport, timeout_s=120)
     rng = np.random.default_rng(port + in_flight)
-    keys = [rng.integers(0, TABLE_ROWS, SMALL_KEYS, dtype=np.int64) for _ in range(in_flight)]
+    keys = [rng.integers(0, rows, SMALL_KEYS, dtype=np.int64) for _ in range(in_flight)]
     try:
         fetches = await _start_load(load, client, port, transport, keys)
         try:
@@ -223,12 +231,12 @@ def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
 
 def _small_round(
     server_pid: int, port: int, transport: str, load: str, clients: list[tuple[mp.Queue, mp.Queue]],
-    seconds: float,
+    seconds: float, rows: int,
 ) -> dict:
     """One round of small fetches from every client process; the rate and the CPU spent."""
     share = SMALL_IN_FLIGHT // len(clients)
     for jobs, _ in clients:
-        jobs.put((load, port, transport, share))
+        jobs.put((load, port, transport, share, rows))
     for _, answers in clients:
         answers.get(timeout=120)  # connected and warm
     start = time.perf_counter() + 0.1
@@ -249,11 +257,11 @@ def _small_round(
             "client_us_per_req": client_cpu / done * 1e6}
 
 
-def measure_small(clients: int, rounds: int, seconds: float) -> dict:
-    """Rounds of every protocol under every load against one shard; every round, the medians."""
+def measure_small(clients: int, rounds: int, seconds: float, rows: int = TABLE_ROWS) -> dict:
+    """Rounds of every protocol under every load against one shard of `rows`; every round, the medians."""
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(SMALL_DIM, ports, stop), daemon=True)
+    server = ctx.Process(target=_serve, args=(SMALL_DIM, rows, ports, stop), daemon=True)
     server.start()
     port = dict(zip(TRANSPORTS, ports.get(timeout=120)))
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(clients)]
@@ -265,7 +273,7 @@ def measure_small(clients: int, rounds: int, seconds: float) -> dict:
         for i in range(rounds):
             for transport in TRANSPORTS:
                 for load in LOADS:
-                    measured.append(_small_round(server.pid, port[transport], transport, load, queues, seconds))
+                    measured.append(_small_round(server.pid, port[transport], transport, load, queues, seconds, rows))
                     _print_small_round(i, measured[-1])
     finally:
         for jobs, _ in queues:
@@ -403,39 +411,65 @@ def _print_row(r: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter runs (under a minute)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--small-only", action="store_true", help="only the small-request section")
     parser.add_argument("--clients", type=int, default=2, help="client processes for small fetches")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of small fetches per protocol")
+    parser.add_argument("--rounds", type=int, help="rounds of small fetches per protocol (default 3; 1 with --smoke)")
+    add_result_options(parser, NAME, f"a shard of {SMOKE_ROWS:,} rows, two batch sizes, 0.05 s windows, one round")
     args = parser.parse_args()
     if args.clients < 1 or SMALL_IN_FLIGHT % args.clients:
         parser.error(f"--clients must divide the {SMALL_IN_FLIGHT} small fetches in flight")
-    if args.quick:
-        batches, seconds = [1, 256, 4096, 16384, 65536], 0.6
+    rounds = args.rounds or (1 if args.smoke else 3)
+    table_rows, requests = (SMOKE_ROWS, 400) if args.smoke else (TABLE_ROWS, 12_000)
+    if args.smoke:
+        # The small fetches' window opens 0.1 s after the client processes are told: on a
+        # loaded machine a much shorter one may close before a client got to run at all.
+        batches, seconds, small_seconds = [1, HEADLINE[0]], 0.05, 0.5
+    elif args.quick:
+        batches, seconds, small_seconds = [1, 256, 4096, 16384, 65536], 0.6, 1.2
     else:
-        batches, seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0
-    result = {} if args.small_only else _large(batches, args.in_flight, seconds)
+        batches, seconds, small_seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0, 4.0
+    result = {} if args.small_only else _large(batches, args.in_flight, seconds, table_rows)
     print(f"\nSmall fetches: {SMALL_KEYS} keys x d {SMALL_DIM}, {SMALL_IN_FLIGHT} in flight, "
           f"{args.clients} client processes; shard CPU from /proc")
     print(f"{'round':>5} {'proto':>6} {'load':>8} | {'req/s':>9} | {'shard':>9} {'req/s/core':>12} "
           f"{'busy':>6} | {'client':>9}")
     print(f"{'':>5} {'':>6} {'':>8} | {'reached':>9} | {'us/req':>9} {'capacity':>12} {'':>6} | "
           f"{'us/req':>9}")
-    small = measure_small(args.clients, args.rounds, seconds * 2)
+    small = measure_small(args.clients, rounds, small_seconds, table_rows)
     _print_small_summary(small, args.clients)
-    protocol = measure_protocol(args.rounds)
-    _print_protocol(protocol, args.rounds)
-    write_json(args.json, {**result, **small, **protocol})
+    protocol = measure_protocol(rounds, requests, table_rows)
+    _print_protocol(protocol, rounds)
+    config = config_of(args, rounds=rounds, table_rows=table_rows, batches=batches, seconds=seconds,
+                       small_seconds=small_seconds, protocol_requests=requests)
+    figures = {**result, **small, **protocol}
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=figures,
+                  headline=headline(figures), smoke=args.smoke)
     return 0
 
 
-def _large(batches: list[int], in_flight: int, seconds: float) -> dict:
+def headline(figures: dict) -> Table:
+    """The headline figures: large fetches (16,384 x d 64) in MB/s, when measured; small
+    fetches in requests per second reached and per shard core, raw load; the shard's
+    in-process cost per request."""
+    rows: list[tuple[object, ...]] = []
+    if "http2_MBps" in figures:
+        rows += [("16,384 rows x d 64, 8 in flight", "MB/s", figures["http2_MBps"], figures["http1_MBps"],
+                  figures["inproc_MBps"])]
+    rows += [(f"{SMALL_KEYS}-key fetches, reached", "req/s", figures["small_http2_rps"], figures["small_http1_rps"], None),
+             (f"{SMALL_KEYS}-key fetches, per shard core", "req/s", figures["small_http2_capacity_rps"],
+              figures["small_http1_capacity_rps"], None),
+             ("in-process, 8 fetches a read", "us/req", figures["protocol_h2_us_per_req"], None,
+              figures["protocol_handler_us_per_req"])]  # fmt: skip
+    return Table(("what", "unit", "HTTP/2", "HTTP/1.1", "in-process (np.take; PS handler)"), tuple(rows))
+
+
+def _large(batches: list[int], in_flight: int, seconds: float, table_rows: int = TABLE_ROWS) -> dict:
     """The table of batch sizes and its headline figures."""
     print(f"PS fetch, {in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
     print(f"{'d':>4} {'rows':>7} | {'h2 MB/s':>9} {'h2 rows/s':>12} | {'h1 MB/s':>9} {'h1 rows/s':>12} | "
           f"{'take MB/s':>9} {'take rows/s':>13} | h2/h1")
-    table = measure([16, 64], batches, in_flight, seconds)
+    table = measure([16, 64], batches, in_flight, seconds, table_rows)
     head = next(r for r in table if (r["rows"], r["dim"]) == HEADLINE)
     result = {
         "http2_MBps": head["http2_MBps"], "http1_MBps": head["http1_MBps"], "inproc_MBps": head["inproc_MBps"],

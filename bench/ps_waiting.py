@@ -6,9 +6,12 @@ A shard of 1 M rows; W fetches of K rows each wait for version 1 of their rows, 
 1/16 are still behind (the rest are there already: a fetch waits for the few rows another
 trainer has yet to write back); write-backs of B rows then bring every row behind to version
 1 in a random order, each followed by one of B rows nobody waits for (most write-backs, in
-a run), each followed by the wake-up check. Prints µs per write-back (the check alone) for both, and writes JSON with --json.
+a run), each followed by the wake-up check. Prints µs per write-back (the check alone) for
+both; the results hold the medians and their spread over the alternating rounds.
 
-    python bench/ps_waiting.py --quick --json runs/bench/ps_waiting.json
+    python bench/ps_waiting.py --quick
+
+`--smoke`: one small case (4 fetches of 256 rows, write-backs of 64), one round.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import write_json  # noqa: E402
+from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from ps.waiting import WaitingFetches  # noqa: E402
 
+NAME = "ps_waiting"
 ROWS = 1 << 20
 
 
@@ -82,16 +86,20 @@ def rechecked(fetches: list[np.ndarray], writes: list[np.ndarray], there: np.nda
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are printed")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--rounds", type=int, help="alternating rounds; medians are printed (default 3; 1 with --smoke)")
+    add_result_options(parser, NAME, "one small case, one round")
     args = parser.parse_args()
-    cases = [(16, 2048, 256), (64, 2048, 256)] if args.quick else [(16, 2048, 256), (64, 2048, 256), (256, 2048, 1024)]
+    rounds = args.rounds or (1 if args.smoke else 3)
+    if args.smoke:
+        cases = [(4, 256, 64)]
+    else:
+        cases = [(16, 2048, 256), (64, 2048, 256)] if args.quick else [(16, 2048, 256), (64, 2048, 256), (256, 2048, 1024)]
     print(f"{'waiting':>8} {'keys':>6} {'write rows':>10} | {'indexed µs':>11} {'rechecked µs':>13} {'ratio':>6}")
     results = []
     for waiting, keys, batch in cases:
         fetches, writes, there = _scenario(waiting, keys, batch)
         times: dict[str, list[float]] = {"indexed": [], "rechecked": []}
-        for _ in range(args.rounds):  # alternating, so drift on a shared machine hits both
+        for _ in range(rounds):  # alternating, so drift on a shared machine hits both
             for name, run in (("indexed", indexed), ("rechecked", rechecked)):
                 spent, woke = run(fetches, writes, there)
                 assert woke == waiting, f"{name} woke {woke} of {waiting}"
@@ -102,8 +110,19 @@ def main() -> int:
                         "indexed_us": med["indexed"], "rechecked_us": med["rechecked"], "spread_us": spread})
         print(f"{waiting:>8} {keys:>6} {batch:>10} | {med['indexed']:>11.1f} {med['rechecked']:>13.1f} "
               f"{med['rechecked'] / med['indexed']:>5.1f}x", flush=True)
-    write_json(args.json, results)
+    config = config_of(args, rounds=rounds, rows=ROWS, behind=BEHIND, cases=cases)
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
+                  figures={"cases": results}, headline=headline(results), smoke=args.smoke)
     return 0
+
+
+def headline(results: list[dict]) -> Table:
+    """Per case: µs per write-back of the indexed check and of the re-check, medians and spread."""
+    columns = ("waiting", "keys", "write rows", "indexed µs", "spread", "rechecked µs", "spread", "ratio")
+    return Table(columns, tuple((r["waiting"], r["keys"], r["write_rows"], r["indexed_us"],
+                                 "–".join(map(str, r["spread_us"]["indexed"])), r["rechecked_us"],
+                                 "–".join(map(str, r["spread_us"]["rechecked"])), r["rechecked_us"] / r["indexed_us"])
+                                for r in results))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,20 @@ joins through the coordinator there (``launch.py --role ps|trainer --coordinator
 its replica id as its index. Only the oracle opens the spec and the data, both as its working
 directory sees them (the repository root: the image's WORKDIR, the Slurm job's directory).
 
+Every role runs one interpreter: the image's ``python`` where the job names an image, else
+the interpreter running torchx (`default_python`), so that ``.venv/bin/torchx run -s
+local_cwd`` needs no activated venv.
+
 TorchX loads this file by executing it (not importing it), and parses the arguments from the
 function's annotations at run time: hence no ``from __future__ import annotations`` and the
 ``typing`` spellings its linter accepts. torchx is imported in `bagpipe` only, so that the
 command lines can be checked without it.
 """
 
+import os
 import secrets
 import shlex
+import sys
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 if TYPE_CHECKING:
@@ -30,6 +36,18 @@ if TYPE_CHECKING:
 BAGPIPE_LAUNCH = "launch.py"  # relative to the working directory of every replica
 BAGPIPE_TOKEN_ENV = "BAGPIPE_TOKEN"
 BAGPIPE_COORDINATOR_MARK = "@coordinator@"  # where `joined_shell_line` puts the coordinator
+BAGPIPE_IMAGE = "bagpipe:latest"  # a role's image where the job names none (local_cwd ignores it)
+
+
+def default_python(image: Optional[str]) -> str:
+    """The interpreter of every role unless the job names one. In an image, the image's
+    `python`. Without one (or with a folder of this machine, `local_dir`'s image) the roles
+    run this checkout, on this machine or a file system it shares (Slurm): the interpreter
+    running torchx has the requirements, and a venv's need not be on PATH (the local
+    schedulers hand their replicas torchx's own PATH)."""
+    if image is None or os.path.isdir(image):
+        return sys.executable
+    return "python"
 
 
 def oracle_argv(spec: str, port: int) -> List[str]:
@@ -60,13 +78,13 @@ def bagpipe(
     spec: str,
     ps: int,
     trainers: int,
-    image: str = "bagpipe:latest",
+    image: Optional[str] = None,
     port: int = 29400,
     token: Optional[str] = None,
     name: str = "bagpipe",
     run_dir: Optional[str] = None,
     transport: str = "h2",
-    python: str = "python",
+    python: Optional[str] = None,
     cpu: int = 2,
     memMB: int = 4096,
     gpu: int = 0,
@@ -82,13 +100,13 @@ def bagpipe(
         spec: the cluster spec, as the oracle's working directory sees it
         ps: PS shards: the spec's ps.shards
         trainers: trainers: the spec's trainers.count
-        image: the container image (Kubernetes), its WORKDIR the repository root
+        image: the container image (Kubernetes), its WORKDIR the repository root; none (local_cwd, Slurm): the roles run this checkout
         port: the oracle's coordinator port (its admin port is port + 1)
         token: the job's bearer token, every role's $BAGPIPE_TOKEN (default: a fresh one); the spec must leave cluster.token unset
         name: the app's name (the scheduler makes the app id from it)
         run_dir: the trainers' run directory (default runs/<spec name> in their working directory)
         transport: the coordinator's protocol, the spec's cluster.transport: h2 or http1
-        python: the Python interpreter with the project's requirements
+        python: the Python interpreter with the project's requirements (default: the image's python; without an image, the one running torchx)
         cpu: CPUs per replica
         memMB: memory per replica, in MB
         gpu: GPUs per trainer
@@ -101,6 +119,8 @@ def bagpipe(
         raise ValueError(f"a job needs at least one PS shard and one trainer, got ps={ps}, trainers={trainers}")
     role_env = {**(env or {}), BAGPIPE_TOKEN_ENV: token or secrets.token_urlsafe(24)}
     volumes = specs.parse_mounts(mounts) if mounts else []
+    python = python or default_python(image)
+    image = image or BAGPIPE_IMAGE
 
     def joined(role: str, replicas: int, gpus: int) -> "specs.Role":
         argv = joined_argv(role, BAGPIPE_COORDINATOR_MARK, specs.macros.replica_id, transport=transport,

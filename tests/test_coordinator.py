@@ -22,13 +22,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from common.data.samples import CRITEO_KAGGLE as DATA
 from common.job import build_job
 from common.spec import load_spec
 from tests.cluster_helpers import TOKEN, differing_elements, final_model, run_spec, write_spec
 from tests.test_launch import LAUNCH, wait_for
 
 pytestmark = pytest.mark.slow
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_head8000.tsv"
 ROWS = 2000
 #: The data file beside the spec; each table hashed into 4,096 rows (Kaggle's cardinalities
 #: would give each PS 17 M rows to allocate, restore and compare, for nothing these tests ask).

@@ -29,7 +29,7 @@ FORMAT_KEYS: dict[str, str] = {
     "sparse_columns": "parquet", "dense_transform": "parquet",
 }  # fmt: skip
 
-# Criteo Kaggle cardinalities after the usual dictionary encoding (shared/data/README.md).
+# Criteo Kaggle cardinalities after the usual dictionary encoding (samples/README.md).
 CRITEO_KAGGLE_SIZES: tuple[int, ...] = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,

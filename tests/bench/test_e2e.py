@@ -1,13 +1,19 @@
 """bench/e2e.py's report of a mode's run: its phase and RSS tables and the JSON with every
-role's curve."""
+role's curve; and the job it writes, whose data its specs find from any working directory."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.e2e import ModeRun, drop_saved_tables, figures, mode_sections, phase_table, rss_table
+from bench.e2e import (
+    SEED, SIZES, ModeRun, drop_saved_tables, figures, mode_sections, phase_table, prepare_data, rss_table, sections,
+)
 from common.checkpoints import final_paths
+from common.job import build_job
+from common.spec import load_spec, spec_toml
 from launcher.memory import RssSample, rss_curves, summarise_rss
 from launcher.summary import RunSummary
 
@@ -83,3 +89,19 @@ def test_a_modes_checkpoints_go_to_its_run_folder(tmp_path) -> None:
     assert sections["oracle"] == {"lookahead": 100, "mode": "bagpipe"} and base["oracle"] == {"lookahead": 100}
     assert sections["checkpoint"] == {"dir": str(tmp_path / "bagpipe" / "checkpoints")}
     assert sections["train"] == base["train"]
+
+
+def test_a_rounds_spec_finds_the_data_prepared_under_a_relative_out(tmp_path: Path, monkeypatch) -> None:
+    """The default --out is relative to the working directory (runs/bench/e2e); a spec's
+    relative paths are relative to its own folder (a round's), so the data's must not be."""
+    monkeypatch.chdir(tmp_path)
+    size = SIZES["smoke"]
+    out = Path("runs/bench/e2e")
+    data = prepare_data(size, out / "data")
+    round_dir = out / "round-1"
+    round_dir.mkdir(parents=True)
+    spec = round_dir / "bagpipe.toml"
+    spec.write_text(spec_toml("e2e-bagpipe", SEED, mode_sections("bagpipe", sections(size, data), round_dir / "bagpipe")))
+    job = build_job(load_spec(spec))
+    assert job.data.path == str(tmp_path / out / "data" / data.name)
+    assert job.layout.num_tables == 26 and job.spec.train.max_iterations == size.iterations

@@ -2,7 +2,8 @@
 launch.py takes, every scheduler's replicas find the oracle, and a job run with
 ``torchx run -s local_cwd`` ends by itself with the run's outputs.
 
-The command lines are checked without torchx. torchx (and the Kubernetes client its
+The command lines are checked without torchx. Without an image, every role runs the
+interpreter running torchx, whatever `python` is on PATH. torchx (and the Kubernetes client its
 kubernetes scheduler needs even for a dry run) is optional tooling, in
 requirements-torchx.txt: without it the tests that use it are skipped, saying so. A
 replica's ``bash -c`` line is run for real, with a stand-in ``python`` on PATH that prints
@@ -12,6 +13,7 @@ its arguments, under the environment the scheduler would give it.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -24,7 +26,9 @@ import pytest
 
 from common.coordinator import free_port
 from launch import parse_args
-from launcher.torchx_component import BAGPIPE_COORDINATOR_MARK, bagpipe, joined_argv, joined_shell_line, oracle_argv
+from launcher.torchx_component import (
+    BAGPIPE_COORDINATOR_MARK, bagpipe, default_python, joined_argv, joined_shell_line, oracle_argv,
+)
 from tests.cluster_helpers import write_spec
 from tests.test_launch import ROOT
 from trainer.records import EvalRecord, IterationRecord, read_records, trainer_log_path
@@ -85,6 +89,12 @@ def test_a_joined_role_without_the_oracle_host_stops_naming_the_variable(echo_py
     assert "ORACLE_HOST: is unset (the oracle host)" in out.stderr
 
 
+def test_without_an_image_the_roles_run_the_interpreter_running_torchx(tmp_path: Path) -> None:
+    assert default_python(None) == sys.executable
+    assert default_python(str(tmp_path)) == sys.executable  # local_dir: the image is a folder here
+    assert default_python("registry/bagpipe:1") == "python"  # the image's own
+
+
 # --- dry runs: what each scheduler would be asked ----------------------------------------
 
 
@@ -111,6 +121,20 @@ def test_the_app_has_the_oracle_first_then_the_shards_and_the_trainers(runner: A
     assert len(set(fresh)) == 2 and all(len(t) >= 32 for t in fresh), "no token: a fresh one per job"
     with pytest.raises(ValueError, match="at least one PS shard"):
         app(ps=0)
+
+
+@pytest.mark.parametrize(("image", "python", "want"), [
+    (None, None, sys.executable),
+    ("registry/bagpipe:1", None, "python"),
+    (None, "/opt/py/bin/python3", "/opt/py/bin/python3"),
+])
+def test_every_role_runs_the_interpreter_the_job_implies(
+    runner: Any, echo_python: Path, image: str | None, python: str | None, want: str
+) -> None:
+    oracle, *joined = app(image=image, python=python).roles
+    assert oracle.entrypoint == want and oracle.image == (image or "bagpipe:latest")
+    for role in joined:  # `bash -c "exec PYTHON launch.py ..."`
+        assert role.args[1].startswith(f"exec {shlex.quote(want)} launch.py ")
 
 
 def test_kubernetes_dryrun_finds_the_oracle_through_volcano(runner: Any, echo_python: Path) -> None:
@@ -167,17 +191,21 @@ def test_slurm_dryrun_finds_the_oracle_on_the_first_het_group(runner: Any, echo_
 
 
 @pytest.mark.slow
-def test_local_cwd_runs_the_job_to_its_end(tmp_path: Path) -> None:
+def test_local_cwd_runs_the_job_to_its_end(tmp_path: Path, echo_python: Path) -> None:
+    """With no `--python` and a `python` on PATH that is not this one (a venv not activated):
+    the stand-in would only print its arguments, so the job ends with its outputs only if
+    every role ran the interpreter running torchx."""
     pytest.importorskip("torchx", reason=NO_TORCHX)
     spec = write_spec(tmp_path, "torchx", {"train": {"max_iterations": 20}, "cluster": {"reconnect_s": 5}})
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}",
         "launcher/torchx_component.py:bagpipe", "--spec", str(spec), "--ps", "2", "--trainers", "2",
-        "--port", str(free_port("0.0.0.0")), "--run_dir", str(run_dir), "--python", sys.executable,
+        "--port", str(free_port("0.0.0.0")), "--run_dir", str(run_dir),
     ]
+    env = {**os.environ, "PATH": f"{echo_python}:{os.environ['PATH']}"}
     # local_cwd runs every replica in torchx's working directory: the repository root.
-    torchx = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    torchx = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = torchx.communicate(timeout=300)
     except subprocess.TimeoutExpired:

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from common.data.samples import CRITEO_KAGGLE as KAGGLE
 from common.job import Job, build_job
 from common.spec import load_spec
 from launcher.inprocess import FinalModel, run_in_process
 from tests.cluster_helpers import as_final, assert_identical, differing_elements, reference_for, write_spec
 from tests.trainer.test_equivalence import MODES, assert_cache_was_exercised
 
-KAGGLE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "criteo_kaggle_head8000.tsv"
 BATCH = 64
 FEATURES = 26
 

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-# CI clones the repository with shared/ beside it, so go through the repo root's parent.
-SHARED_DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data"
-KAGGLE = SHARED_DATA / "criteo_kaggle_head8000.tsv"
-TERABYTE = SHARED_DATA / "criteo_terabyte_day0_head1000.tsv"
-AVAZU = SHARED_DATA / "avazu_sample100.csv"
+from common.data.samples import AVAZU
+from common.data.samples import CRITEO_KAGGLE as KAGGLE
+from common.data.samples import CRITEO_TERABYTE as TERABYTE
+
+__all__ = ["AVAZU", "KAGGLE", "TERABYTE"]  # the samples, by the names the data tests use
 
 
 @pytest.fixture(scope="session")

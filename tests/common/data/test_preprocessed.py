@@ -117,7 +117,7 @@ def test_dictionary_mode(tmp_path: Path) -> None:
     data = open_dataset(spec)
     sparse = data.rows(0, 8000).sparse
     distinct = sum(len(np.unique(sparse[:, t])) for t in range(26))
-    assert distinct == 37_100  # distinct (column, value) pairs, shared/data/README.md
+    assert distinct == 37_100  # distinct (column, value) pairs, samples/README.md
     assert all(sparse[:, t].max() < n for t, n in enumerate(data.table_sizes))
     assert data.table_sizes[8] == 2 + 3  # C9: missing, rare, 3 values
     capped = open_dataset(DataSpec(format="criteo", path=str(KAGGLE), hashing="dictionary",
