@@ -23,12 +23,6 @@ from common.job import build_job
 from common.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-# Files that still refer outside, each with why and until when. The check below fails once a
-# file here no longer needs its entry, so the list only shrinks.
-PENDING = {
-    "README.md": "names the samples' old folder outside the repository; rewritten under issue 28 "
-                 "by its own change (not this branch's to edit)",
-}
 # A relative path of one or more `..` steps, in any text: `../x`, `../../shared/data`.
 CLIMB = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]*)")
 
@@ -119,16 +113,9 @@ def test_no_tracked_file_refers_outside_the_repository() -> None:
     offenders = {}
     for name in tracked_files():
         text = text_of(name)
-        if text is not None and (found := references_outside(name, text)) and name not in PENDING:
+        if text is not None and (found := references_outside(name, text)):
             offenders[name] = found
     assert not offenders, f"tracked files refer to paths outside the repository: {offenders}"
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_an_exempted_file_still_needs_its_exemption(name: str) -> None:
-    text = text_of(name) if (ROOT / name).is_file() else None
-    assert text is not None and references_outside(name, text), (
-        f"{name} no longer refers outside the repository: drop it from PENDING")
 
 
 def test_the_samples_are_tracked_where_the_code_names_them() -> None:
