@@ -2,7 +2,7 @@
 shards on their HTTP/1.1 ports, each trainer on its own. A scraper (urllib, no token) polls
 them all while the run goes on; the last page each role served is checked against the run's
 own records. The trainers linger until a scrape has read their final totals, so the last
-page is final. The model is the README's own (`examples/my_model.py`), so a `[model]
+page is final. The model is the documented example (`examples/my_model.py`), so a `[model]
 factory` is also imported by real trainer processes here."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from trainer.records import IterationRecord, MetricsRecord, read_records, read_r
 from trainer.timing import PHASES
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 class Scraper:
@@ -72,7 +72,7 @@ def test_every_role_serves_sane_metrics_to_the_end(tmp_path: Path) -> None:
     assert oracle.value("bagpipe_iterations_planned_total") == oracle.value("bagpipe_run_iterations") == n
     assert oracle.value("bagpipe_planner_key_uses_total") == n * job.spec.train.batch_size * job.layout.num_tables
     assert oracle.value("bagpipe_planner_key_uses_per_second") > 0
-    documented = README.read_text().split("\n## Metrics\n")[1].split("\n## ")[0]
+    documented = METRICS_DOC.read_text()
     for role, page in scraper.last.items():
         assert not [f for f in page.kinds if f"`{f}`" not in documented and f"`{f}{{" not in documented], role
     everyone = {str(j): float(n) for j in range(trainers)}
