@@ -40,11 +40,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+from oracle.kernels.jit import inlined, kernel
 
 NEVER = np.int64(1 << 62)
 
@@ -186,13 +187,13 @@ def reserve_index(m: IntMap, more: int, forget_through: int) -> IntMap:
     return IntMap(cells=cells, size=np.array([kept], np.int64))
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _forgotten(value: int, forget_through: int) -> bool:
     """Whether an index cell's value is a write-back version <= forget_through."""
     return value < 0 and -2 - value <= forget_through
 
 
-@nb.njit(cache=True)
+@kernel
 def index_kept(cells: np.ndarray, forget_through: int) -> int:
     kept = 0
     for i in range(cells.shape[0]):
@@ -201,7 +202,7 @@ def index_kept(cells: np.ndarray, forget_through: int) -> int:
     return kept
 
 
-@nb.njit(cache=True)
+@kernel
 def rehashed(cells: np.ndarray, capacity: int, forget_through: int) -> np.ndarray:
     """The keys and values of map cells, in new cells of `capacity` (a power of two), less
     the planner index's versions <= `forget_through` (`KEEP_ALL`: none)."""
@@ -216,7 +217,7 @@ def rehashed(cells: np.ndarray, capacity: int, forget_through: int) -> np.ndarra
     return out
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def map_find(cells: np.ndarray, key: int) -> int:
     """The cell of `key` in a map's cells, or the empty cell where it would go."""
     mask = cells.shape[0] - 1
@@ -253,7 +254,7 @@ def _prefetch(typingctx: Any, array: types.Array, row: types.Integer) -> tuple[A
 
 
 # --------------------------------------------------------------------------- batches
-@nb.njit(cache=True)
+@kernel
 def read_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct (key, trainer) pairs of a global batch int64 [B, F], ascending (pair id
     key * T + trainer, sample i on trainer i // (B/T)), and the index of every input's pair
@@ -270,7 +271,7 @@ def read_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndar
     return pair_of[order], inverse
 
 
-@nb.njit(cache=True)
+@kernel
 def _number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndarray]:
     """The batch's pairs numbered in order of first appearance: the number of every input
     (flat), and the pair of every number. One table per trainer, since trainers share no
@@ -300,7 +301,7 @@ def _number_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.n
     return number, pair_of[:n]
 
 
-@nb.njit(cache=True)
+@kernel
 def _radix_order(values: np.ndarray) -> np.ndarray:
     """The order that sorts non-negative `values`: LSD radix sort, 11 bits a pass (about
     five times np.argsort's speed on a batch's pairs)."""
@@ -455,7 +456,7 @@ def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int
 
 
 # --------------------------------------------------------------------------- free slots
-@nb.njit(cache=True, inline="always")
+@inlined
 def _heap_push(heap: np.ndarray, size: np.ndarray, j: int, slot: int) -> None:
     i = size[j]
     size[j] = i + 1
@@ -468,7 +469,7 @@ def _heap_push(heap: np.ndarray, size: np.ndarray, j: int, slot: int) -> None:
     heap[j, i] = slot
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _heap_pop(heap: np.ndarray, size: np.ndarray, j: int) -> int:
     top = heap[j, 0]
     n = size[j] - 1
@@ -491,7 +492,7 @@ def _heap_pop(heap: np.ndarray, size: np.ndarray, j: int) -> int:
 
 
 # --------------------------------------------------------------------------- ingest
-@nb.njit(cache=True)
+@kernel
 def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: int) -> None:
     """Read batch z: its sorted unique pairs get occurrence ids base, base+1, ...
 
@@ -537,7 +538,7 @@ def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: 
     st.index.size[0] += new_keys
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _new_entry(
     cells: np.ndarray, c: int, key: int, e: int, entry: np.ndarray, entry_pair: np.ndarray
 ) -> None:
@@ -556,7 +557,7 @@ def _new_entry(
         entry_pair[e, t, PAIR_SLOT] = -1
 
 
-@nb.njit(cache=True)
+@kernel
 def _free_entries(st: EngineState, done: np.ndarray, n: int) -> None:
     """Keys without copies or unplanned occurrences: their index cells keep only the version
     of their last write-back."""
@@ -569,7 +570,7 @@ def _free_entries(st: EngineState, done: np.ndarray, n: int) -> None:
 
 
 # --------------------------------------------------------------------------- copies
-@nb.njit(cache=True, inline="always")
+@inlined
 def _add_copy(
     entry: np.ndarray, entry_pair: np.ndarray, slot: np.ndarray, e: int, j: int, s: int, x: int
 ) -> None:
@@ -581,7 +582,7 @@ def _add_copy(
     slot[j, s, SLOT_STAMP] = x
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _remove_copy(
     entry: np.ndarray,
     entry_pair: np.ndarray,
@@ -600,7 +601,7 @@ def _remove_copy(
     _heap_push(heap, heap_size, j, s)
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _holder(entry_pair: np.ndarray, e: int) -> int:
     """The lowest-index trainer with a copy of the entry's key, or -1."""
     for t in range(entry_pair.shape[1]):
@@ -609,7 +610,7 @@ def _holder(entry_pair: np.ndarray, e: int) -> int:
     return -1
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _left(entry: np.ndarray, e: int, which: int, x: int, j: int, s: int) -> None:
     """Stamp the ENTRY_DROP or ENTRY_VIC cells of entry e."""
     entry[e, which + LEFT_ITERATION] = x
@@ -617,7 +618,7 @@ def _left(entry: np.ndarray, e: int, which: int, x: int, j: int, s: int) -> None
     entry[e, which + LEFT_SLOT] = s
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _emit(
     buf: np.ndarray, counts: np.ndarray, which: int, trainer: int, key: int, slot: int
 ) -> None:
@@ -628,7 +629,7 @@ def _emit(
     counts[which] = n + 1
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _fetch(
     fetch: np.ndarray, counts: np.ndarray, entry: np.ndarray, j: int, e: int, s: int
 ) -> None:
@@ -641,7 +642,7 @@ def _fetch(
 
 
 # --------------------------------------------------------------------------- victims
-@nb.njit(cache=True, inline="always")
+@inlined
 def _top_victim(
     slot: np.ndarray, heaps: np.ndarray, info: np.ndarray, j: int, x: int, horizon: int
 ) -> int:
@@ -653,7 +654,7 @@ def _top_victim(
     return heaps[j, 0, VICTIM_SLOT] if info[j, VICTIMS_LEFT] > 0 else -1
 
 
-@nb.njit(cache=True)
+@kernel
 def _build_victims(
     slot: np.ndarray, heaps: np.ndarray, info: np.ndarray, j: int, x: int, horizon: int
 ) -> None:
@@ -673,7 +674,7 @@ def _build_victims(
     info[j, VICTIMS_LEFT] = n
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _pop_victim(heaps: np.ndarray, info: np.ndarray, j: int) -> int:
     """Take trainer j's top victim off its heap; its slot."""
     top = heaps[j, 0, VICTIM_SLOT]
@@ -685,7 +686,7 @@ def _pop_victim(heaps: np.ndarray, info: np.ndarray, j: int) -> int:
     return top
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _sift_victim(heaps: np.ndarray, j: int, i: int, n: int) -> None:
     """Move victim i down trainer j's heap of n until both children come after it."""
     s, nxt, key = heaps[j, i, VICTIM_SLOT], heaps[j, i, VICTIM_NEXT], heaps[j, i, VICTIM_KEY]
@@ -711,13 +712,13 @@ def _sift_victim(heaps: np.ndarray, j: int, i: int, n: int) -> None:
     heaps[j, i, VICTIM_KEY] = key
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _goes_first(next_a: int, key_a: int, next_b: int, key_b: int) -> bool:
     """Whether victim a goes before victim b (keys differ: a trainer holds a key once)."""
     return next_a > next_b or (next_a == next_b and key_a > key_b)
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _evict(
     entry: np.ndarray,
     entry_pair: np.ndarray,
@@ -751,7 +752,7 @@ _AHEAD_PAIRS = 24
 _AHEAD_KEYS = 8
 
 
-@nb.njit(cache=True)
+@kernel
 def plan_iteration(
     st: EngineState,
     ev: Events,
@@ -794,7 +795,7 @@ def plan_iteration(
     _free_entries(st, done, n_done)
 
 
-@nb.njit(cache=True)
+@kernel
 def _classify(
     st: EngineState,
     ev: Events,
@@ -841,7 +842,7 @@ def _classify(
     return n_groups
 
 
-@nb.njit(cache=True)
+@kernel
 def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndarray:
     """Rows [entry, trainer, key, slot]: residencies at the end of x-1 used after
     `flush_after`, with their lowest-index copy as writer."""
@@ -864,7 +865,7 @@ def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndar
     return out[:n]
 
 
-@nb.njit(cache=True)
+@kernel
 def _evict_for(
     st: EngineState, ev: Events, x: int, horizon: int, need: np.ndarray, ended: np.ndarray
 ) -> None:
@@ -879,7 +880,7 @@ def _evict_for(
             _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
 
 
-@nb.njit(cache=True)
+@kernel
 def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: np.ndarray) -> None:
     """Rule 5 for the mandatory new copies (fetches and joins), in key order."""
     entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
@@ -914,7 +915,7 @@ def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: 
                 stats[j, STAT_JOINED] += 1
 
 
-@nb.njit(cache=True)
+@kernel
 def _prefetch_later(
     st: EngineState, ev: Events, x: int, horizon: int, groups: np.ndarray, ended: np.ndarray
 ) -> None:
@@ -946,7 +947,7 @@ def _prefetch_later(
             _fetch(fetch, counts, entry, j, e, s)
 
 
-@nb.njit(cache=True)
+@kernel
 def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None:
     """Rule 4: a residency whose last copies were victims ends after x-1; its writer is the
     lowest-index trainer among the copies leaving after x-1 (rule-3 leavers included). The
@@ -968,7 +969,7 @@ def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None
         entry[e, ENTRY_LAST_WB] = x - 1
 
 
-@nb.njit(cache=True)
+@kernel
 def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
     """Checkpoint flushes (`_flush_candidates`) of the residencies still going: apart from
     the writes that end residencies, since the writer's own copy may be leaving too."""
@@ -979,7 +980,7 @@ def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
             _emit(flush_prev, counts, N_FLUSH_PREV, j, key, s)
 
 
-@nb.njit(cache=True)
+@kernel
 def _after_use(
     st: EngineState,
     ev: Events,
@@ -1036,7 +1037,7 @@ def _after_use(
     return n_done
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _group(
     group_keys: np.ndarray,
     group_slots: np.ndarray,
@@ -1053,7 +1054,7 @@ def _group(
     counts[N_GROUPS] = n + 1
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _keeper(entry_pair: np.ndarray, e: int, horizon: int) -> int:
     """Rule 3's keeper after the use: if no copy has a use by its own trainer in the window
     but some trainer uses the key there, the lowest-index copy's trainer; else -1."""
@@ -1070,7 +1071,7 @@ def _keeper(entry_pair: np.ndarray, e: int, horizon: int) -> int:
     return holder if used_later else -1
 
 
-@nb.njit(cache=True, inline="always")
+@inlined
 def _unplanned_use(entry_pair: np.ndarray, e: int) -> bool:
     for t in range(entry_pair.shape[1]):
         if entry_pair[e, t, PAIR_TAIL] >= 0:
