@@ -56,10 +56,10 @@ to the code: numba inlines a helper of another file, and compiles in a constant 
 file, as it does one of its own.
 
 Cache. numba's on-disk cache notices only edits to a kernel's own file, while these kernels
-inline helpers and read constants of other files. So every kernel's cache is also stamped
-with a hash of all the files of this package (`jit`): after an edit to any of them, every
-kernel is compiled afresh on its first call, and `jit.is_cached` (oracle/compiled.py's
+inline helpers and read constants of other files. So each kernel is cached in a folder
+named by a hash of all the files of this package (`jit`): after an edit to any of them,
+every kernel is compiled afresh on its first call, and `jit.is_cached` (oracle/compiled.py's
 `is_compiled`) says so until then. oracle/compiled.py compiles them before the oracle
-reports ready. tests/oracle/test_compiled.py edits a constant in a copy of this package and
-sees the kernel that reads it compiled again.
+reports ready. tests/oracle/test_compiled.py edits a copy of this package and sees the
+kernel of another file compiled again.
 """

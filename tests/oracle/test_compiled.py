@@ -73,8 +73,8 @@ def imported_modules(source: str) -> set[str]:
 
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
 def test_the_kernels_import_no_source_outside_their_package(path: Path) -> None:
-    # their cache's stamp hashes the files of oracle/kernels (oracle/kernels/jit.py): code of
-    # the project outside it could change theirs unseen
+    # their cache's folder is named by a hash of the files of oracle/kernels (jit.py there):
+    # code of the project outside it could change theirs unseen
     foreign = {
         m for m in imported_modules(path.read_text())
         if not m.startswith("oracle.kernels.")
@@ -84,9 +84,11 @@ def test_the_kernels_import_no_source_outside_their_package(path: Path) -> None:
 
 
 def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_path: Path) -> None:
-    """`ingest` (ingest.py) compiles in NEVER from layout.py. numba's own stamp, the hash of
-    ingest.py, would load its stale code after NEVER changed, as it does for `plain` here;
-    the package's stamp has it compiled afresh, and `is_cached` says so before."""
+    """`ingest` (ingest.py) compiles in NEVER from layout.py, and its signature names
+    `EngineState` of state.py. numba's own cache, stamped with ingest.py alone, would load
+    stale code after NEVER changed, as it does for `plain` here, and would fail to read its
+    index once the class is renamed; the kernels' cache compiles `ingest` afresh after each
+    edit, and `is_cached` says so before."""
     src = tmp_path / "src"
     shutil.copytree(KERNELS, src / "oracle" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "oracle" / "__init__.py", src / "oracle")
@@ -118,12 +120,19 @@ def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_pat
         cached, compiled, never, stale = run_python(probe, tmp_path / "cache", root=src).split()
         return cached == "True", int(compiled), int(never), int(stale)
 
+    def edit(name: str, old: str, new: str) -> None:
+        path = src / "oracle" / "kernels" / name
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new))
+
     assert run() == (False, 1, 1 << 62, 1 << 62)
     assert run() == (True, 0, 1 << 62, 1 << 62)
-    layout = src / "oracle" / "kernels" / "layout.py"
-    before = layout.read_text()
-    assert before.count("NEVER = np.int64(1 << 62)") == 1
-    layout.write_text(before.replace("NEVER = np.int64(1 << 62)", "NEVER = np.int64(1 << 61)"))
+    edit("layout.py", "NEVER = np.int64(1 << 62)", "NEVER = np.int64(1 << 61)")
+    assert run() == (False, 1, 1 << 61, 1 << 62)
+    assert run() == (True, 0, 1 << 61, 1 << 62)
+    for name in ("state.py", "ingest.py"):
+        edit(name, "EngineState", "RenamedState")
     assert run() == (False, 1, 1 << 61, 1 << 62)
     assert run() == (True, 0, 1 << 61, 1 << 62)
 
