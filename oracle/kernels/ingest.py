@@ -28,11 +28,11 @@ from oracle.kernels.layout import (
     SLOT_NEXT,
     USED_ENTRIES,
 )
-from oracle.kernels.state import EngineState
+from oracle.kernels.state import BagpipeState
 
 
 @kernel
-def ingest(st: EngineState, z: int, pairs: np.ndarray, base: int, num_trainers: int) -> None:
+def ingest(st: BagpipeState, z: int, pairs: np.ndarray, base: int, num_trainers: int) -> None:
     """Read batch z: its sorted unique pairs get occurrence ids base, base+1, ...
 
     Links each pair's previous occurrence to this one and, where the pair had no unplanned

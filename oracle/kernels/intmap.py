@@ -1,7 +1,7 @@
 """The hash map from keys to int64 values that the planner's index and the reading of a
 batch use (`IntMap`): open addressing with linear probing, no deletion.
 
-The planner's index (`EngineState.index`) maps every key read and not yet planned to its
+The planner's index (`BagpipeState.index`) maps every key read and not yet planned to its
 last use to its entry, and keeps a key whose entry is gone, with the version of its last
 write-back, until no fetch can need it: one lookup when a key comes and one when it goes.
 When the index must grow it forgets the versions that every fetch from then on would ask
@@ -19,7 +19,7 @@ from oracle.kernels.jit import inlined, kernel
 # IntMap.cells, int64 [cap, 2]: a key and its value side by side, one cache line a probe.
 CELL_KEY = 0  # -1: empty
 CELL_VALUE = 1
-# EngineState.index values: an entry (>= 0), or, for a key without one, -2 - the version of
+# BagpipeState.index values: an entry (>= 0), or, for a key without one, -2 - the version of
 # its last write-back (so -1: never written back).
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 NEVER = np.int64(1 << 62)  # the iteration of a use that is not read yet, or not at all
 
-# counters, int64 [3]: engine-wide scalars, in an array so that kernels can change them.
+# counters, int64 [3]: the state's scalars, in an array so that kernels can change them.
 FREED_ENTRIES = 0  # entries on the entry_free stack, handed out again first
 USED_ENTRIES = 1  # entries ever handed out: [USED_ENTRIES, E) are untouched memory
 RING_SIZE = 2  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two

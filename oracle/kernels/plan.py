@@ -49,7 +49,7 @@ from oracle.kernels.layout import (
     STAT_USES,
     VICTIM_NEXT,
 )
-from oracle.kernels.state import EngineState, Events
+from oracle.kernels.state import BagpipeState, Events
 
 # Rows of `_flush_candidates`: the entry, then an event row's trainer, key and slot.
 FLUSH_ENTRY = 0
@@ -75,7 +75,7 @@ _AHEAD_KEYS = 8
 
 @kernel
 def plan_iteration(
-    st: EngineState,
+    st: BagpipeState,
     ev: Events,
     x: int,
     pairs: np.ndarray,
@@ -118,7 +118,7 @@ def plan_iteration(
 
 @kernel
 def _classify(
-    st: EngineState,
+    st: BagpipeState,
     ev: Events,
     x: int,
     pairs: np.ndarray,
@@ -164,7 +164,7 @@ def _classify(
 
 
 @kernel
-def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndarray:
+def _flush_candidates(st: BagpipeState, flush: bool, flush_after: int) -> np.ndarray:
     """Rows [entry, trainer, key, slot]: residencies at the end of x-1 used after
     `flush_after`, with their lowest-index copy as writer."""
     slot, entry, entry_pair = st.slot, st.entry, st.entry_pair
@@ -176,7 +176,11 @@ def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndar
     for j in range(t_count):
         for s in range(capacity):
             e = slot[j, s, SLOT_ENTRY]
-            if e < 0 or entry[e, ENTRY_LAST_USE] <= flush_after or lowest_holder(entry_pair, e) != j:
+            if (
+                e < 0
+                or entry[e, ENTRY_LAST_USE] <= flush_after
+                or lowest_holder(entry_pair, e) != j
+            ):
                 continue
             out[n, FLUSH_ENTRY] = e
             out[n, FLUSH_TRAINER] = j
@@ -188,7 +192,7 @@ def _flush_candidates(st: EngineState, flush: bool, flush_after: int) -> np.ndar
 
 @kernel
 def _evict_for(
-    st: EngineState, ev: Events, x: int, horizon: int, need: np.ndarray, ended: np.ndarray
+    st: BagpipeState, ev: Events, x: int, horizon: int, need: np.ndarray, ended: np.ndarray
 ) -> None:
     """Rule 4: each trainer evicts until its `need` new copies at x fit."""
     entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
@@ -229,7 +233,9 @@ def _evict(
 
 
 @kernel
-def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: np.ndarray) -> None:
+def _assign_new(
+    st: BagpipeState, ev: Events, x: int, pairs: np.ndarray, groups: np.ndarray
+) -> None:
     """Rule 5 for the mandatory new copies (fetches and joins), in key order."""
     entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
     heap_size = st.heap_size
@@ -265,7 +271,7 @@ def _assign_new(st: EngineState, ev: Events, x: int, pairs: np.ndarray, groups: 
 
 @kernel
 def _prefetch_later(
-    st: EngineState, ev: Events, x: int, horizon: int, groups: np.ndarray, ended: np.ndarray
+    st: BagpipeState, ev: Events, x: int, horizon: int, groups: np.ndarray, ended: np.ndarray
 ) -> None:
     """Rule 1: a trainer using an admitted key at u in (x, x+L] fetches it now if it has a
     free slot or a victim whose next use is strictly later than u."""
@@ -296,7 +302,7 @@ def _prefetch_later(
 
 
 @kernel
-def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None:
+def _end_victims(st: BagpipeState, ev: Events, x: int, ended: np.ndarray) -> None:
     """Rule 4: a residency whose last copies were victims ends after x-1; its writer is the
     lowest-index trainer among the copies leaving after x-1 (rule-3 leavers included). The
     key stays in the window (it had a copy at the end of x-1), so its entry stays."""
@@ -318,7 +324,7 @@ def _end_victims(st: EngineState, ev: Events, x: int, ended: np.ndarray) -> None
 
 
 @kernel
-def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
+def _flush(st: BagpipeState, ev: Events, rows: np.ndarray) -> None:
     """Checkpoint flushes (`_flush_candidates`) of the residencies still going: apart from
     the writes that end residencies, since the writer's own copy may be leaving too."""
     entry, flush_prev, counts = st.entry, ev.flush_prev, ev.counts
@@ -330,7 +336,7 @@ def _flush(st: EngineState, ev: Events, rows: np.ndarray) -> None:
 
 @kernel
 def _after_use(
-    st: EngineState,
+    st: BagpipeState,
     ev: Events,
     x: int,
     pairs: np.ndarray,
@@ -428,7 +434,7 @@ def _unplanned_use(entry_pair: np.ndarray, e: int) -> bool:
 
 
 @kernel
-def _free_entries(st: EngineState, done: np.ndarray, n: int) -> None:
+def _free_entries(st: BagpipeState, done: np.ndarray, n: int) -> None:
     """Keys without copies or unplanned occurrences: their index cells keep only the version
     of their last write-back."""
     cells, entry, freed, counters = st.index.cells, st.entry, st.entry_free, st.counters

@@ -1,5 +1,5 @@
 """The planner's state and the event buffers of one planned iteration: all arrays
-(`EngineState`, `Events`), their columns named in `layout`, made and grown here.
+(`BagpipeState`, `Events`), their columns named in `layout`, made and grown here.
 
 Everything is sized by the caches (T x C) or by the keys in the window, and the index also
 by the keys whose last write-back may still be in flight: when it must grow, it forgets the
@@ -33,7 +33,7 @@ from oracle.kernels.layout import (
 )
 
 
-class EngineState(NamedTuple):
+class BagpipeState(NamedTuple):
     """Mutable planner state, all arrays (oracle/kernels/__init__.py tells what each holds)."""
 
     slot: np.ndarray  # int64 [T, C, NUM_SLOT]: SLOT_*
@@ -50,7 +50,7 @@ class EngineState(NamedTuple):
     occ_next_use: np.ndarray  # int64 [ring] iteration of the pair's next occurrence, NEVER none yet
 
 
-def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> EngineState:
+def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> BagpipeState:
     """Empty caches: every slot free; room for `entries` keys in the window (memory that is
     only touched as keys come) and `ring` occurrences (a power of two); an index with room
     for the keys of full caches."""
@@ -58,7 +58,7 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Engi
     slot = np.empty((t, c, NUM_SLOT), np.int64)
     slot[:, :, SLOT_KEY] = slot[:, :, SLOT_ENTRY] = slot[:, :, SLOT_STAMP] = -1
     slot[:, :, SLOT_NEXT] = NEVER
-    return EngineState(
+    return BagpipeState(
         slot=slot,
         heap=np.tile(np.arange(c, dtype=np.int32), (t, 1)),
         heap_size=np.full(t, c, np.int64),
@@ -86,7 +86,7 @@ def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
     }
 
 
-def reserve_entries(state: EngineState, more: int, forget_through: int) -> EngineState:
+def reserve_entries(state: BagpipeState, more: int, forget_through: int) -> BagpipeState:
     """The same state with room for `more` new keys: free entries, and an index at most half
     full with them (`reserve_index`)."""
     freed, used = int(state.counters[FREED_ENTRIES]), int(state.counters[USED_ENTRIES])
@@ -103,7 +103,7 @@ def reserve_entries(state: EngineState, more: int, forget_through: int) -> Engin
     return state._replace(**grown, entry_free=stack)
 
 
-def grow_ring(state: EngineState, live_from: int, live_to: int, ring: int) -> EngineState:
+def grow_ring(state: BagpipeState, live_from: int, live_to: int, ring: int) -> BagpipeState:
     """The same state with an occurrence ring of `ring` entries (a power of two); ids
     [live_from, live_to) kept."""
     grown = {"occ_entry": np.empty(ring, np.int64), "occ_next_use": np.empty(ring, np.int64)}
@@ -123,7 +123,7 @@ def _copy_ids(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
 
 
 class Events(NamedTuple):
-    """Event buffers of one planned iteration; column meaning per buffer in `plan.plan_iteration`."""
+    """Event buffers of one planned iteration (`plan.plan_iteration`); columns in `layout`."""
 
     pair_slot: np.ndarray  # int32 [P]
     fetch: np.ndarray  # int64 [n, 4]: EV_TRAINER, EV_KEY, EV_SLOT, EV_MIN_VERSION (target = x)

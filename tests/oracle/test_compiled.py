@@ -85,12 +85,13 @@ def test_the_kernels_import_no_source_outside_their_package(path: Path) -> None:
 
 def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_path: Path) -> None:
     """`ingest` (ingest.py) compiles in NEVER from layout.py, and its signature names
-    `EngineState` of state.py. numba's own cache, stamped with ingest.py alone, would load
+    `BagpipeState` of state.py. numba's own cache, stamped with ingest.py alone, would load
     stale code after NEVER changed, as it does for `plain` here, and would fail to read its
     index once the class is renamed; the kernels' cache compiles `ingest` afresh after each
     edit, and `is_cached` says so before."""
     src = tmp_path / "src"
-    shutil.copytree(KERNELS, src / "oracle" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(KERNELS, src / "oracle" / "kernels", ignore=ignore)
     shutil.copy(ROOT / "oracle" / "__init__.py", src / "oracle")
     (src / "plain.py").write_text(textwrap.dedent(
         """
@@ -132,7 +133,7 @@ def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_pat
     assert run() == (False, 1, 1 << 61, 1 << 62)
     assert run() == (True, 0, 1 << 61, 1 << 62)
     for name in ("state.py", "ingest.py"):
-        edit(name, "EngineState", "RenamedState")
+        edit(name, "BagpipeState", "RenamedState")
     assert run() == (False, 1, 1 << 61, 1 << 62)
     assert run() == (True, 0, 1 << 61, 1 << 62)
 
@@ -159,8 +160,10 @@ def test_a_real_run_compiles_nothing_after_compile_planner(tmp_path: Path) -> No
         for _ in range(30):
             planner.push(rng.zipf(1.3, size=(12, 3)) % 5000)
         planner.finish()
-        files = [importlib.import_module(f"oracle.kernels.{m.name}") for m in pkgutil.iter_modules(oracle.kernels.__path__)]
-        kernels = {id(f): f for m in files for f in vars(m).values() if isinstance(f, Dispatcher)}.values()
+        files = [importlib.import_module(f"oracle.kernels.{m.name}")
+                 for m in pkgutil.iter_modules(oracle.kernels.__path__)]
+        kernels = {id(f): f for m in files for f in vars(m).values()
+                   if isinstance(f, Dispatcher)}.values()
         print(len(kernels), sum(sum(f.stats.cache_misses.values()) for f in kernels))
         """,
         tmp_path,
