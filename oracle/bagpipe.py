@@ -1,12 +1,14 @@
-"""Bagpipe mode: the numba engine (oracle/engine.py) behind the `Rules` interface."""
+"""Bagpipe mode: the numba kernels (oracle/kernels/) behind the `Rules` interface."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from oracle import engine
 from oracle.config import PlannerConfig
-from oracle.engine import (
+from oracle.kernels.batch import read_pairs
+from oracle.kernels.ingest import ingest
+from oracle.kernels.intmap import index_kept, rehashed
+from oracle.kernels.layout import (
     N_FETCH,
     N_GROUPS,
     N_JOIN_DST,
@@ -18,24 +20,24 @@ from oracle.engine import (
     N_WRITE_PREV,
     RING_SIZE,
 )
+from oracle.kernels.plan import plan_iteration
+from oracle.kernels.state import grow_ring, new_events, new_state, pow2, reserve_entries
 from oracle.rules import Batch, Planned, check_feasible
 
 _MIN_RING = 1 << 16
 
 
 class BagpipeRules:
-    """DESIGN §4 with lookahead L and lead D, one engine state for all trainers."""
+    """DESIGN §4 with lookahead L and lead D, one kernel state for all trainers."""
 
-    kernels = (
-        engine.read_pairs, engine.ingest, engine.plan_iteration, engine.rehashed, engine.index_kept,
-    )
+    kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
         # room for every key resident and three times as many more in the window, in memory
         # touched only as keys come; the window's keys grow it beyond that
         entries = 4 * config.num_trainers * config.capacity
-        self._state = engine.new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
+        self._state = new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0
         self._planned = 0  # iterations planned
@@ -44,14 +46,14 @@ class BagpipeRules:
         live_from = min(self._base.values(), default=self._next_id)
         live_to = self._next_id + batch.pairs.size
         if live_to - live_from > int(self._state.counters[RING_SIZE]):
-            ring = max(engine.pow2(2 * (live_to - live_from)), _MIN_RING)
-            self._state = engine.grow_ring(self._state, live_from, self._next_id, ring)
+            ring = max(pow2(2 * (live_to - live_from)), _MIN_RING)
+            self._state = grow_ring(self._state, live_from, self._next_id, ring)
         # a key read from now on is fetched by directive max(0, x - D) or later, x the next planned
         first_directive = max(0, self._planned - self._config.prefetch_lead)
         forget_through = self._config.landed_through(first_directive)
-        self._state = engine.reserve_entries(self._state, batch.used_keys.size, forget_through)
+        self._state = reserve_entries(self._state, batch.used_keys.size, forget_through)
         self._base[z] = self._next_id
-        engine.ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
+        ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
         self._next_id = live_to
 
     @property
@@ -64,10 +66,10 @@ class BagpipeRules:
         check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
         flush = x > 0 and cfg.is_local_checkpoint(x - 1)
         flush_rows = t * cfg.capacity if flush else 0  # one per resident key at most
-        ev = engine.new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
+        ev = new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
         base = self._base.pop(x)
         self._planned = x + 1
-        engine.plan_iteration(
+        plan_iteration(
             self._state, ev, x, batch.pairs, base, t, cfg.lookahead, flush, x - 1 - cfg.checkpoint_every
         )
         n = ev.counts

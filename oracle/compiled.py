@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 import numpy as np
 
 from common.spec import Mode
 from oracle import NUMBA_CACHE_ENV
 from oracle.config import PlannerConfig
+from oracle.kernels.jit import is_cached
 from oracle.planner import Planner, rules_class
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def is_compiled(mode: Mode) -> bool:
     """Whether numba's cache holds current code for every kernel `mode`'s rules call."""
-    return all(_cached(kernel) for kernel in rules_class(mode).kernels)
+    return all(is_cached(kernel) for kernel in rules_class(mode).kernels)
 
 
 def compile_planner(mode: Mode) -> None:
@@ -45,11 +45,3 @@ def compile_planner(mode: Mode) -> None:
     if cold:
         log.info("compiled the %s planner in %.1f s; cached in %s for later runs", mode,
                  time.perf_counter() - started, os.environ[NUMBA_CACHE_ENV])
-
-
-def _cached(kernel: Any) -> bool:
-    # numba's own test of a kernel's index file: present, written by this numba version and
-    # for the kernel's current source (it hashes the file). numba has no public call for it;
-    # these are the internals of numba 0.68 (pinned), and tests/oracle/test_compiled.py
-    # notices when they change.
-    return bool(kernel._cache._cache_file._load_index())

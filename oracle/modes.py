@@ -17,14 +17,8 @@ from numba import types
 from numba.typed import Dict
 
 from oracle.config import PlannerConfig
-from oracle.engine import (
-    NUM_STATS,
-    STAT_FETCHED,
-    STAT_HITS,
-    STAT_OCCUPANCY,
-    STAT_USES,
-    read_pairs,
-)
+from oracle.kernels.batch import read_pairs
+from oracle.kernels.layout import NUM_STATS, STAT_FETCHED, STAT_HITS, STAT_OCCUPANCY, STAT_USES
 from oracle.rules import Batch, Planned, check_feasible, rows
 
 

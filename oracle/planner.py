@@ -31,7 +31,7 @@ from oracle.config import (
     hottest_keys,
     required_capacity,
 )
-from oracle.engine import (
+from oracle.kernels.layout import (
     EV_FLUSH,
     EV_KEY,
     EV_MIN_VERSION,

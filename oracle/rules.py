@@ -2,7 +2,7 @@
 
 `Planned` is the event list of one planned iteration x; `oracle/planner.py` files each event in
 the directive it belongs to. Rows of the event arrays are (trainer, key, slot[, extra]); their
-columns and those of `stats` are named in oracle/engine.py (EV_*, STAT_*).
+columns and those of `stats` are named in oracle/kernels/layout.py (EV_*, STAT_*).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from oracle.config import PlannerConfig, infeasible_capacity
-from oracle.engine import read_pairs
+from oracle.kernels.batch import read_pairs
 
 
 @dataclass(frozen=True, kw_only=True)

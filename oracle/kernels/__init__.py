@@ -1,0 +1,65 @@
+"""The planner's numba kernels: the bagpipe rules of DESIGN §4 compiled per key, and the
+reading of a batch that every mode shares.
+
+Same structure as the specification (tests/oracle/reference_planner.py, steps a-f), with the
+slow parts replaced by indexable state:
+
+* keys: every key read and not yet planned to its last use has an *entry*, found through a
+  hash index (`intmap.IntMap`). A key with copies always has one, since a copy stays only
+  while some trainer uses its key in the window. The entry holds the version of the key's
+  last planned write-back and, per trainer, the copy's slot and the iteration of the
+  trainer's earliest unplanned use (``head``, NEVER if none). A key whose entry is gone
+  keeps its index cell, which then holds that version until no fetch can need it
+  (`intmap.reserve_index`): one lookup when a key comes and one when it goes;
+* next uses: every (key, trainer) *pair* read but not yet planned is an occurrence in a ring
+  that knows its key's entry and, once the pair is read again, that next occurrence's
+  iteration. The entry holds each pair's latest occurrence (``tail``), so reading a batch
+  links each pair (`ingest`), and planning moves each pair's head (`plan`), without a hash
+  lookup per pair;
+* copies: each slot holds its key, its entry, its trainer's next use of the key (NEVER if
+  none is read yet) and when it was last used or filled (`copies`);
+* free slots: one min-heap per trainer (the smallest free slot is handed out; `heaps`);
+* Belady victims: one max-heap per trainer, built only when that trainer must evict at x
+  (`heaps`).
+
+Everything is sized by the caches (T x C) or by the keys in the window, and the index also
+by the keys whose last write-back may still be in flight (`state`). The kernels append
+events to preallocated arrays and return counts; oracle/planner.py turns them into
+directives.
+
+The files, each importing only those above it:
+
+* `jit`: how a kernel is compiled and cached (below, "Cache");
+* `layout`: the names of the columns and cells of the state and event arrays, and NEVER;
+* `intmap`: the hash map (the planner's index, and the tables that read a batch);
+* `cpu_prefetch`: LLVM's prefetch instruction, which numba lacks;
+* `batch`: a global batch read into its sorted distinct (key, trainer) pairs (`read_pairs`,
+  every mode);
+* `state`: the planner's state and the event buffers: made, and grown between batches;
+* `heaps`: free slots and victims;
+* `copies`: a copy comes and goes; the events the planning steps emit;
+* `ingest`: batch z read into the window (`ingest`);
+* `plan`: iteration x planned (`plan_iteration`, the bagpipe rules' steps a-f).
+
+oracle/bagpipe.py calls `ingest` and `plan_iteration` behind the `Rules` interface.
+
+Speed. Planning is bound by memory latency and by numba's reference counting. The cells of a
+slot, and those of an entry, sit side by side. numba increfs and decrefs an array (atomic
+calls, tens of ns each, more than the work around them) whenever code takes it out of a
+tuple, and every array of a tuple passed to a function, inlined or not. So each step of
+planning is one function, called once per iteration, that takes the state's arrays out once;
+the helpers it calls per key or per pair take arrays, never the state, and are inlined
+(`jit.inlined`, numba's ``inline="always"``). A slice or a view costs the same: hot code
+indexes cells one at a time. The per-key loops prefetch the entries of the keys a few steps
+ahead (`cpu_prefetch.prefetch_row`). Where a helper or a constant sits makes no difference
+to the code: numba inlines a helper of another file, and compiles in a constant of another
+file, as it does one of its own.
+
+Cache. numba's on-disk cache notices only edits to a kernel's own file, while these kernels
+inline helpers and read constants of other files. So each kernel is cached in a folder
+named by a hash of all the files of this package (`jit`): after an edit to any of them,
+every kernel is compiled afresh on its first call, and `jit.is_cached` (oracle/compiled.py's
+`is_compiled`) says so until then. oracle/compiled.py compiles them before the oracle
+reports ready. tests/oracle/test_compiled.py edits a copy of this package and sees the
+kernel of another file compiled again.
+"""

@@ -1,0 +1,83 @@
+"""Column and cell names of the planner's state and event arrays (`state`), and NEVER.
+
+Module-level ints are compile-time constants to numba, so naming an index costs nothing. A
+kernel compiles them into its code, and numba's cache alone would not see an edit here:
+the kernels' cache folder does (`jit`). The other oracle modules import them from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NEVER = np.int64(1 << 62)  # the iteration of a use that is not read yet, or not at all
+
+# counters, int64 [3]: the state's scalars, in an array so that kernels can change them.
+FREED_ENTRIES = 0  # entries on the entry_free stack, handed out again first
+USED_ENTRIES = 1  # entries ever handed out: [USED_ENTRIES, E) are untouched memory
+RING_SIZE = 2  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
+
+# slot, int64 [T, C, NUM_SLOT]: the cells of each trainer's cache slot.
+SLOT_KEY = 0  # -1: free
+SLOT_ENTRY = 1
+SLOT_NEXT = 2  # the pair's PAIR_HEAD, kept here too for the victim scan
+SLOT_STAMP = 3  # the last iteration that used or filled the slot
+NUM_SLOT = 4
+
+# entry, int64 [E, NUM_ENTRY]: a key's own cells.
+ENTRY_KEY = 0
+ENTRY_COPIES = 1
+ENTRY_LAST_USE = 2  # the last iteration planned that used the key
+ENTRY_LAST_WB = 3  # the version of its last planned write-back, -1 none
+ENTRY_DROP = 4  # 3 cells, LEFT_*: the residency's first rule-3 leaver
+ENTRY_VIC = 7  # 3 cells, LEFT_*: the residency's lowest capacity victim
+NUM_ENTRY = 10
+
+# entry_pair, int64 [E, T, NUM_PAIR]: per trainer, the (key, trainer) pair's cells.
+PAIR_HEAD = 0  # the iteration of its earliest unplanned use, NEVER if none
+PAIR_TAIL = 1  # its latest occurrence read, -1 if none is unplanned
+PAIR_SLOT = 2  # the trainer's copy of the key, -1 if none
+NUM_PAIR = 3
+
+# Offsets from ENTRY_DROP and ENTRY_VIC. Both are stamped with the x being planned: rule-3
+# leavers leave after x, victims after x-1.
+LEFT_ITERATION = 0
+LEFT_TRAINER = 1
+LEFT_SLOT = 2
+
+# victims, int64 [T, C, NUM_VICTIM]: per trainer, a max-heap of its capacity victims at x.
+VICTIM_SLOT = 0
+VICTIM_NEXT = 1  # the copy's next use, NEVER past the window
+VICTIM_KEY = 2
+NUM_VICTIM = 3
+
+# victims_info, int64 [T, 2]
+VICTIMS_BUILT_AT = 0  # the iteration the heap was built for; stale at any other
+VICTIMS_LEFT = 1  # candidates left in it
+
+# Event rows (Events.fetch, join_*, leave_*, write_*; `Planned` in oracle/rules.py).
+EV_TRAINER = 0
+EV_KEY = 1
+EV_SLOT = 2
+EV_MIN_VERSION = 3  # fetch rows only
+EV_TARGET = 4  # appended by oracle/planner.py when it files a fetch
+EV_FLUSH = 3  # write rows: appended by oracle/planner.py, 1 for a checkpoint flush
+
+# Events.counts, int64 [NUM_COUNTS]: rows filled in each event buffer.
+N_FETCH = 0
+N_JOIN_DST = 1
+N_JOIN_SRC = 2
+N_GROUPS = 3  # group_keys and group_slots
+N_LEAVE_PREV = 4
+N_LEAVE_NOW = 5
+N_WRITE_PREV = 6
+N_WRITE_NOW = 7
+N_FLUSH_PREV = 8
+NUM_COUNTS = 9
+
+# Events.stats, int64 [T, NUM_STATS]: per trainer, for the iteration planned.
+STAT_USES = 0
+STAT_HITS = 1  # uses served by a copy resident before the iteration's fetches
+STAT_FETCHED = 2  # uses whose row is fetched for this iteration
+STAT_JOINED = 3
+STAT_OCCUPANCY = 4  # slots held during the iteration
+NUM_STATS = 5
