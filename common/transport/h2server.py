@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
     Answer,
     Gate,
+    PendingAnswer,
     Request,
     Response,
     Route,
@@ -315,15 +315,16 @@ class _ServerProtocol(H2Protocol):
 
     # -- request tasks --------------------------------------------------------------------
     def _spawn(self, stream_id: int, coro: object, awaiting: object = None) -> None:
-        """Run `coro` as the stream's task; `awaiting` is a coroutine it takes over, closed if
-        the task is cancelled before it started (so that it is not left never awaited)."""
+        """Run `coro` as the stream's task; `awaiting` is the handler's answer it takes over
+        (a `PendingAnswer`), closed if the task is cancelled before it started (so that the
+        handler's coroutine is not left never awaited)."""
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks[stream_id] = task
         self._server.tasks.add(task)
         task.add_done_callback(lambda t: self._task_done(stream_id, t, awaiting))
 
     def _task_done(self, stream_id: int, task: asyncio.Task[None], awaiting: object) -> None:
-        if task.cancelled() and inspect.iscoroutine(awaiting):
+        if task.cancelled() and isinstance(awaiting, PendingAnswer):
             awaiting.close()  # a no-op once it has run
         self._tasks.pop(stream_id, None)
         self._incoming.pop(stream_id, None)  # answered: the rest of an upload is not read

@@ -18,7 +18,7 @@ import abc
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,8 +207,28 @@ def start_handler(route: Route, request: Request) -> Answer | Awaitable[Answer]:
     if isinstance(result, Response | StreamResponse):
         return result
     if inspect.isawaitable(result):
-        return _finish_handler(result, request)
+        return PendingAnswer(result, request)
     return _not_an_answer(request, result)
+
+
+class PendingAnswer:
+    """What `start_handler` gives for a handler that has to wait: an awaitable of its answer,
+    every failure an error answer. A server that will never await it (its request was
+    cancelled first) calls `close`, which closes the handler's coroutine too: left unawaited,
+    it would warn when collected."""
+
+    __slots__ = ("_pending", "_request")
+
+    def __init__(self, pending: Awaitable[object], request: Request) -> None:
+        self._pending, self._request = pending, request
+
+    def __await__(self) -> Generator[Any, None, Answer]:
+        return _finish_handler(self._pending, self._request).__await__()
+
+    def close(self) -> None:
+        """Close the handler's coroutine (a no-op once it has run)."""
+        if inspect.iscoroutine(self._pending):
+            self._pending.close()
 
 
 async def _finish_handler(pending: Awaitable[object], request: Request) -> Answer:
