@@ -117,6 +117,8 @@ def connection_limits(cluster: ClusterSection) -> ConnectionLimits:
         reset_window_s=cluster.reset_window_s,
         unauthenticated_rate=cluster.unauthenticated_rate,
         unauthenticated_burst=cluster.unauthenticated_burst,
+        auth_timeout_s=cluster.auth_timeout_s,
+        max_unauthenticated_connections=cluster.max_unauthenticated_connections,
     )
 
 

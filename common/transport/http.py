@@ -135,11 +135,15 @@ class TokenCheck:
         self._expected = None if token is None else f"Bearer {token}".encode()
 
     def check(self, headers: dict[str, str]) -> None:
-        if self._expected is None:
-            return
-        given = headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self._expected):
+        if not self.valid(headers):
             raise Unauthorized("missing or wrong bearer token")
+
+    def valid(self, headers: dict[str, str]) -> bool:
+        """Whether `headers` carry the token (always, when the check is disabled)."""
+        if self._expected is None:
+            return True
+        given = headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, self._expected)
 
 
 def error_response(err: BagpipeError) -> Response:
@@ -169,12 +173,22 @@ class Gate:
         if not route.public:
             self.auth.check(headers)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise self.too_large()
+        if length.isdigit() and int(length) > self.body_limit(route):
+            raise self.too_large(self.body_limit(route))
         return route
 
-    def too_large(self) -> PayloadTooLarge:
-        limit = self.max_body_bytes
+    def body_limit(self, route: Route) -> int:
+        """The largest body `route` takes. Public routes (probes, scrapes) take none: a peer
+        without the token cannot make the server buffer a body."""
+        return 0 if route.public else self.max_body_bytes
+
+    def shows_token(self, headers: dict[str, str]) -> bool:
+        """Whether a request carries the token, admitted or not: its connection then holds
+        its slot (`limits.Newcomers`)."""
+        return self.auth.valid(headers)
+
+    def too_large(self, limit: int | None = None) -> PayloadTooLarge:
+        limit = self.max_body_bytes if limit is None else limit
         return PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
 
     def unauthenticated(self, now: float, peer: str, logs: RateLimitedLogs) -> float:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +22,7 @@ from common.transport.http import (
     Gate,
     Request,
     Response,
+    Route,
     Router,
     StreamResponse,
     auth_headers,
@@ -30,7 +31,7 @@ from common.transport.http import (
     raise_for_answer,
     run_handler,
 )
-from common.transport.limits import LINGER_S, ConnectionLimits
+from common.transport.limits import LINGER_S, ConnectionLimits, Newcomers
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class Http1Server:
     A request is admitted on its headers (route, token, declared Content-Length) before
     its body is read; a refused one is answered and its connection closed. `limits` gives
     the idle timeout (aiohttp's keep-alive timeout, which also covers a connection that
-    never sends a request) and the cap on connections. `port=0` binds a free port,
-    reported by `.port`. `stop()` lets in-flight requests finish for up to `grace` seconds.
+    never sends a request), the cap on connections and the newcomers' deadline and budget
+    (`limits.Newcomers`, as on HTTP/2). `port=0` binds a free port, reported by `.port`.
+    `stop()` lets in-flight requests finish for up to `grace` seconds.
     """
 
     def __init__(
@@ -62,12 +64,20 @@ class Http1Server:
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._logs = RateLimitedLogs(logger)  # for what peers can provoke at will
+        self._newcomers: Newcomers[web.RequestHandler] = Newcomers(limits)
+        self._watched: dict[web.RequestHandler, _Watched] = {}  # the newcomers' wrappers
 
     @property
     def port(self) -> int:
         if self._listener is None:
             raise RuntimeError("server not started")
         return int(self._listener.sockets[0].getsockname()[1])
+
+    @property
+    def connection_count(self) -> int:
+        """Connections held now (newcomers included)."""
+        server = None if self._runner is None else self._runner.server
+        return 0 if server is None else len(server.connections)
 
     async def start(self) -> None:
         app = web.Application(client_max_size=self._gate.max_body_bytes)
@@ -100,19 +110,51 @@ class Http1Server:
             await listener.wait_closed()
 
     def _accept(self) -> asyncio.BaseProtocol:
-        """aiohttp's protocol for a new connection, or one that closes it at once when the
-        server already holds `max_connections`."""
+        """aiohttp's protocol for a new connection, watched until it shows the token; or one
+        that closes it at once when every slot is held by peers that have shown it."""
         assert self._runner is not None and self._runner.server is not None
         server = self._runner.server
-        if len(server.connections) < self._limits.max_connections:
-            return server()
-        self._logs["max_connections"].warning(
-            "refused a connection: %d connections open (max_connections)", len(server.connections)
-        )
-        return _Refused()
+        handler = server()
+        keep, evicted = self._newcomers.arrive(handler, len(server.connections))
+        if not keep:
+            self._logs["max_connections"].warning(
+                "refused a connection: %d connections open, each has shown the token "
+                "(max_connections)", len(server.connections),
+            )
+            return _Refused()
+        if evicted is not None:
+            self._cut_off(evicted, "max_unauthenticated_connections",
+                          "closed a connection to make room: it had not shown the token "
+                            "(max_unauthenticated_connections or max_connections)")
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self._limits.auth_timeout_s, self._auth_expired, handler)
+        watched = self._watched[handler] = _Watched(handler, deadline, self._left)
+        return watched
+
+    def _showed_token(self, handler: web.RequestHandler) -> None:
+        if self._newcomers.showed_token(handler):
+            self._watched.pop(handler).deadline.cancel()
+
+    def _auth_expired(self, handler: web.RequestHandler) -> None:
+        if handler in self._newcomers:
+            self._cut_off(handler, "auth_timeout_s", "closed a connection: no request with the "
+                          f"token within {self._limits.auth_timeout_s:g}s (auth_timeout_s)")
+
+    def _cut_off(self, handler: web.RequestHandler, limit: str, message: str) -> None:
+        self._logs[limit].info(message)
+        self._left(handler)
+        handler.force_close()
+
+    def _left(self, handler: web.RequestHandler) -> None:
+        self._newcomers.left(handler)
+        watched = self._watched.pop(handler, None)
+        if watched is not None:
+            watched.deadline.cancel()
 
     async def _handle(self, raw: web.Request) -> web.StreamResponse:
         headers = {k.lower(): v for k, v in raw.headers.items()}
+        if raw.protocol in self._newcomers and self._gate.shows_token(headers):
+            self._showed_token(raw.protocol)
         try:
             route = self._gate.admit(raw.method, raw.path, headers)
         except Unauthorized as err:
@@ -123,8 +165,24 @@ class Http1Server:
             return _early(raw, error_response(err))
         if route.public:
             await self._charge_unauthenticated(raw)
+        body = await self._body(raw, route)
+        if isinstance(body, web.Response):
+            return body
+        request = Request(
+            method=raw.method, path=raw.path, query=dict(raw.query), headers=headers, body=body
+        )
+        result = await run_handler(route, request)
+        if isinstance(result, Response):
+            return _plain(result)
+        return await _stream(raw, result)
+
+    async def _body(self, raw: web.Request, route: Route) -> bytes | web.Response:
+        """The request's body, or the answer to give instead when it cannot be read whole.
+        Public routes take none (`Gate.body_limit`): aiohttp drops what comes unread."""
+        if route.public:
+            return b""
         try:
-            body = await raw.read()
+            return await raw.read()
         except BagpipeError as err:
             return _early(raw, error_response(err))
         except web.HTTPRequestEntityTooLarge:
@@ -133,13 +191,6 @@ class Http1Server:
             # The peer left mid-body; nobody reads an answer, aiohttp drops it quietly.
             self._logs["lost_mid_body"].info("connection from %s lost mid-body: %s", raw.remote, exc)
             return _early(raw, error_response(Unavailable("request body incomplete")))
-        request = Request(
-            method=raw.method, path=raw.path, query=dict(raw.query), headers=headers, body=body
-        )
-        result = await run_handler(route, request)
-        if isinstance(result, Response):
-            return _plain(result)
-        return await _stream(raw, result)
 
     async def _charge_unauthenticated(self, raw: web.Request) -> None:
         """One more request answered without the token; past the budget its answer waits
@@ -150,6 +201,35 @@ class Http1Server:
         wait = self._gate.unauthenticated(loop.time(), str(raw.remote), self._logs)
         if wait > 0:
             await asyncio.sleep(wait)  # the rate limit itself, not a wait for an event
+
+
+class _Watched(asyncio.Protocol):
+    """aiohttp's protocol for one connection, passed every event, telling the server when the
+    connection is gone (aiohttp offers no hook for that): a newcomer's bookkeeping must not
+    outlive it."""
+
+    def __init__(self, handler: web.RequestHandler, deadline: asyncio.TimerHandle,
+                 left: Callable[[web.RequestHandler], None]) -> None:
+        self.handler, self.deadline, self._left = handler, deadline, left
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._left(self.handler)
+        self.handler.connection_lost(exc)
 
 
 class _Refused(asyncio.Protocol):

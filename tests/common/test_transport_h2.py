@@ -35,7 +35,7 @@ from common.transport.h2base import (
     new_connection,
 )
 from common.transport.h2client import _ClientProtocol
-from common.transport.h2server import _ServerProtocol
+from common.transport.h2server import NEWCOMER_FRAME_LIMIT, _ServerProtocol
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -605,3 +605,35 @@ async def test_a_closed_connection_lets_go_of_what_it_had_buffered(service: Serv
     assert len(proto.conn.incoming_buffer._data) >= MAX_FRAME_SIZE // 2
     proto.connection_lost(None)
     assert len(proto.conn.incoming_buffer._data) == 0
+
+
+def _extension_frame(length: int) -> bytes:
+    """A frame of a type no one knows (h2 ignores it), `length` bytes long, on stream 0."""
+    return length.to_bytes(3, "big") + b"\xfa\x00" + bytes(4) + bytes(length)
+
+
+async def test_a_newcomer_may_send_small_frames_only_until_it_shows_the_token(
+    server: H2Server,
+) -> None:
+    big = _extension_frame(2 * NEWCOMER_FRAME_LIMIT)
+    raw = await RawH2.open(server.port)
+    try:
+        await _send_raw(raw, big[: NEWCOMER_FRAME_LIMIT])  # its header is enough
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated),
+                                        timeout=3)
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await raw.close()
+    raw = await RawH2.open(server.port)
+    try:
+        raw.request("GET", "/v1/health", token=TOKEN)
+        await raw.flush()
+        await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+        await _send_raw(raw, big)
+        raw.request("POST", "/echo", token=TOKEN)
+        await raw.flush()
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+        assert _goaway(events) is None
+    finally:
+        await raw.close()
