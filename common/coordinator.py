@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable, WireError
+from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable, WireError, quoted
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, parse_spec
 from common.transport import TransportKind, connect_client
@@ -71,9 +71,9 @@ class Registration:
             raise BadRequest("registration must be a JSON object")
         role, index, fp = raw.get("role"), raw.get("index"), raw.get("fingerprint")
         if role not in ("ps", "trainer"):
-            raise BadRequest(f"role must be 'ps' or 'trainer', got {role!r}", field="role")
+            raise BadRequest(f"role must be 'ps' or 'trainer', got {quoted(role)}", field="role")
         if index is not None and (type(index) is not int or index < 0):
-            raise BadRequest(f"index must be a non-negative integer or null, got {index!r}", field="index")
+            raise BadRequest(f"index must be a non-negative integer or null, got {quoted(index)}", field="index")
         if fp is not None and not isinstance(fp, str):
             raise BadRequest("fingerprint must be a string or null", field="fingerprint")
         try:

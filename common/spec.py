@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
-from common.errors import ConfigError
+from common.errors import ConfigError, quoted
 
 T = TypeVar("T")
 Transport = Literal["h2", "http1"]
@@ -37,10 +37,13 @@ class Endpoint:
     @classmethod
     def parse(cls, text: Any, field: str) -> Endpoint:
         if not isinstance(text, str) or ":" not in text:
-            raise ConfigError(field, f"must be 'host:port', got {text!r}")
+            raise ConfigError(field, f"must be 'host:port', got {quoted(text)}")
         host, _, port = text.rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(field, f"must be 'host:port' with a port in 0..65535, got {text!r}")
+        # isascii: str.isdigit accepts digits int() refuses; 253: the longest DNS name.
+        digits = port.isascii() and port.isdigit() and len(port) <= 5
+        if not host or len(host) > 253 or not digits or not 0 <= int(port) <= 65535:
+            raise ConfigError(field, f"must be 'host:port', a host name of at most 253 characters and "
+                                     f"a port in 0..65535, got {quoted(text)}")
         return cls(host=host.strip("[]"), port=int(port))
 
     def __str__(self) -> str:

@@ -32,7 +32,7 @@ import orjson
 
 from common.coordinator import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
 from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
-from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable
+from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
@@ -66,7 +66,7 @@ class Registry:
         if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
             raise Conflict(
                 f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
-                f"{reg.fingerprint}, coordinator's {self.fingerprint}): it belongs to another job",
+                f"{quoted(reg.fingerprint)}, coordinator's {self.fingerprint!r}): it belongs to another job",
                 field="fingerprint",
             )
         count = self.counts[reg.role]
@@ -181,7 +181,7 @@ class Coordinator:
             raise BadRequest('expected {"trainer": J}', field="trainer") from None
         trainers = self.job.spec.trainers.count
         if type(trainer) is not int or not 0 <= trainer < trainers:
-            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer!r}", field="trainer")
+            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {quoted(trainer)}", field="trainer")
         self._finished.add(trainer)
         log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
         if len(self._finished) == trainers:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
+from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut, quoted
 from common.metrics import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
@@ -147,7 +147,7 @@ class PsService:
             # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
             # unbounded, it would also hold the request (and its rows) for ever.
             raise BadRequest(
-                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
+                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {quoted(wait_s)}", field="wait_s"
             )
         local = self.store.check_fetch(message.keys, message.min_versions)
         if not self._rejoin_open.is_set():

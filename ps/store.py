@@ -21,7 +21,7 @@ import numpy as np
 
 from common.arrays import bounds, has_duplicates, rows_where
 from common.checkpoints import first_checkpoint_from, is_checkpoint
-from common.errors import BadRequest, ConfigError, Conflict
+from common.errors import BadRequest, ConfigError, Conflict, quoted
 from common.init import initial_rows
 from common.keys import TableLayout, global_key, local_index, shard_of, shard_size
 
@@ -125,7 +125,7 @@ class ShardStore:
         naming `name` otherwise."""
         bound = self.config.version_limit
         if type(value) is not int or not 0 <= value <= bound:
-            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {value!r}", field=name)
+            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {quoted(value)}", field=name)
         return value
 
     def check_fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> np.ndarray:

@@ -151,3 +151,14 @@ def test_require_checks_presence_dtype_and_rank() -> None:
         require(arrays, "nope", "<i8", 1)
     with pytest.raises(WireError, match="must be 1-d int64"):
         require(arrays, "r", "<i8", 1)
+
+
+def test_an_error_quotes_at_most_a_few_hundred_bytes_of_the_header() -> None:
+    name = "k" * 100_000
+    for spec in ([name, "<c16", [1]], [name, "<i8", "x" * 100_000], ["x" * 100_000]):
+        head = orjson.dumps({"arrays": [spec]})
+        body = len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8)
+        with pytest.raises(WireError) as caught:
+            decode(body)
+        assert len(caught.value.message) < 600
+        assert all(len(str(v)) < 300 for v in caught.value.fields.values())

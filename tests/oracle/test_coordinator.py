@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from common.coordinator import Joined, Registration, fingerprint
@@ -69,6 +70,8 @@ def test_the_fingerprint_is_of_the_content_not_its_spelling() -> None:
         (b'{"role": "ps", "index": -1, "address": "h:1"}', "index"),
         (b'{"role": "ps", "index": true, "address": "h:1"}', "index"),
         (b'{"role": "ps", "index": 0, "address": "nohost"}', "address"),
+        ('{"role": "ps", "index": 0, "address": "h:\u00b2"}'.encode(), "address"),  # passes isdigit
+        (b'{"role": "ps", "index": 0, "address": "h:' + b"9" * 5000 + b'"}', "address"),  # int() refuses
         (b'{"role": "ps", "index": 0, "address": "h:1", "fingerprint": 5}', "fingerprint"),
     ],
 )
@@ -87,3 +90,17 @@ def test_messages_round_trip() -> None:
     assert Joined.from_json(joined.to_json()) == joined
     with pytest.raises(WireError, match="malformed answer from the coordinator"):
         Joined.from_json(b'{"index": 1}')
+
+
+HUGE = "f" * (20 << 20)  # the probe's 20 MiB fingerprint
+
+
+def test_a_refusal_quotes_at_most_a_few_hundred_bytes_of_what_it_was_sent() -> None:
+    with pytest.raises(Conflict, match="belongs to another job") as refused:
+        registry().register(reg("ps", 0, fp=HUGE))
+    assert len(refused.value.message) < 600
+    for body in ({"role": HUGE}, {"role": "ps", "index": HUGE},
+                 {"role": "ps", "index": 0, "address": HUGE}, {"role": "ps", "index": 0, "address": HUGE + ":1"}):
+        with pytest.raises(BadRequest) as caught:
+            Registration.from_json(orjson.dumps(body))
+        assert len(caught.value.message) < 600, caught.value.message[:100]
