@@ -219,8 +219,10 @@ class WriteBack(_BinaryMessage):
         _present(meta, ("write", "version", "replay"), "write-back meta")
         kinds = {k.value: k for k in WriteKind}
         write = meta["write"]
-        if write not in kinds:
-            raise WireError(f"invalid write-back: write must be one of {sorted(kinds)}, not {write!r}")
+        # A str first: a list or an object (JSON gives both) cannot even be looked up.
+        if not isinstance(write, str) or write not in kinds:
+            raise WireError(f"invalid write-back: write must be one of {sorted(kinds)}, not "
+                            f"{quoted(write)}", field="write")
         return cls(kind=kinds[write], version=meta["version"], replay=meta["replay"], **arrays)
 
 

@@ -136,7 +136,7 @@ def write_body(
     rows: np.ndarray | None = None,
     state: np.ndarray | None = None,
     *,
-    write: str = "evict",
+    write: object = "evict",
     replay: bool = False,
 ) -> bytes:
     n = len(keys)
@@ -210,6 +210,24 @@ async def test_bad_requests_get_4xx_and_nothing_changes(
         # the same connection and the server keep serving, and the data is intact
         ok = await raw.request("GET", "/v1/health")
         assert ok.status == 200
+    finally:
+        await raw.close()
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, rows_for(keys, 1.0)[0]) and (got.versions == 1).all()
+
+
+@pytest.mark.parametrize("write", [["evict"], {"evict": True}, 1, None])
+async def test_a_write_kind_that_is_not_a_string_is_a_400_naming_the_field(
+    cluster: Cluster, write: object
+) -> None:
+    """It was a 500 with a traceback: a list or an object cannot be looked up."""
+    keys = np.array([0, 2], dtype=np.int64)
+    await cluster.client.write_back(keys, *rows_for(keys, 1.0), version=1)
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=TOKEN)
+    try:
+        answer = await raw.request("POST", "/v1/write_back", body=write_body(3, [0], write=write))
+        payload = orjson.loads(answer.body)
+        assert answer.status == 400 and payload["field"] == "write", payload
     finally:
         await raw.close()
     got = await cluster.client.fetch(keys)
