@@ -43,6 +43,7 @@ def build_service(job: Job, index: int, *, rejoin: bool = False) -> PsService:
         checkpoint_dir=ps_dir(spec.checkpoint.dir, index),
         fetch_timeout_s=spec.cluster.fetch_timeout_s,
         rejoin_trainers=spec.trainers.count if rejoin else 0,
+        num_trainers=spec.trainers.count,
     )
 
 

@@ -20,7 +20,7 @@ from common.spec import Endpoint
 from common.transport import Client, Request, connect_client
 from common.wire import encode
 from ps.client import PsClient
-from ps.protocol import INCARNATION_HEADER, FetchRequest, Rows
+from ps.protocol import INCARNATION_HEADER, CheckpointReport, FetchRequest, Rows
 from ps.store import Snapshot
 from tests.ps.conftest import (
     DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state, until,
@@ -491,3 +491,31 @@ async def test_curl_reads_health_over_http2_prior_knowledge(tmp_path) -> None:
     body, _, status = out.decode().rpartition("\n")
     assert status == "2 200"
     assert orjson.loads(body)["role"] == "ps"
+
+
+@pytest.mark.parametrize("trainers", [3, 2**63 - 1])
+async def test_a_checkpoint_report_must_name_the_jobs_trainer_count(tmp_path: Path, trainers: int) -> None:
+    """A report naming more trainers than the job has waited for ever; one naming fewer would
+    snapshot before every trainer's writes had landed."""
+    service = make_service(0, 1, tmp_path, num_trainers=2)
+    report = CheckpointReport(checkpoint=4, trainer=0, trainers=trainers)
+    with pytest.raises(BadRequest, match="job has 2 trainers") as refused:
+        await asyncio.wait_for(service.report_checkpoint(report, _request()), 5)
+    assert refused.value.fields["field"] == "trainers"
+    assert 4 not in service._reports  # nothing waits
+
+
+async def test_reports_that_disagree_on_the_trainer_count_complete_no_snapshot(tmp_path: Path) -> None:
+    """Not told the job's count (a tool's shard), the first report of a checkpoint sets it."""
+    service = make_service(0, 1, tmp_path)
+    first = asyncio.create_task(service.report_checkpoint(
+        CheckpointReport(checkpoint=4, trainer=0, trainers=3), _request()))
+    await until(lambda: 4 in service._reports)  # the first report waits for the others
+    with pytest.raises(BadRequest, match="earlier reports of this checkpoint name 3 trainers"):
+        await service.report_checkpoint(CheckpointReport(checkpoint=4, trainer=1, trainers=2), _request())
+    assert not first.done() and not list((tmp_path / "ps-0").glob("*"))
+    first.cancel()
+
+
+def _request() -> Request:
+    return Request(method="POST", path="/v1/checkpoint/report", query={}, headers={}, body=b"")
