@@ -27,6 +27,7 @@ def shard_config(job: Job, index: int) -> ShardConfig:
         dim=job.dim,
         state_width=job.state_width,
         state_init=job.state_init,
+        state_min=job.state_min,
         seed=spec.seed,
         checkpoint_every=spec.checkpoint.every,
         version_limit=job.iterations,

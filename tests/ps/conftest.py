@@ -43,7 +43,8 @@ def make_service(
     """`rejoin_trainers`: restarted alone, it holds fetches until that many trainers reported;
     `num_trainers`: the job's trainer count (None: not told)."""
     cfg = ShardConfig(
-        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=DIM, state_width=1, state_init=0.1, seed=3
+        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=DIM, state_width=1, state_init=0.1,
+        state_min=0.0, seed=3,
     )
     return PsService(ShardStore(cfg), checkpoint_dir=checkpoint_dir / f"ps-{shard}", fetch_timeout_s=fetch_timeout_s,
                      rejoin_trainers=rejoin_trainers, num_trainers=num_trainers)

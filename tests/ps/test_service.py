@@ -169,6 +169,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
     ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
     ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
+    # A row-wise Adagrad accumulator below 0: the trainer's sqrt of it was NaN.
+    ("POST", "/v1/write_back", write_body(3, [2], state=np.full((1, 1), -5, np.float32)), 400, "state must be >= 0"),
     # Versions no run produces: they were a 500 after the rows had been overwritten.
     ("POST", "/v1/write_back", write_body(2**63, [0, 2]), 400, "version must be an integer in 0.."),
     ("POST", "/v1/write_back", write_body(2**64 - 1, [0, 2], replay=True), 400, "version must be an integer in 0.."),
