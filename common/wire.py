@@ -127,6 +127,8 @@ def _header(raw: bytes) -> tuple[dict[str, Any], tuple[_Slot, ...]]:
         raise WireError("header must be an object with an object 'meta'")
     slots = []
     for name, dtype, shape in _array_specs(header.get("arrays", [])):
+        if any(slot[0] == name for slot in slots):  # a handful of arrays: no set needed
+            raise WireError(f"array {quoted(name)} is declared twice", array=clipped(name))
         count = math.prod(shape)
         slots.append((name, dtype, shape, count, count * dtype.itemsize))
     return header.get("meta", {}), tuple(slots)

@@ -44,6 +44,7 @@ from common.transport.http import (
     body_length,
     body_parts,
     error_response,
+    query_dict,
     start_handler,
 )
 from common.transport.limits import LINGER_S, ConnectionLimits, EventWindow, Newcomers
@@ -511,7 +512,7 @@ def _request_head(headers: dict[str, str]) -> Request:
     return Request(
         method=method,
         path=path,
-        query=dict(query),
+        query=query_dict(query),
         headers={k: v for k, v in headers.items() if not k.startswith(":")},
         body=b"",
     )

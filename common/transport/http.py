@@ -18,19 +18,22 @@ import abc
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from common.errors import (
+    BadRequest,
     BagpipeError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     Unauthorized,
+    clipped,
     error_from_json,
+    quoted,
 )
 from common.ratelog import RateLimitedLogs
 from common.transport.limits import ConnectionLimits, TokenBucket
@@ -144,6 +147,17 @@ class TokenCheck:
             return True
         given = headers.get("authorization", "").encode()
         return hmac.compare_digest(given, self._expected)
+
+
+def query_dict(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A request's query parameters by name; BadRequest naming one given twice, whose
+    meaning would depend on which one a server happens to keep."""
+    query: dict[str, str] = {}
+    for name, value in pairs:
+        if name in query:
+            raise BadRequest(f"query parameter {quoted(name)} is given twice", parameter=clipped(name))
+        query[name] = value
+    return query
 
 
 def error_response(err: BagpipeError) -> Response:

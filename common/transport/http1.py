@@ -28,6 +28,7 @@ from common.transport.http import (
     auth_headers,
     body_parts,
     error_response,
+    query_dict,
     raise_for_answer,
     run_handler,
 )
@@ -157,6 +158,7 @@ class Http1Server:
             self._showed_token(raw.protocol)
         try:
             route = self._gate.admit(raw.method, raw.path, headers)
+            query = query_dict(raw.query.items())
         except Unauthorized as err:
             self._gate.turned_away(str(raw.remote), self._logs)
             return _turned_away(raw, error_response(err))
@@ -168,9 +170,7 @@ class Http1Server:
         body = await self._body(raw, route)
         if isinstance(body, web.Response):
             return body
-        request = Request(
-            method=raw.method, path=raw.path, query=dict(raw.query), headers=headers, body=body
-        )
+        request = Request(method=raw.method, path=raw.path, query=query, headers=headers, body=body)
         result = await run_handler(route, request)
         if isinstance(result, Response):
             return _plain(result)

@@ -488,6 +488,18 @@ async def test_a_connection_that_never_shows_the_token_is_closed_at_its_deadline
         await server.stop()
 
 
+async def test_a_query_parameter_given_twice_is_a_400_naming_it(
+    kind: str, pair: tuple[object, Client]
+) -> None:
+    """Which of two values a server keeps is its own business: trainer=0&trainer=1 streamed
+    trainer 1."""
+    _, client = pair
+    answer = await client.request("POST", "/echo?q=a&x=1&q=b", body=b"x")
+    body = orjson.loads(answer.body)
+    assert answer.status == 400 and body["parameter"] == "q" and "twice" in body["message"]
+    assert (await client.request("POST", "/echo?q=a&x=1", body=b"x")).headers["x-query"] == "a"
+
+
 async def test_a_public_route_takes_no_body(kind: str, pair: tuple[object, Client]) -> None:
     server, client = pair
     answer = await client.request("GET", "/v1/health", body=b"x" * 1000)

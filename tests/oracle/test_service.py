@@ -363,6 +363,8 @@ def test_the_service_refuses_a_planner_numbered_differently_from_its_workload() 
         ("trainer=0&start=%C2%B2", "start"),  # '²' passes str.isdigit
         (f"trainer=0&start={N + 1}", "start"),  # past the run's end (N alone streams the end)
         ("trainer=0&start=1000000", "start"),
+        ("trainer=0&trainer=1&start=0", "trainer"),  # streamed trainer 1
+        ("trainer=0&start=0&start=5", "start"),
         # past Python's int-string digit limit
         pytest.param(f"trainer={'9' * 4400}&start=0", "trainer", id="trainer-4400-digits"),
         pytest.param(f"trainer=0&start={'1' * 4400}", "start", id="start-4400-digits"),

@@ -194,6 +194,8 @@ BAD_REQUESTS = [
     ("GET", "/v1/fetch", b"", 405, ""),
     ("POST", "/v1/nope", b"", 404, ""),
     ("POST", "/v1/fetch", bytes(MAX_BODY + 1), 413, ""),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0]], ["keys", "<i8", [0]]]}), 400, "declared twice"),
+    ("POST", "/v1/fetch?wait=1&wait=2", fetch_body([0]), 400, "given twice"),
 ]
 
 
