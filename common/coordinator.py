@@ -16,6 +16,7 @@ is refused (409) rather than trained with the wrong tables. Another run's token 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import socket
@@ -80,6 +81,9 @@ class Registration:
             address = Endpoint.parse(raw.get("address"), "address")
         except BagpipeError as exc:
             raise BadRequest(exc.message, field="address") from None
+        if role == "ps" and address.port == 0:
+            raise BadRequest(f"a PS shard registers the address it serves on, not {address}: port 0 "
+                             "is none", field="address")
         return cls(role=role, index=index, address=address, fingerprint=fp)
 
 
@@ -234,6 +238,19 @@ async def serve_address(bind: Endpoint | None, coordinator: Endpoint) -> Endpoin
         return bind
     return Endpoint(host=await asyncio.to_thread(address_towards, coordinator.host), port=0)
 
+
+
+def listen_on(address: Endpoint) -> socket.socket:
+    """A socket listening on `address` (port 0: a free one, `getsockname` says which), for a
+    role that must name where it serves before its servers start: what connects meanwhile
+    waits in the kernel's backlog. Unavailable naming the address if it cannot listen."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    try:
+        return socket.create_server((address.host, address.port), family=family, backlog=1024)
+    except OSError as exc:
+        hint = ": another process listens there" if exc.errno == errno.EADDRINUSE else ""
+        raise Unavailable(f"cannot listen on {address}: {exc.strerror or exc}{hint}",
+                          address=str(address)) from None
 
 
 def free_port(host: str) -> int:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 from common.checkpoints import latest_complete, ps_dir
 from common.errors import ConfigError, Conflict
-from common.coordinator import CoordinatorClient, free_port, serve_address
+from common.coordinator import CoordinatorClient, listen_on, serve_address
 from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
@@ -61,6 +62,7 @@ async def run_ps(
     address: Endpoint | None = None,
     coordinator: CoordinatorClient | None = None,
     resumed_from: int | None = None,
+    listener: socket.socket | None = None,
 ) -> None:
     """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
     is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
@@ -74,7 +76,8 @@ async def run_ps(
     the snapshot's older copy of a row whose newest write-back is still in a journal could be
     served to a fetch that asks for any version. Otherwise it starts empty, which is right
     only for a new run: with snapshots on its disk (a run that may still be going on) it
-    refuses to start unless `fresh` says to delete them (`start_fresh`).
+    refuses to start unless `fresh` says to delete them (`start_fresh`). `listener`: a
+    socket already listening on `address`, which the shard then serves.
     """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
@@ -97,7 +100,8 @@ async def run_ps(
     else:
         start_fresh(service, index, delete=fresh)
     address = address or spec.ps.addresses[index]
-    servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port)
+    servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port,
+                           sock=listener)
     for server in servers:
         await server.start()
     info = {
@@ -132,20 +136,26 @@ async def join_and_run_ps(
     ready_file: Path | None, resume: bool = False, rejoin: bool = False, fresh: bool = False,
     admin_port: int | None = None,
 ) -> None:
-    """A shard that knows only the coordinator: bind, register, learn the job, serve."""
+    """A shard that knows only the coordinator: listen, register, learn the job, serve.
+
+    It listens before it registers: the coordinator checks that the address it registers
+    answers, and the port is its own from then on (none other can take it meanwhile)."""
     address = await serve_address(bind, coordinator.endpoint)
-    if address.port == 0:  # the coordinator must know the port before the job says how to serve
-        address = Endpoint(host=address.host, port=free_port(address.host))
-        if admin_port is None:  # nobody asked for port + 1, and it may be taken: any free one
+    listener = listen_on(address)
+    try:
+        if address.port == 0 and admin_port is None:  # port + 1 may be taken: any free one
             admin_port = 0
-    joined = await coordinator.join("ps", index, address)
-    configure_logging(f"ps[{joined.index}]")
-    job = joined.job(coordinator.endpoint)
-    # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
-    resume = resume or (joined.resumed_from is not None and not rejoin)
-    await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
-                 fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
-                 resumed_from=joined.resumed_from)
+        address = Endpoint(host=address.host, port=listener.getsockname()[1])
+        joined = await coordinator.join("ps", index, address)
+        configure_logging(f"ps[{joined.index}]")
+        job = joined.job(coordinator.endpoint)
+        # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
+        resume = resume or (joined.resumed_from is not None and not rejoin)
+        await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
+                     fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
+                     resumed_from=joined.resumed_from, listener=listener)
+    finally:
+        listener.close()  # closed by its server already, when one served it
 
 
 def start_fresh(service: PsService, index: int, *, delete: bool) -> None:

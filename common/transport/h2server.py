@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import cast
@@ -44,6 +45,7 @@ from common.transport.http import (
     body_length,
     body_parts,
     error_response,
+    listening,
     query_dict,
     start_handler,
 )
@@ -532,9 +534,11 @@ def _split_path(raw_path: str) -> tuple[str, tuple[tuple[str, str], ...]]:
 class H2Server:
     """Serves a `Router` over h2c. `port=0` binds a free port, reported by `.port`.
 
-    `token=None` disables the bearer check; `limits` bounds connections and streams. `stop()` refuses new streams, lets in-flight
-    requests finish for up to `grace` seconds, then sends GOAWAY and closes (h2 allows no
-    frame after GOAWAY, so in-flight work has to finish first).
+    `token=None` disables the bearer check; `limits` bounds connections and streams. With
+    `sock` (a socket already listening), it serves that instead of binding host and port.
+    `stop()` refuses new streams, lets in-flight requests finish for up to `grace` seconds,
+    then sends GOAWAY and closes (h2 allows no frame after GOAWAY, so in-flight work has to
+    finish first). An address it cannot listen on is `Unavailable` naming it.
     """
 
     def __init__(
@@ -547,9 +551,11 @@ class H2Server:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
+        sock: socket.socket | None = None,
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes, limits)
         self.limits = limits
+        self._sock = sock
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.newcomers: Newcomers[_ServerProtocol] = Newcomers(limits)
@@ -575,7 +581,11 @@ class H2Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self.connection, self._host, self._port)
+        if self._sock is not None:
+            self._server = await loop.create_server(self.connection, sock=self._sock)
+        else:
+            async with listening(self._host, self._port):
+                self._server = await loop.create_server(self.connection, self._host, self._port)
         logger.info("h2 server listening on %s:%d", self._host, self.port)
 
     async def stop(self) -> None:

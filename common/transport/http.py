@@ -15,6 +15,8 @@ completed their requests, all in one write. An `async def` handler always gets a
 from __future__ import annotations
 
 import abc
+import contextlib
+import errno
 import hmac
 import inspect
 import logging
@@ -31,6 +33,7 @@ from common.errors import (
     NotFound,
     PayloadTooLarge,
     Unauthorized,
+    Unavailable,
     clipped,
     error_from_json,
     quoted,
@@ -158,6 +161,19 @@ def query_dict(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
             raise BadRequest(f"query parameter {quoted(name)} is given twice", parameter=clipped(name))
         query[name] = value
     return query
+
+
+@contextlib.asynccontextmanager
+async def listening(host: str, port: int) -> AsyncIterator[None]:
+    """Wraps a server's bind: an address it cannot listen on (in use, not this machine's)
+    is an `Unavailable` naming it, one line for the operator, not a socket traceback."""
+    try:
+        yield
+    except OSError as exc:
+        hint = (": another process listens there (a second instance of this role?)"
+                if exc.errno == errno.EADDRINUSE else "")
+        reason = exc.strerror or str(exc)
+        raise Unavailable(f"cannot listen on {host}:{port}: {reason}{hint}", address=f"{host}:{port}") from None
 
 
 def error_response(err: BagpipeError) -> Response:

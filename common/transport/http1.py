@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -28,6 +29,7 @@ from common.transport.http import (
     auth_headers,
     body_parts,
     error_response,
+    listening,
     query_dict,
     raise_for_answer,
     run_handler,
@@ -45,7 +47,9 @@ class Http1Server:
     the idle timeout (aiohttp's keep-alive timeout, which also covers a connection that
     never sends a request), the cap on connections and the newcomers' deadline and budget
     (`limits.Newcomers`, as on HTTP/2). `port=0` binds a free port, reported by `.port`.
-    `stop()` lets in-flight requests finish for up to `grace` seconds.
+    `stop()` lets in-flight requests finish for up to `grace` seconds. With `sock` (a socket
+    already listening) it serves that instead of binding host and port; an address it
+    cannot listen on is `Unavailable` naming it.
     """
 
     def __init__(
@@ -58,7 +62,9 @@ class Http1Server:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
+        sock: socket.socket | None = None,
     ) -> None:
+        self._sock = sock
         self._gate = Gate(router, token, max_body_bytes, limits)
         self._limits = limits
         self._host, self._port, self._grace = host, port, grace
@@ -96,7 +102,15 @@ class Http1Server:
         await runner.setup()
         loop = asyncio.get_running_loop()
         # Our own listener rather than a TCPSite: every accepted socket passes `_accept`.
-        self._listener = await loop.create_server(self._accept, self._host, self._port)
+        try:
+            if self._sock is not None:
+                self._listener = await loop.create_server(self._accept, sock=self._sock)
+            else:
+                async with listening(self._host, self._port):
+                    self._listener = await loop.create_server(self._accept, self._host, self._port)
+        except BaseException:
+            await runner.cleanup()
+            raise
         self._runner = runner
         logger.info("http/1.1 server listening on %s:%d", self._host, self.port)
 

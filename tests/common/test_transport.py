@@ -21,6 +21,8 @@ from common.errors import (
     Unauthorized,
     Unavailable,
 )
+from common.coordinator import listen_on
+from common.spec import Endpoint
 from common.transport import Client, ConnectionLimits, read_messages
 from common.transport.limits import LINGER_S
 from tests.common.transport_fixtures import (
@@ -498,6 +500,34 @@ async def test_a_query_parameter_given_twice_is_a_400_naming_it(
     body = orjson.loads(answer.body)
     assert answer.status == 400 and body["parameter"] == "q" and "twice" in body["message"]
     assert (await client.request("POST", "/echo?q=a&x=1", body=b"x")).headers["x-query"] == "a"
+
+
+async def test_a_port_in_use_is_unavailable_naming_it(kind: str, service: Service) -> None:
+    first = make_server(kind, service.router())
+    await first.start()
+    try:
+        second = make_server(kind, service.router(), port=first.port)
+        with pytest.raises(Unavailable, match=f"cannot listen on 127.0.0.1:{first.port}: .*another process"):
+            await second.start()
+    finally:
+        await first.stop()
+
+
+async def test_a_server_may_serve_a_socket_that_already_listens(kind: str, service: Service) -> None:
+    """A shard listens before it registers with the coordinator, and serves that socket."""
+    listener = listen_on(Endpoint(host="127.0.0.1", port=0))
+    port = listener.getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # waits in the backlog
+    server = make_server(kind, service.router(), sock=listener)
+    await server.start()
+    client = make_client(kind, port)
+    try:
+        assert server.port == port
+        await _works(client)
+    finally:
+        writer.close()
+        await client.close()
+        await server.stop()
 
 
 async def test_a_public_route_takes_no_body(kind: str, pair: tuple[object, Client]) -> None:
