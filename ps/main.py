@@ -98,7 +98,8 @@ async def run_ps(
             log.warning("removed snapshots %s, newer than the latest complete checkpoint %s", gone, start)
         _restore(service, start)
     else:
-        start_fresh(service, index, delete=fresh)
+        joined_at = None if coordinator is None else coordinator.endpoint
+        start_fresh(service, index, delete=fresh, command=launch_command(index, joined_at, address))
     address = address or spec.ps.addresses[index]
     servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port,
                            sock=listener)
@@ -158,21 +159,33 @@ async def join_and_run_ps(
         listener.close()  # closed by its server already, when one served it
 
 
-def start_fresh(service: PsService, index: int, *, delete: bool) -> None:
+def launch_command(index: int, coordinator: Endpoint | None, address: Endpoint | None) -> str:
+    """The command that starts shard `index` again the way it was started: from the spec, or
+    through the coordinator at `coordinator` (on the address it serves, where the trainers
+    look for it)."""
+    if coordinator is None:
+        return f"python launch.py SPEC --role ps --index {index}"
+    bind = "" if address is None else f" --bind {address}"
+    return f"python launch.py --role ps --coordinator {coordinator} --index {index}{bind}"
+
+
+def start_fresh(service: PsService, index: int, *, delete: bool, command: str | None = None) -> None:
     """Shard `index` starts empty, as at iteration 0 of a new run.
 
     Its snapshots on disk mean a run that may still be going on: the trainers hold rows
     newer than any of them, and an empty shard would lose those (and, once it snapshots,
     make a checkpoint that lost them). So they are deleted only when `delete` (``--fresh``)
-    says this is a new run; otherwise Conflict names the commands that recover.
+    says this is a new run; otherwise Conflict names the commands that recover, starting
+    with `command` (`launch_command`; default: the spec's form).
     """
     own = list_checkpoints(service.checkpoint_dir)
+    command = command or launch_command(index, None, None)
     if own and not delete:
         raise Conflict(
             f"PS shard {index} has snapshots {own} in {service.checkpoint_dir}: they may belong to a run "
             "that is still going on, whose rows an empty shard would lose. Restart it alone while the "
-            f"trainers wait with `python launch.py SPEC --role ps --index {index} --rejoin`, or stop "
-            "every role and start each with --resume; to begin a new run and delete them, pass --fresh",
+            f"trainers wait with `{command} --rejoin`, or stop every role and start each with --resume; "
+            "to begin a new run and delete them, pass --fresh",
             shard=index,
             checkpoints=own,
         )
