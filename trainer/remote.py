@@ -72,6 +72,7 @@ class _Acknowledger:
         self._wanted = max(self._wanted, before)
         if not self._refused and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._send())
+            self._task.add_done_callback(_log_failure)
 
     async def _send(self) -> None:
         # Backoff only: acknowledgements go on for as long as the stream (`close`), whose
@@ -96,6 +97,11 @@ class _Acknowledger:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("acknowledging the directive stream failed", exc_info=exc)
 
 
 class DirectiveStream:
