@@ -585,7 +585,9 @@ class H2Server:
             self._server = await loop.create_server(self.connection, sock=self._sock)
         else:
             async with listening(self._host, self._port):
-                self._server = await loop.create_server(self.connection, self._host, self._port)
+                self._server = await loop.create_server(
+                    self.connection, self._host, self._port, backlog=self.limits.max_connections
+                )
         logger.info("h2 server listening on %s:%d", self._host, self.port)
 
     async def stop(self) -> None:

@@ -107,7 +107,9 @@ class Http1Server:
                 self._listener = await loop.create_server(self._accept, sock=self._sock)
             else:
                 async with listening(self._host, self._port):
-                    self._listener = await loop.create_server(self._accept, self._host, self._port)
+                    self._listener = await loop.create_server(
+                        self._accept, self._host, self._port, backlog=self._limits.max_connections
+                    )
         except BaseException:
             await runner.cleanup()
             raise

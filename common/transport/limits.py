@@ -24,7 +24,10 @@ class ConnectionLimits:
     * `idle_timeout_s`: a connection with no request in progress for this long is closed
       (HTTP/2 with GOAWAY first), so held-open sockets cannot pile up.
     * `max_connections`: connections served at once; one more is closed as soon as it is
-      accepted, with a log line, so the process keeps file descriptors for its peers.
+      accepted, with a log line, so the process keeps file descriptors for its peers. It is
+      also the listen backlog: a burst of connections (a flood of them among it) waits in
+      the kernel to be accepted and judged, rather than a newcomer's being dropped there and
+      retried by TCP seconds later.
     * `max_concurrent_streams`: HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, enforced.
     * `max_resets` per `reset_window_s`: HTTP/2 streams a peer resets (or that are
       refused) on one connection; past it the connection gets GOAWAY ENHANCE_YOUR_CALM
