@@ -11,7 +11,17 @@ and the server's RSS before, at its peak and after. The abuses:
 * ``held_connections``: idle connections up to the server's cap, and some past it;
 * ``unauth_bodies``: unauthenticated 15 MiB uploads (40 streams a connection on HTTP/2);
   ``bytes_written`` counts what the attacker's sockets accepted, not what the server read;
-* ``health_flood``: public health requests from many concurrent loops.
+* ``health_flood``: public health requests from many concurrent loops;
+* ``continuation``: header blocks that never end, HEADERS without END_HEADERS then
+  CONTINUATION frames of 1 MiB, on unauthenticated connections (HTTP/2 only);
+* ``idle_connections``: bare TCP connections up to the server's cap and past it, each
+  sending one byte a second (the start of a request that never completes), reopened as the
+  server closes them.
+
+Besides the fetch loop (one client connected before the attack, as a trainer connects at
+start-up), a newcomer connects every `NEWCOMER_EVERY_S` and makes one authenticated request:
+``newcomers`` counts those served, ``refused`` those that were not (a restarted shard or
+trainer must always get back in).
 
     python bench/abuse.py --quick
 
@@ -25,6 +35,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import itertools
 import queue
 import sys
 import time
@@ -40,10 +51,12 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import numpy as np
+from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
+from common.errors import BagpipeError  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
 from common.spec import Endpoint  # noqa: E402
 from common.transport import ConnectionLimits, H2Server, Http1Server, connect_client, run  # noqa: E402
@@ -57,7 +70,10 @@ TABLE_ROWS = 1 << 16
 DIM = 16
 FETCH_ROWS = 256
 UPLOAD = 15 * 1024 * 1024
-ABUSES = ("idle", "rapid_reset", "held_connections", "unauth_bodies", "health_flood")
+ABUSES = ("idle", "rapid_reset", "held_connections", "unauth_bodies", "health_flood", "continuation",
+          "idle_connections")
+H2_ONLY = ("rapid_reset", "continuation")
+NEWCOMER_EVERY_S = 0.1
 
 
 @dataclass(kw_only=True)
@@ -70,6 +86,8 @@ class Row:
     rss_before_mb: float
     rss_peak_mb: float
     rss_after_mb: float
+    newcomers: int = 0  # fresh authenticated connections served during the scenario
+    newcomers_refused: int = 0  # ... and those that were not
     attack: dict[str, int] = field(default_factory=dict)
 
 
@@ -306,6 +324,84 @@ async def _health_flood(port: int, kind: str, counts: dict[str, int], ready: asy
             await client.close()
 
 
+async def _continuation(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+    """Header blocks of 64 MiB that never end, from 8 connections at a time."""
+    ready.set()
+    await asyncio.gather(*(_endless_header_block(port, counts) for _ in range(8)))
+
+
+async def _endless_header_block(port: int, counts: dict[str, int]) -> None:
+    headers = HeadersFrame(1, data=bytes(1024)).serialize()  # no END_HEADERS
+    continuation = ContinuationFrame(1, data=bytes(1 << 20)).serialize()
+    while True:
+        peer = await _Peer.open(port)
+        counts["connections"] += 1
+        try:
+            with contextlib.suppress(OSError):
+                peer.writer.write(headers)
+                for _ in range(63):
+                    if peer.gone.is_set():
+                        break
+                    peer.writer.write(continuation)
+                    await peer.writer.drain()
+                    counts["bytes_written"] += len(continuation)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await peer.gone.wait()
+            counts["goaway"] += peer.goaway
+        finally:
+            peer.close()
+
+
+async def _idle_connections(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event,
+                            *, count: int) -> None:
+    """`count` bare connections, each sending one byte a second of a request it never
+    finishes; one the server closes is opened again a second later (at once, the attacker
+    would be flooding the server with connections, another attack)."""
+    if kind == "h2":
+        trickle = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    else:
+        trickle = b"GET /v1/health HTTP/1.1\r\nhost: ps\r\nx-pad: " + b"x" * 4096
+    opened = asyncio.Event()
+
+    async def hold() -> None:
+        while True:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            counts["opened"] += 1
+            if counts["opened"] >= count:
+                opened.set()
+            try:
+                with contextlib.suppress(OSError):
+                    for byte in itertools.cycle(trickle):
+                        if reader.at_eof() or await _closed_within(reader, 1.0):
+                            break
+                        writer.write(bytes([byte]))
+                counts["closed_by_server"] += 1
+            finally:
+                writer.close()
+            await asyncio.sleep(1.0)  # the attacker's pace
+
+    tasks = [asyncio.create_task(hold()) for _ in range(count)]
+    try:
+        await opened.wait()
+        ready.set()
+        await asyncio.Future()  # hold until cancelled
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closed the connection within `seconds` (what it sent is dropped)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(1 << 16):
+                pass
+            return True
+    except TimeoutError:
+        return False
+
+
 Attack = Callable[[int, str, dict[str, int], asyncio.Event], Awaitable[None]]
 
 
@@ -317,6 +413,8 @@ def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Eve
         "held_connections": lambda *a: _held_connections(*a, count=held),
         "unauth_bodies": _unauth_bodies,
         "health_flood": _health_flood,
+        "continuation": _continuation,
+        "idle_connections": lambda *a: _idle_connections(*a, count=held),
     }
 
     async def main() -> dict[str, int]:
@@ -344,29 +442,49 @@ class _Counts(dict[str, int]):
 
 # -- the measurement ------------------------------------------------------------------------
 async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
-                      start_attack: Callable[[], None]) -> tuple[list[float], float]:
-    """Fetch latencies (seconds) of one authenticated client for `seconds`, and the peak
-    server RSS seen meanwhile. The client connects before the attack starts, as a trainer
-    connects at start-up: a flood of new connections may shut out newcomers (the cap is
-    per server), never a peer already served."""
+                      start_attack: Callable[[], None]) -> tuple[list[float], float, dict[str, int]]:
+    """Fetch latencies (seconds) of one authenticated client for `seconds`, the peak server
+    RSS seen meanwhile and how the newcomers fared (`_newcomers`). The client connects
+    before the attack starts, as a trainer connects at start-up."""
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=DIM,
                       state_width=0, transport=kind, timeout_s=30, retries=2)  # type: ignore[arg-type]
     keys = np.random.default_rng(0).integers(0, TABLE_ROWS, FETCH_ROWS, dtype=np.int64)
     latencies: list[float] = []
+    newcomers = _Counts()
     try:
         await client.fetch(keys)
         await asyncio.to_thread(start_attack)
         peak = _rss_mb(pid)
         deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            started = time.perf_counter()
-            await client.fetch(keys)
-            latencies.append(time.perf_counter() - started)
-            if len(latencies) % 20 == 0:
-                peak = max(peak, _rss_mb(pid))
+        arriving = asyncio.create_task(_newcomers(kind, port, newcomers))
+        try:
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                await client.fetch(keys)
+                latencies.append(time.perf_counter() - started)
+                if len(latencies) % 20 == 0:
+                    peak = max(peak, _rss_mb(pid))
+        finally:
+            arriving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await arriving
     finally:
         await client.close()
-    return latencies, max(peak, _rss_mb(pid))
+    return latencies, max(peak, _rss_mb(pid)), newcomers
+
+
+async def _newcomers(kind: str, port: int, counts: dict[str, int]) -> None:
+    """A fresh client every `NEWCOMER_EVERY_S`, one authenticated request each, no retry."""
+    while True:
+        client = connect_client(kind, "127.0.0.1", port, TOKEN, timeout=5)  # type: ignore[arg-type]
+        try:
+            await client.call("GET", "/v1/status")
+            counts["served"] += 1
+        except BagpipeError:
+            counts["refused"] += 1
+        finally:
+            await client.close()
+        await asyncio.sleep(NEWCOMER_EVERY_S)  # the pace of the newcomers
 
 
 def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
@@ -389,7 +507,7 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
         assert server.pid is not None
         for kind in ("h2", "http1"):
             for abuse in abuses:
-                if abuse == "rapid_reset" and kind == "http1":
+                if abuse in H2_ONLY and kind == "http1":
                     continue
                 rows.append(_scenario(ctx, kind, abuse, ports[kind], server.pid, seconds,
                                       limits.max_connections + held_extra, attacker_cpus))
@@ -419,7 +537,7 @@ def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: flo
             raise RuntimeError(f"the {abuse} attacker did not start")
 
     try:
-        latencies, peak = run(_fetch_loop(kind, port, seconds, pid, start_attack))
+        latencies, peak, newcomers = run(_fetch_loop(kind, port, seconds, pid, start_attack))
     finally:
         stop.set()
     counts = {}
@@ -437,14 +555,15 @@ def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: flo
     ms = np.array(latencies) * 1e3
     return Row(protocol=kind, abuse=abuse, fetches=len(latencies),
                p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
-               rss_before_mb=before, rss_peak_mb=peak, rss_after_mb=_rss_mb(pid), attack=counts)
+               rss_before_mb=before, rss_peak_mb=peak, rss_after_mb=_rss_mb(pid),
+               newcomers=newcomers["served"], newcomers_refused=newcomers["refused"], attack=counts)
 
 
 def _print_row(r: Row) -> None:
     attack = ", ".join(f"{k} {v:,}" for k, v in sorted(r.attack.items()))
     print(f"{r.protocol:>5} {r.abuse:<16} | {r.fetches:>7,} {r.p50_ms:>7.2f} {r.p99_ms:>7.2f} | "
-          f"{r.rss_before_mb:>7.0f} {r.rss_peak_mb:>7.0f} {r.rss_after_mb:>7.0f} | {attack}",
-          flush=True)
+          f"{r.rss_before_mb:>7.0f} {r.rss_peak_mb:>7.0f} {r.rss_after_mb:>7.0f} | "
+          f"{r.newcomers:>5} {r.newcomers_refused:>7} | {attack}", flush=True)
 
 
 def main() -> int:
@@ -467,7 +586,7 @@ def main() -> int:
     print(f"PS fetch of {FETCH_ROWS} rows x d {DIM}, one client, {seconds:g} s per scenario; "
           f"server RSS in MB; limits {limits}")
     print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
-          f"{'before':>7} {'peak':>7} {'after':>7} | attacker")
+          f"{'before':>7} {'peak':>7} {'after':>7} | {'new':>5} {'refused':>7} | attacker")
     rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus)
     config = config_of(args, seconds=seconds, limits=asdict(limits), fetch_rows=FETCH_ROWS, dim=DIM)
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
@@ -476,10 +595,12 @@ def main() -> int:
 
 
 def headline(rows: list[Row]) -> Table:
-    """Per protocol and abuse: fetches made, their p50 and p99, the server's RSS."""
-    columns = ("protocol", "abuse", "fetches", "p50 ms", "p99 ms", "RSS before MB", "RSS peak MB", "RSS after MB")
+    """Per protocol and abuse: fetches made, their p50 and p99, the server's RSS, and the
+    authenticated newcomers served and refused meanwhile."""
+    columns = ("protocol", "abuse", "fetches", "p50 ms", "p99 ms", "RSS before MB", "RSS peak MB", "RSS after MB",
+               "newcomers", "refused")
     return Table(columns, tuple((r.protocol, r.abuse, r.fetches, r.p50_ms, r.p99_ms, r.rss_before_mb,
-                                 r.rss_peak_mb, r.rss_after_mb) for r in rows))
+                                 r.rss_peak_mb, r.rss_after_mb, r.newcomers, r.newcomers_refused) for r in rows))
 
 
 if __name__ == "__main__":

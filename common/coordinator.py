@@ -16,6 +16,7 @@ is refused (409) rather than trained with the wrong tables. Another run's token 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import socket
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable, WireError
+from common.errors import BadRequest, BagpipeError, Unauthorized, Unavailable, WireError, quoted
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, parse_spec
 from common.transport import TransportKind, connect_client
@@ -71,15 +72,18 @@ class Registration:
             raise BadRequest("registration must be a JSON object")
         role, index, fp = raw.get("role"), raw.get("index"), raw.get("fingerprint")
         if role not in ("ps", "trainer"):
-            raise BadRequest(f"role must be 'ps' or 'trainer', got {role!r}", field="role")
+            raise BadRequest(f"role must be 'ps' or 'trainer', got {quoted(role)}", field="role")
         if index is not None and (type(index) is not int or index < 0):
-            raise BadRequest(f"index must be a non-negative integer or null, got {index!r}", field="index")
+            raise BadRequest(f"index must be a non-negative integer or null, got {quoted(index)}", field="index")
         if fp is not None and not isinstance(fp, str):
             raise BadRequest("fingerprint must be a string or null", field="fingerprint")
         try:
             address = Endpoint.parse(raw.get("address"), "address")
         except BagpipeError as exc:
             raise BadRequest(exc.message, field="address") from None
+        if role == "ps" and address.port == 0:
+            raise BadRequest(f"a PS shard registers the address it serves on, not {address}: port 0 "
+                             "is none", field="address")
         return cls(role=role, index=index, address=address, fingerprint=fp)
 
 
@@ -234,6 +238,19 @@ async def serve_address(bind: Endpoint | None, coordinator: Endpoint) -> Endpoin
         return bind
     return Endpoint(host=await asyncio.to_thread(address_towards, coordinator.host), port=0)
 
+
+
+def listen_on(address: Endpoint) -> socket.socket:
+    """A socket listening on `address` (port 0: a free one, `getsockname` says which), for a
+    role that must name where it serves before its servers start: what connects meanwhile
+    waits in the kernel's backlog. Unavailable naming the address if it cannot listen."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    try:
+        return socket.create_server((address.host, address.port), family=family, backlog=1024)
+    except OSError as exc:
+        hint = ": another process listens there" if exc.errno == errno.EADDRINUSE else ""
+        raise Unavailable(f"cannot listen on {address}: {exc.strerror or exc}{hint}",
+                          address=str(address)) from None
 
 
 def free_port(host: str) -> int:

@@ -68,6 +68,11 @@ class Job:
         """The optimizer state of a row never updated (Adagrad's initial accumulator)."""
         return self.optimizer.state_init
 
+    @property
+    def state_min(self) -> float | None:
+        """The least value a row's optimizer state may hold (None: any finite value)."""
+        return self.optimizer.state_min
+
 
 def build_job(spec: ClusterSpec) -> Job:
     """Parse the role-owned sections and read the data's facts (table sizes the spec leaves

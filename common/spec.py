@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
-from common.errors import ConfigError
+from common.errors import ConfigError, quoted
 
 T = TypeVar("T")
 Transport = Literal["h2", "http1"]
@@ -37,10 +37,13 @@ class Endpoint:
     @classmethod
     def parse(cls, text: Any, field: str) -> Endpoint:
         if not isinstance(text, str) or ":" not in text:
-            raise ConfigError(field, f"must be 'host:port', got {text!r}")
+            raise ConfigError(field, f"must be 'host:port', got {quoted(text)}")
         host, _, port = text.rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(field, f"must be 'host:port' with a port in 0..65535, got {text!r}")
+        # isascii: str.isdigit accepts digits int() refuses; 253: the longest DNS name.
+        digits = port.isascii() and port.isdigit() and len(port) <= 5
+        if not host or len(host) > 253 or not digits or not 0 <= int(port) <= 65535:
+            raise ConfigError(field, f"must be 'host:port', a host name of at most 253 characters and "
+                                     f"a port in 0..65535, got {quoted(text)}")
         return cls(host=host.strip("[]"), port=int(port))
 
     def __str__(self) -> str:
@@ -64,17 +67,20 @@ class ClusterSection:
     reset_window_s: float = 10.0
     unauthenticated_rate: float = 200.0
     unauthenticated_burst: int = 200
+    auth_timeout_s: float = 10.0
+    max_unauthenticated_connections: int = 256
     # A finished role serves until a scrape has read its final metrics, at most this long.
     metrics_linger_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.metrics_linger_s >= 0:
             raise ConfigError("cluster.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
-        counts = ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst")
+        counts = ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst",
+                  "max_unauthenticated_connections")
         for name in counts:
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "reset_window_s", "unauthenticated_rate"):
+        for name in ("idle_timeout_s", "reset_window_s", "unauthenticated_rate", "auth_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cluster.{name}", f"must be > 0, got {getattr(self, name)}")
 
@@ -234,6 +240,8 @@ def _cluster(s: _Section) -> ClusterSection:
         reset_window_s=s.get("reset_window_s", float, 10.0),
         unauthenticated_rate=s.get("unauthenticated_rate", float, 200.0),
         unauthenticated_burst=s.get("unauthenticated_burst", int, 200),
+        auth_timeout_s=s.get("auth_timeout_s", float, 10.0),
+        max_unauthenticated_connections=s.get("max_unauthenticated_connections", int, 256),
         metrics_linger_s=s.float("metrics_linger_s", 0.0, positive=False),
     )
 

@@ -5,7 +5,10 @@ Routes (beside the directive streams of `oracle.service`):
 * ``POST /v1/register``: a PS shard or trainer joins (`common.coordinator`). Indices are
   the caller's or the lowest free; a PS index registers again only from the address it had
   (a shard restarted alone must come back where the trainers look for it); a trainer's
-  answer waits until every PS shard has registered.
+  answer waits until every PS shard has registered. A PS shard registers the address it
+  already listens on: the coordinator connects to it before it assigns an index, and until
+  a trainer has been given the shards' addresses, a registration whose address no longer
+  answers (its shard died) gives way to a live shard that asks for its index.
 * ``GET /v1/eval?trainer=J``: trainer J's share of the held-out rows (every T-th batch from
   the J-th), as framed `common.wire` messages and an end message: trainers never read the
   data.
@@ -25,6 +28,7 @@ Routes (beside the directive streams of `oracle.service`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -32,7 +36,7 @@ import orjson
 
 from common.coordinator import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
 from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
-from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable
+from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
@@ -63,16 +67,8 @@ class Registry:
 
     def check(self, reg: Registration) -> int:
         """The index `reg` would get; Conflict or BadRequest naming why it cannot join."""
-        if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
-            raise Conflict(
-                f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
-                f"{reg.fingerprint}, coordinator's {self.fingerprint}): it belongs to another job",
-                field="fingerprint",
-            )
-        count = self.counts[reg.role]
+        self.check_job(reg)
         index = self._free_index(reg.role) if reg.index is None else reg.index
-        if not 0 <= index < count:
-            raise BadRequest(f"{reg.role} index {index} is outside 0..{count - 1}", field="index")
         if reg.role == "ps":
             had = self.ps.get(index)
             if had is not None and had != reg.address:
@@ -82,6 +78,36 @@ class Registry:
                     field="address",
                 )
         return index
+
+    def check_job(self, reg: Registration) -> None:
+        """Conflict if `reg` comes from another job's spec, BadRequest if it names an index
+        outside the job: what no other registration can change."""
+        if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
+            raise Conflict(
+                f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
+                f"{quoted(reg.fingerprint)}, coordinator's {self.fingerprint!r}): it belongs to another job",
+                field="fingerprint",
+            )
+        count = self.counts[reg.role]
+        if reg.index is not None and not 0 <= reg.index < count:
+            raise BadRequest(f"{reg.role} index {reg.index} is outside 0..{count - 1}", field="index")
+
+    def standing_in_the_way(self, reg: Registration) -> list[int]:
+        """The PS indices whose registration at another address keeps `reg` out: its own
+        index, or every index when it asks for the lowest free one and none is."""
+        if reg.role != "ps":
+            return []
+        if reg.index is not None:
+            had = self.ps.get(reg.index)
+            return [] if had is None or had == reg.address else [reg.index]
+        if len(self.ps) < self.counts["ps"]:
+            return []
+        return [i for i, address in sorted(self.ps.items()) if address != reg.address]
+
+    def forget_ps(self, index: int) -> None:
+        """Drop PS shard `index`'s registration (its shard is gone before serving anyone)."""
+        self.ps.pop(index, None)
+        self.joins.pop(("ps", index), None)
 
     def _free_index(self, role: str) -> int:
         for index in range(self.counts[role]):
@@ -98,6 +124,23 @@ class Registry:
         return tuple(self.ps[i] for i in range(self.counts["ps"]))
 
 
+#: How long the coordinator waits for a PS shard's address to accept a connection.
+PROBE_TIMEOUT_S = 3.0
+
+
+async def _listening(address: Endpoint) -> bool:
+    """Whether something accepts a TCP connection at `address` (nothing is sent)."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(address.host, address.port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 class Coordinator:
     """The coordinator's routes for `job`; `start_store` starts the store where the trainers'
     group meets (once, when the first trainer joins): the store and its address."""
@@ -112,7 +155,8 @@ class Coordinator:
         self._store_lock = asyncio.Lock()
         self.registry = Registry(num_shards=spec.ps.num_shards, num_trainers=spec.trainers.count,
                                  fingerprint=fingerprint(spec.document))
-        self._ps_ready = asyncio.Event()
+        self._ps_ready = asyncio.Event()  # set while every PS shard is registered
+        self._addresses_given = False  # a trainer has been told where the shards are
         self._finished: set[int] = set()
         self.finished = asyncio.Event()  # every trainer has said it is done
 
@@ -132,6 +176,8 @@ class Coordinator:
             self.registry.check(reg)
             ps = await self._wait_for_ps()
             store = await self._trainer_store()
+        else:
+            await self._check_ps(reg)
         index, generation = self.registry.register(reg)
         log.info("%s %d joined from %s%s", reg.role, index, reg.address,
                  f" (again: {generation} time(s) before)" if generation else "")
@@ -141,13 +187,34 @@ class Coordinator:
                         store=store, generation=generation, resumed_from=self.resumed_from)
         return Response(body=joined.to_json(), content_type="application/json")
 
+    async def _check_ps(self, reg: Registration) -> None:
+        """BadRequest unless a shard listens at `reg`'s address; before any trainer knows
+        the shards' addresses, forget a registration in its way whose shard is gone."""
+        self.registry.check_job(reg)  # another job's shard is told so first
+        if not await _listening(reg.address):
+            raise BadRequest(f"nothing listens at {reg.address}: a PS shard registers the address it "
+                             "serves on, once it listens there", field="address")
+        if self._addresses_given:
+            return
+        for index in self.registry.standing_in_the_way(reg):
+            had = self.registry.ps[index]
+            if not await _listening(had):
+                log.warning("PS shard %d registered at %s, where nothing listens any more: its index "
+                            "goes to the shard at %s", index, had, reg.address)
+                self.registry.forget_ps(index)
+                self._ps_ready.clear()
+                return
+
     async def _wait_for_ps(self) -> tuple[Endpoint, ...]:
         if self.job.spec.oracle.mode == "local":
             return ()
         try:
-            await asyncio.wait_for(self._ps_ready.wait(), REGISTER_HOLD_S)
+            async with asyncio.timeout(REGISTER_HOLD_S):
+                while self.registry.missing_ps:  # a dead shard's index may be free again
+                    await self._ps_ready.wait()
         except TimeoutError:
             raise Unavailable(f"waiting for PS shards {self.registry.missing_ps} to register") from None
+        self._addresses_given = True
         return self.registry.ps_addresses()
 
     async def _trainer_store(self) -> Endpoint:
@@ -181,7 +248,7 @@ class Coordinator:
             raise BadRequest('expected {"trainer": J}', field="trainer") from None
         trainers = self.job.spec.trainers.count
         if type(trainer) is not int or not 0 <= trainer < trainers:
-            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer!r}", field="trainer")
+            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {quoted(trainer)}", field="trainer")
         self._finished.add(trainer)
         log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
         if len(self._finished) == trainers:

@@ -5,17 +5,14 @@ Routes:
 
 * ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
   framed messages (`common.steps`): a batch and a directive per iteration, then an end
-  message. J must be a trainer of the run and X within the workload's `start` ..
-  `num_iterations` (the end alone), else 400 naming the parameter; steps before the oldest
-  kept iteration answer 409; once the planner has failed, its error.
-
-  A second reader of a trainer's stream (a stray client, or a reconnecting trainer's new
-  stream before the server has seen the old one break) cannot make the oracle drop steps
-  the trainer still needs: steps are kept, and the planner held, by each trainer's
-  position, the minimum over its open streams that count, and a stream counts only if it
-  starts at or before that position (`oracle.buffer`). What the oracle cannot tell apart it
-  cannot protect: a reader that starts at or before a trainer's position while the
-  trainer itself has no stream open reads in its stead.
+  message (at once for X = `num_iterations`). J must be a trainer of the run and X within
+  the workload's `start` .. `num_iterations`, else 400 naming the parameter; steps before
+  the oldest kept iteration answer 409; once the planner has failed, its error.
+* ``POST /v1/stream/ack?trainer=J&next=X``: trainer J has received every step before X
+  (204). Steps are kept, and the planner held, by each trainer's *position*, which only
+  these acknowledgements and the starts of J's streams move, never by more than was sent
+  for J (`oracle.buffer`): a stray reader of a trainer's stream, however much of it it
+  reads, makes the oracle drop no step the trainer still needs.
 * ``GET /v1/health``, ``GET /metrics`` (public): Prometheus text of the planner's progress
   and rate, each trainer's position and the steps held ahead of it, and the open streams.
 """
@@ -140,6 +137,7 @@ class OracleService:
     def router(self) -> Router:
         router = Router()
         router.add("GET", "/v1/stream", self.stream)
+        router.add("POST", "/v1/stream/ack", self.acknowledge)
         router.add("GET", "/v1/health", self.health, public=True)
         router.add("GET", "/metrics", self.render_metrics, public=True)
         return router
@@ -149,7 +147,8 @@ class OracleService:
         loop = asyncio.get_running_loop()
         first = self.workload.start
         self.buffer = StepBuffer(
-            self.config.num_trainers, self.max_ahead, loop, first=first, restarted_alone=self.restarted_alone
+            self.config.num_trainers, self.max_ahead, loop, first=first,
+            end=self.workload.num_iterations, restarted_alone=self.restarted_alone,
         )
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
@@ -176,7 +175,6 @@ class OracleService:
                 batches[x] = (labels, dense)
                 self._publish(self._timed(lambda: planner.push(keys), keys.size), batches)
             self._publish(self._timed(planner.finish, 0), batches)
-            self.buffer.finish(self.workload.num_iterations)
             log.info("planned all %d iterations", self.workload.num_iterations)
         except Exception as exc:
             log.exception("planner failed")
@@ -218,22 +216,30 @@ class OracleService:
 
     async def _chunks(self, trainer: int, start: int) -> AsyncIterator[bytes]:
         assert self.buffer is not None
-        # Opened here, not in `stream`: the server closes this generator however the stream
+        # Counted here, not in `stream`: the server closes this generator however the stream
         # ends, but only once it has started.
-        stream = self.buffer.open_stream(trainer, start)
+        self.buffer.open_stream(trainer, start)
         self.streams_open[trainer] += 1
         try:
             x = start
             while (message := await self.buffer.get(trainer, x)) is not None:
+                self.buffer.handing(trainer, x)
                 yield message
-                self.buffer.mark_sent(trainer, stream, x)
                 self.buffer.retain_from(x + 1 - self.max_ahead)
                 self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
                 x += 1
             yield encode_message(EndOfStream(iterations=x).encode())
         finally:
             self.streams_open[trainer] -= 1
-            self.buffer.close_stream(trainer, stream)
+
+    def acknowledge(self, request: Request) -> Response:
+        """Trainer J has received every step before `next` (answered at once, without a
+        body: an answer must not wait for flow-control credit the stream holds)."""
+        assert self.buffer is not None
+        trainer = int_param(request, "trainer", 0, self.config.num_trainers - 1)
+        received = int_param(request, "next", self.workload.start, self.workload.num_iterations)
+        self.buffer.acknowledge(trainer, received)
+        return Response(status=204)
 
     async def health(self, request: Request) -> Response:
         return Response.json(
@@ -272,7 +278,8 @@ class OracleService:
         m.set("steps_held", depths.held, help="Steps kept in memory (not yet sent, or kept for a resume)")
         for trainer, position in enumerate(depths.positions):
             labels = {"trainer": str(trainer)}
-            m.set("trainer_position", position, labels, help="The next iteration trainer J's stream sends")
+            m.set("trainer_position", position, labels,
+                  help="The first step trainer J has not acknowledged receiving")
             m.set("steps_ahead", depths.produced - position, labels,
                   help="Final steps planned beyond trainer J's position, not yet sent")
             m.set("streams_open", self.streams_open[trainer], labels, help="Open directive streams of trainer J")

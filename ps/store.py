@@ -21,7 +21,7 @@ import numpy as np
 
 from common.arrays import bounds, has_duplicates, rows_where
 from common.checkpoints import first_checkpoint_from, is_checkpoint
-from common.errors import BadRequest, ConfigError, Conflict
+from common.errors import BadRequest, ConfigError, Conflict, quoted
 from common.init import initial_rows
 from common.keys import TableLayout, global_key, local_index, shard_of, shard_size
 
@@ -42,6 +42,9 @@ class ShardConfig:
     dim: int
     state_width: int
     state_init: float = 0.0
+    #: The least value a row's optimizer state may hold (`OptimizerSpec.state_min`: 0 for
+    #: row-wise Adagrad's accumulator); None: any finite value. A write-back below it is refused.
+    state_min: float | None = None
     seed: int = 0
     checkpoint_every: int = 0  # 0: none; which iterations: common.checkpoints.is_checkpoint
     #: The highest version (iteration) and checkpoint id a request may name: what the run
@@ -53,6 +56,8 @@ class ShardConfig:
             value = getattr(self, name)
             if not 0 <= value <= _MAX_BOUND:
                 raise ConfigError(name, f"must be in 0..{_MAX_BOUND}, got {value}")
+        if self.state_min is not None and not self.state_init >= self.state_min:
+            raise ConfigError("state_init", f"must be >= state_min = {self.state_min}, got {self.state_init}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +130,7 @@ class ShardStore:
         naming `name` otherwise."""
         bound = self.config.version_limit
         if type(value) is not int or not 0 <= value <= bound:
-            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {value!r}", field=name)
+            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {quoted(value)}", field=name)
         return value
 
     def check_fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> np.ndarray:
@@ -180,6 +185,11 @@ class ShardStore:
             )
         if not (np.isfinite(rows).all() and np.isfinite(state).all()):
             raise BadRequest("rows and state must be finite")
+        if cfg.state_min is not None and state.size and state.min() < cfg.state_min:
+            raise BadRequest(
+                f"state must be >= {cfg.state_min:g} (the optimizer's accumulator), got "
+                f"{float(state.min()):g}", field="state",
+            )
         self.check_version(version)
         if has_duplicates(local):
             raise BadRequest("a write-back names the same key twice")

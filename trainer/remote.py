@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 
 from common.directive import Directive
-from common.errors import BagpipeError, Unavailable, WireError
+from common.errors import BagpipeError, TimedOut, Unavailable, WireError
 from common.spec import Endpoint, Transport
 from common.steps import EvalBatch, Step, decode_batch, decode_end, kind_of
 from common.transport import Client, connect_client, read_messages
@@ -53,14 +53,66 @@ class _Failed:
 _END = object()
 
 
+class _Acknowledger:
+    """Tells the oracle how far this trainer has received its stream (``POST
+    /v1/stream/ack``): the oracle keeps, and plans ahead of, what a trainer has shown it
+    received, never what it merely wrote to the socket. One request at a time, carrying the
+    latest figure: at most one a round trip, however fast steps come. An acknowledgement
+    that fails for want of the oracle is sent again (the planner may be waiting for it);
+    one the oracle refuses stops them, with a warning."""
+
+    def __init__(self, client: Client, trainer: int, endpoint: Endpoint) -> None:
+        self._client, self._trainer, self._endpoint = client, trainer, endpoint
+        self._wanted = self._sent = -1
+        self._task: asyncio.Task[None] | None = None
+        self._refused = False
+
+    def received(self, before: int) -> None:
+        """Every step before `before` has been received."""
+        self._wanted = max(self._wanted, before)
+        if not self._refused and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._send())
+            self._task.add_done_callback(_log_failure)
+
+    async def _send(self) -> None:
+        # Backoff only: acknowledgements go on for as long as the stream (`close`), whose
+        # reader reports an oracle that stays away.
+        budget = RetryBudget(retries=0, window_s=0.0, first_delay_s=0.1)
+        while self._wanted > self._sent:
+            wanted = self._wanted
+            path = f"/v1/stream/ack?trainer={self._trainer}&next={wanted}"
+            try:
+                await self._client.call("POST", path)
+            except (Unavailable, TimedOut):
+                await budget.wait()
+                continue
+            except BagpipeError as exc:
+                log.warning("the oracle at %s refused this trainer's acknowledgements: %s",
+                            self._endpoint, exc.message)
+                self._refused = True
+                return
+            self._sent = wanted
+            budget.reset()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("acknowledging the directive stream failed", exc_info=exc)
+
+
 class DirectiveStream:
     """Iterates this trainer's steps from the oracle, reading ahead on the I/O thread.
 
     At most `read_ahead` steps are buffered here; beyond that the reader stops taking data
-    and HTTP/2 flow control holds the oracle back. A broken connection is retried with
-    backoff from the first step not yet received (at least `retries` times and for at least
-    `reconnect_s`: an oracle restarted alone serves the same steps again), then reported as
-    `Unavailable` naming the oracle.
+    and HTTP/2 flow control holds the oracle back. Each step received is acknowledged to the
+    oracle (`_Acknowledger`), which plans ahead of the slowest trainer's acknowledgements.
+    A broken connection is retried with backoff from the first step not yet received (at
+    least `retries` times and for at least `reconnect_s`: an oracle restarted alone serves
+    the same steps again), then reported as `Unavailable` naming the oracle.
     """
 
     def __init__(
@@ -94,6 +146,7 @@ class DirectiveStream:
         self._timeout_s = timeout_s
         self._io = io
         self._next = start  # first step not yet handed to the queue: where a retry resumes
+        self._acks = _Acknowledger(self._client, trainer, endpoint)
         self._task = io.submit(self._read())
 
     def __iter__(self) -> Iterator[Step]:
@@ -108,7 +161,11 @@ class DirectiveStream:
 
     def close(self) -> None:
         self._task.cancel()
-        self._io.submit(self._client.close()).result(10)
+        self._io.submit(self._shut()).result(10)
+
+    async def _shut(self) -> None:
+        self._acks.close()
+        await self._client.close()
 
     async def _read(self) -> None:
         budget = RetryBudget(self._retries, self._reconnect_s, first_delay_s=0.2)
@@ -149,6 +206,7 @@ class DirectiveStream:
                     raise WireError(f"directive {directive.iteration} arrived without its batch")
                 await self._put(Step(directive=directive, labels=pending[1], dense=pending[2]))
                 self._next, pending = directive.iteration + 1, None
+                self._acks.received(self._next)
             elif kind == "end":
                 self.iterations = decode_end(message).iterations
                 await self._put(_END)

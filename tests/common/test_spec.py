@@ -60,6 +60,8 @@ def test_values_are_read_and_typed() -> None:
         ({"cluster": {"unauthenticated_rate": 0}}, "cluster.unauthenticated_rate"),
         ({"cluster": {"unauthenticated_burst": 0}}, "cluster.unauthenticated_burst"),
         ({"cluster": {"max_connections": "lots"}}, "cluster.max_connections"),
+        ({"cluster": {"auth_timeout_s": 0}}, "cluster.auth_timeout_s"),
+        ({"cluster": {"max_unauthenticated_connections": 0}}, "cluster.max_unauthenticated_connections"),
         ({"ps": {"shards": 2, "addresses": ["a:1"]}}, "ps.addresses"),
         ({"ps": {"shards": 1, "addresses": ["nohost"]}}, "ps.addresses[0]"),
         ({"ps": {"shards": 1, "addresses": ["h:99999"]}}, "ps.addresses[0]"),

@@ -21,6 +21,8 @@ from common.errors import (
     Unauthorized,
     Unavailable,
 )
+from common.coordinator import listen_on
+from common.spec import Endpoint
 from common.transport import Client, ConnectionLimits, read_messages
 from common.transport.limits import LINGER_S
 from tests.common.transport_fixtures import (
@@ -323,17 +325,21 @@ async def test_a_refused_upload_left_hanging_does_not_hold_the_servers_stop(
             await server.stop()
 
 
-async def _held_connection(kind: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection the server has accepted and served once, now idle."""
+async def _held_connection(
+    kind: str, port: int, token: str | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection the server has accepted and served once (with `token`, if given), now
+    idle."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     if kind == "h2":
         raw = RawH2(reader, writer)
         raw.conn.initiate_connection()
-        raw.request("GET", "/v1/health")
+        raw.request("GET", "/v1/health", token=token)
         await raw.flush()
         await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
     else:
-        writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+        auth = b"" if token is None else f"authorization: Bearer {token}\r\n".encode()
+        writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n" + auth + b"\r\n")
         async with asyncio.timeout(BOUNDED):
             await reader.readuntil(b'{"ok":true}')
     return reader, writer
@@ -372,9 +378,10 @@ async def test_busy_connection_outlives_the_idle_timeout(kind: str, service: Ser
 async def test_connections_over_the_cap_are_closed_at_once_with_a_log_line(
     kind: str, service: Service, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Every slot held by a peer that has shown the token: a newcomer is closed at once."""
     server = make_server(kind, service.router(), limits=ConnectionLimits(max_connections=3))
     await server.start()
-    held = [await _held_connection(kind, server.port) for _ in range(3)]
+    held = [await _held_connection(kind, server.port, TOKEN) for _ in range(3)]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         assert await read_until_closed(reader) == b""
@@ -395,6 +402,138 @@ async def test_connections_over_the_cap_are_closed_at_once_with_a_log_line(
         for _, writer in held:
             writer.close()
         await server.stop()
+
+
+async def _bare_connections(server: object, count: int) -> list[asyncio.StreamWriter]:
+    """`count` connections that send nothing, once the server holds them all."""
+    held = [(await asyncio.open_connection("127.0.0.1", server.port))[1]  # type: ignore[attr-defined]
+            for _ in range(count)]
+    async with asyncio.timeout(BOUNDED):
+        while server.connection_count < count:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+    return held
+
+
+async def test_connections_without_the_token_make_room_for_one_with_it(
+    kind: str, service: Service
+) -> None:
+    """The cap full of connections that never sent a byte: a newcomer with the token is
+    served at once, and the oldest of them is closed to make room."""
+    server = make_server(kind, service.router(), limits=ConnectionLimits(max_connections=4))
+    await server.start()
+    try:
+        held = await _bare_connections(server, 4)
+        for _ in range(3):  # each new connection with the token takes a slot
+            client = make_client(kind, server.port)
+            await _works(client)
+            await client.close()
+        assert server.connection_count <= 4
+    finally:
+        for writer in held:
+            writer.close()
+        await server.stop()
+
+
+async def test_connections_without_the_token_have_a_budget_of_their_own(
+    kind: str, service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    limits = ConnectionLimits(max_unauthenticated_connections=3)
+    server = make_server(kind, service.router(), limits=limits)
+    await server.start()
+    caplog.set_level(logging.INFO)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        held = [writer, *await _bare_connections(server, 3)]
+        assert await read_until_closed(reader) == b""  # the oldest went for the fourth
+        assert server.connection_count == 3
+        assert any("max_unauthenticated_connections" in r.getMessage() for r in caplog.records)
+    finally:
+        for writer in held:
+            writer.close()
+        await server.stop()
+
+
+async def test_a_connection_that_never_shows_the_token_is_closed_at_its_deadline(
+    kind: str, service: Service
+) -> None:
+    """Public requests every 50 ms keep it busy, never idle: it still goes after
+    auth_timeout_s, while a connection that showed the token stays."""
+    limits = ConnectionLimits(auth_timeout_s=0.3)
+    server = make_server(kind, service.router(), limits=limits)
+    await server.start()
+    client = make_client(kind, server.port)
+    try:
+        await _works(client)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        closed = asyncio.create_task(read_until_closed(reader))  # what it answers, until it hangs up
+        raw = RawH2(reader, writer)
+        if kind == "h2":
+            raw.conn.initiate_connection()
+        with contextlib.suppress(ConnectionError):
+            while not closed.done():
+                if kind == "h2":
+                    raw.request("GET", "/v1/health")
+                    await raw.flush()
+                else:
+                    writer.write(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+                await asyncio.wait([closed], timeout=0.05)  # the pace of the requests under test
+            await closed
+        assert 0.3 <= loop.time() - started < BOUNDED
+        writer.close()
+        await _works(client)
+        assert server.connection_count == 1  # the client's, never closed
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_a_query_parameter_given_twice_is_a_400_naming_it(
+    kind: str, pair: tuple[object, Client]
+) -> None:
+    """Which of two values a server keeps is its own business: trainer=0&trainer=1 streamed
+    trainer 1."""
+    _, client = pair
+    answer = await client.request("POST", "/echo?q=a&x=1&q=b", body=b"x")
+    body = orjson.loads(answer.body)
+    assert answer.status == 400 and body["parameter"] == "q" and "twice" in body["message"]
+    assert (await client.request("POST", "/echo?q=a&x=1", body=b"x")).headers["x-query"] == "a"
+
+
+async def test_a_port_in_use_is_unavailable_naming_it(kind: str, service: Service) -> None:
+    first = make_server(kind, service.router())
+    await first.start()
+    try:
+        second = make_server(kind, service.router(), port=first.port)
+        with pytest.raises(Unavailable, match=f"cannot listen on 127.0.0.1:{first.port}: .*another process"):
+            await second.start()
+    finally:
+        await first.stop()
+
+
+async def test_a_server_may_serve_a_socket_that_already_listens(kind: str, service: Service) -> None:
+    """A shard listens before it registers with the coordinator, and serves that socket."""
+    listener = listen_on(Endpoint(host="127.0.0.1", port=0))
+    port = listener.getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # waits in the backlog
+    server = make_server(kind, service.router(), sock=listener)
+    await server.start()
+    client = make_client(kind, port)
+    try:
+        assert server.port == port
+        await _works(client)
+    finally:
+        writer.close()
+        await client.close()
+        await server.stop()
+
+
+async def test_a_public_route_takes_no_body(kind: str, pair: tuple[object, Client]) -> None:
+    server, client = pair
+    answer = await client.request("GET", "/v1/health", body=b"x" * 1000)
+    assert answer.status == 413
+    await _works(client)
 
 
 BAD_BYTES = [

@@ -151,3 +151,23 @@ def test_require_checks_presence_dtype_and_rank() -> None:
         require(arrays, "nope", "<i8", 1)
     with pytest.raises(WireError, match="must be 1-d int64"):
         require(arrays, "r", "<i8", 1)
+
+
+def test_an_array_declared_twice_is_refused_naming_it() -> None:
+    """The last one won: a body could say two things about its keys."""
+    head = orjson.dumps({"arrays": [["keys", "<i8", [1]], ["keys", "<i8", [1]]]})
+    body = len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8) + bytes(16)
+    with pytest.raises(WireError, match="'keys' is declared twice") as caught:
+        decode(body)
+    assert caught.value.fields["array"] == "keys"
+
+
+def test_an_error_quotes_at_most_a_few_hundred_bytes_of_the_header() -> None:
+    name = "k" * 100_000
+    for spec in ([name, "<c16", [1]], [name, "<i8", "x" * 100_000], ["x" * 100_000]):
+        head = orjson.dumps({"arrays": [spec]})
+        body = len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8)
+        with pytest.raises(WireError) as caught:
+            decode(body)
+        assert len(caught.value.message) < 600
+        assert all(len(str(v)) < 300 for v in caught.value.fields.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -100,9 +101,11 @@ def make_server(
     port: int = 0,
     grace: float = 5.0,
     limits: ConnectionLimits = ConnectionLimits(),
+    sock: socket.socket | None = None,
 ) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
-    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace)
+    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace,
+               sock=sock)
 
 
 def make_client(kind: str, port: int, *, timeout: float = 10.0) -> Client:

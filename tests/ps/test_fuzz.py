@@ -50,7 +50,8 @@ KEYS = st.lists(st.sampled_from(range(0, 40, 2)), min_size=1, max_size=6, unique
 #: JSON values that broke or could break a decoder: types, signs, int64 and uint64 edges.
 INTERESTING: list[Any] = [
     -1, 0, 1, 2, LIMIT, LIMIT + 1, 2**31, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -(2**63),
-    0.5, -0.0, 1e308, True, False, None, "", "7", "evict", "flush", [], [1], {}, {"a": 1},
+    0.5, -0.0, 1e308, True, False, None, "", "7", "evict", "flush", [], [1], ["evict"], {}, {"a": 1},
+    {"evict": 1},
 ]
 WIRE_DTYPES = ["<f4", "<f8", "<i4", "<i8", "<u8", "<i2", "|u1", "|i1", "|O", ">i8", "<c16", 7, None]
 

@@ -18,7 +18,7 @@ from common.directive import Directive
 from common.errors import BadRequest, TimedOut, Unavailable
 from common.spec import Endpoint
 from common.steps import EndOfStream, Step
-from common.transport import H2Server, Request, Router, StreamResponse, encode_message
+from common.transport import H2Server, Request, Response, Router, StreamResponse, encode_message
 from ps.client import PsClient
 from tests.ps.conftest import DIM, TOKEN, make_server, make_service
 from trainer.io_thread import IoThread
@@ -76,11 +76,22 @@ class FlakyOracle:
     def __init__(self, total: int, break_after: int) -> None:
         self.total, self.break_after = total, break_after
         self.starts: list[int] = []
+        self.acknowledged = 0  # the highest `next` acknowledged
+        self.acks = 0
+        self.refuse_acks = False
 
     def router(self) -> Router:
         router = Router()
         router.add("GET", "/v1/stream", self.stream)
+        router.add("POST", "/v1/stream/ack", self.ack)
         return router
+
+    def ack(self, request: Request) -> Response:
+        if self.refuse_acks:
+            raise BadRequest("no acknowledgements here")
+        self.acks += 1
+        self.acknowledged = max(self.acknowledged, int(request.query["next"]))
+        return Response(status=204)
 
     async def stream(self, request: Request) -> StreamResponse:
         start = int(request.query["start"])
@@ -121,6 +132,31 @@ def test_a_broken_directive_stream_resumes_where_it_stopped() -> None:
     assert all(s.labels[0] == s.iteration and s.directive.input_slots[0, 0] == s.iteration for s in steps)
     assert oracle.starts == [0, 3]
     assert stream.iterations == 7
+
+
+def _until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)  # the acknowledgements travel on the I/O thread
+
+
+def test_the_stream_acknowledges_what_it_received_one_request_at_a_time() -> None:
+    oracle = FlakyOracle(total=200, break_after=10**6)
+    with streaming(oracle) as (_, stream):
+        steps = list(stream)
+        _until(lambda: oracle.acknowledged == 200, "the last step was not acknowledged")
+    assert len(steps) == 200
+    assert 1 <= oracle.acks <= 200  # coalesced: never more than one a step
+
+
+def test_acknowledgements_the_oracle_refuses_stop_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    oracle = FlakyOracle(total=20, break_after=10**6)
+    oracle.refuse_acks = True
+    with streaming(oracle) as (_, stream):
+        steps = list(stream)
+    assert len(steps) == 20  # the steps flow on
+    assert sum("refused this trainer's acknowledgements" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:
