@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from common.errors import ConfigError
+from common.errors import ConfigError, Unavailable
 from common.metrics import Registry
 from common.runtime import connection_limits
 from common.spec import ClusterSpec
@@ -143,8 +143,8 @@ async def serve(metrics: TrainerMetrics, spec: ClusterSpec, token: str) -> Scrap
     )
     try:
         await server.start()
-    except OSError as exc:  # another trainer or service on this host holds the port, say
-        raise ConfigError("trainers.metrics_address", f"trainer {metrics.rank} cannot listen on {endpoint}: {exc}") from exc
+    except Unavailable as exc:  # another trainer or service on this host holds the port, say
+        raise ConfigError("trainers.metrics_address", f"trainer {metrics.rank} {exc.message}") from exc
     url = f"http://{endpoint.host}:{server.port}/metrics"
     log.info("trainer %d: Prometheus metrics on %s", metrics.rank, url)
     return ScrapeTarget(server, url)
