@@ -236,9 +236,9 @@ class Coordinator:
         count = 0
         for batch in held_out_share(batches, trainer, trainers):
             keys = job.layout.to_keys(batch.sparse)
-            yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).encode())
+            yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).to_wire())
             count += 1
-        yield encode_message(EndOfStream(iterations=count).encode())
+        yield encode_message(EndOfStream(iterations=count).to_wire())
 
     async def trainer_finished(self, request: Request) -> Response:
         try:

@@ -196,7 +196,7 @@ class OracleService:
         for directives in final:
             x = directives[0].iteration
             steps = trainer_steps(directives, *batches.pop(x))
-            messages = [encode_message(s.encode_batch()) + encode_message(s.directive.to_wire()) for s in steps]
+            messages = [encode_message(s.batch.to_wire()) + encode_message(s.directive.to_wire()) for s in steps]
             self.progress = dataclasses.replace(self.progress, waiting_since=time.perf_counter())
             self.buffer.put(x, messages)
             p = self.progress
@@ -228,7 +228,7 @@ class OracleService:
                 self.buffer.retain_from(x + 1 - self.max_ahead)
                 self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
                 x += 1
-            yield encode_message(EndOfStream(iterations=x).encode())
+            yield encode_message(EndOfStream(iterations=x).to_wire())
         finally:
             self.streams_open[trainer] -= 1
 

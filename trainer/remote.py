@@ -15,7 +15,7 @@ import orjson
 from common.directive import Directive
 from common.errors import BagpipeError, TimedOut, Unavailable, WireError
 from common.spec import Endpoint, Transport
-from common.steps import EvalBatch, Step, decode_batch, decode_end, kind_of
+from common.steps import EndOfStream, EvalBatch, Step, TrainBatch, kind_of
 from common.transport import Client, connect_client, read_messages
 from common.transport.retry import RetryBudget
 from ps.client import PsClient
@@ -195,20 +195,18 @@ class DirectiveStream:
         """Read steps from `start` on; returns when the stream ends."""
         path = f"/v1/stream?trainer={self.trainer}&start={start}"
         chunks = self._client.stream("GET", path, timeout=self._timeout_s)
-        pending: tuple[int, np.ndarray, np.ndarray] | None = None
+        pending: TrainBatch | None = None
         async for message in read_messages(chunks):
             kind = kind_of(message)
-            if kind == "batch":
-                pending = decode_batch(message)
+            if kind == TrainBatch.KIND:
+                pending = TrainBatch.from_wire(message)
             elif kind == "directive":
-                directive = Directive.from_wire(message)
-                if pending is None or pending[0] != directive.iteration:
-                    raise WireError(f"directive {directive.iteration} arrived without its batch")
-                await self._put(Step(directive=directive, labels=pending[1], dense=pending[2]))
-                self._next, pending = directive.iteration + 1, None
+                step = Step.of(pending, Directive.from_wire(message))
+                await self._put(step)
+                self._next, pending = step.iteration + 1, None
                 self._acks.received(self._next)
-            elif kind == "end":
-                self.iterations = decode_end(message).iterations
+            elif kind == EndOfStream.KIND:
+                self.iterations = EndOfStream.from_wire(message).iterations
                 await self._put(_END)
                 return
             else:
@@ -276,9 +274,9 @@ def _eval_stream(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[Eva
                 message = io.run(_next(messages))
             except StopAsyncIteration:
                 raise Unavailable("held-out stream closed before its end") from None
-            if kind_of(message) == "end":
+            if kind_of(message) == EndOfStream.KIND:
                 return
-            yield EvalBatch.decode(message)
+            yield EvalBatch.from_wire(message)
     finally:
         io.run(messages.aclose())
         io.run(client.close())

@@ -19,7 +19,7 @@ from common.directive import Directive
 from common.errors import BadRequest, BagpipeError, ConfigError, Conflict
 from common.keys import TableLayout
 from common.spec import Endpoint
-from common.steps import decode_batch, decode_end, kind_of
+from common.steps import EndOfStream, TrainBatch, kind_of
 from common.transport import H2Client, H2Server, read_messages
 from oracle.planner import Planner, PlannerConfig
 from oracle.service import OracleService, Workload
@@ -98,18 +98,18 @@ async def read(
     # The first step may wait for numba to compile the planner (over 10 s on a cold cache).
     chunks = client.stream("GET", f"/v1/stream?trainer={trainer}&start={start}", timeout=STEP_TIMEOUT_S)
     async with contextlib.aclosing(chunks), contextlib.aclosing(read_messages(chunks)) as messages:
-        pending: tuple[int, np.ndarray, np.ndarray] | None = None
+        pending: TrainBatch | None = None
         async for message in messages:
             got.raw.append(message)
             kind = kind_of(message)
             if kind == "batch":
-                pending = decode_batch(message)
+                pending = TrainBatch.from_wire(message)
             elif kind == "directive":
                 d = Directive.from_wire(message)
-                assert pending is not None and pending[0] == d.iteration and d.trainer == trainer
+                assert pending is not None and pending.iteration == d.iteration and d.trainer == trainer
                 got.directives.append(d)
-                got.labels.append(pending[1])
-                got.dense.append(pending[2])
+                got.labels.append(pending.labels)
+                got.dense.append(pending.dense)
                 pending = None
                 if ack:
                     await client.call("POST", f"/v1/stream/ack?trainer={trainer}&next={d.iteration + 1}")
@@ -117,7 +117,7 @@ async def read(
                     break
             else:
                 assert kind == "end", kind
-                got.end = decode_end(message).iterations
+                got.end = EndOfStream.from_wire(message).iterations
     return got
 
 

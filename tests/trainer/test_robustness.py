@@ -103,8 +103,8 @@ class FlakyOracle:
             if broken and x == self.break_after:
                 raise RuntimeError("connection dropped")  # the server resets the stream
             step = _step(x)
-            yield encode_message(step.encode_batch()) + encode_message(step.directive.to_wire())
-        yield encode_message(EndOfStream(iterations=self.total).encode())
+            yield encode_message(step.batch.to_wire()) + encode_message(step.directive.to_wire())
+        yield encode_message(EndOfStream(iterations=self.total).to_wire())
 
 
 @contextmanager
