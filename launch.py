@@ -215,9 +215,9 @@ def run_role(args: argparse.Namespace) -> int:
 
 def run_joined_role(args: argparse.Namespace) -> int:
     """A PS shard or trainer that knows only the coordinator's address (and the token)."""
-    from common.coordinator import CoordinatorClient
     from common.spec import TOKEN_ENV, load_spec
     from common.transport import run
+    from oracle.coordinator_client import CoordinatorClient
 
     spec = load_spec(args.spec) if args.spec else None  # only checked against the coordinator's
     token = spec.token() if spec is not None else os.environ.get(TOKEN_ENV, "")

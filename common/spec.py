@@ -161,7 +161,7 @@ class ClusterSpec:
     """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
     document: dict[str, Any] = field(default_factory=dict, compare=False)
     """The whole TOML document as read: the coordinator sends it to roles that have no spec
-    file, and a role that has one must agree with it (`common.coordinator`)."""
+    file, and a role that has one must agree with it (`oracle.coordinator_client`)."""
 
     def token(self) -> str:
         """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from common.checkpoints import latest_complete, remove_all
-from common.coordinator import free_port
+from common.addresses import free_port
 from common.errors import BagpipeError
 from common.job import Job, build_job
 from common.runtime import pinned_cpus

@@ -18,7 +18,7 @@ from common.runtime import first_of, make_servers, wait_for_stop_signal, write_r
 from common.spec import Endpoint
 from oracle.compiled import compile_planner
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
-from oracle.coordinator import Coordinator
+from oracle.coordinator_service import Coordinator
 from oracle.service import OracleService, Workload
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ async def run_oracle(
     job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None,
     admin_port: int | None = None,
 ) -> None:
-    """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator`),
+    """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator_service`),
     until every trainer has finished (then it exits by itself, so a batch job completes) or
     SIGTERM; with `resume`, from the iteration after the latest complete checkpoint. Over
     h2, the routes are also served over HTTP/1.1 on `admin_port`

@@ -6,12 +6,13 @@ import logging
 import socket
 from pathlib import Path
 
+from common.addresses import listen_on, serve_address
 from common.checkpoints import latest_complete, ps_dir
 from common.errors import ConfigError, Conflict
-from common.coordinator import CoordinatorClient, listen_on, serve_address
 from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
+from oracle.coordinator_client import CoordinatorClient
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore

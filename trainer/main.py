@@ -18,7 +18,7 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.coordinator import CoordinatorClient, DenseCheckpoint, Joined, address_towards
+from common.addresses import address_towards
 from common.errors import BagpipeError, ConfigError
 from common.checkpoints import final_paths
 from common.init import initial_rows
@@ -27,6 +27,7 @@ from common.runtime import configure_logging
 from common.spec import Endpoint
 from common.steps import EvalBatch
 from common.transport import run
+from oracle.coordinator_client import CoordinatorClient, DenseCheckpoint, Joined
 from ps.client import PsClient
 from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
@@ -250,7 +251,7 @@ class Checkpointer:
     (flushes included), the trainer reports c to every shard, off the critical path; the
     shards snapshot when all trainers reported; rank 0 then sends the dense state to the
     coordinator, which writes it and the manifest that makes the checkpoint complete
-    (`oracle.coordinator`). A failure is logged and training goes on: the previous complete
+    (`oracle.coordinator_service`). A failure is logged and training goes on: the previous complete
     checkpoint still holds."""
 
     def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None,

@@ -21,7 +21,7 @@ from common.errors import (
     Unauthorized,
     Unavailable,
 )
-from common.coordinator import listen_on
+from common.addresses import listen_on
 from common.spec import Endpoint
 from common.transport import Client, ConnectionLimits, read_messages
 from common.transport.limits import LINGER_S

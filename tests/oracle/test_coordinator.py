@@ -9,12 +9,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from common.coordinator import Joined, Registration, fingerprint
 from common.errors import BadRequest, Conflict, WireError
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import Endpoint, parse_spec
 from common.transport import Request
-from oracle.coordinator import Coordinator, Registry
+from oracle.coordinator_client import Joined, Registration, fingerprint
+from oracle.coordinator_service import Coordinator, Registry
 
 A, B = Endpoint(host="10.0.0.2", port=7000), Endpoint(host="10.0.0.3", port=7000)
 

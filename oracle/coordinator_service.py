@@ -2,7 +2,7 @@
 
 Routes (beside the directive streams of `oracle.service`):
 
-* ``POST /v1/register``: a PS shard or trainer joins (`common.coordinator`). Indices are
+* ``POST /v1/register``: a PS shard or trainer joins (`oracle.coordinator_client`). Indices are
   the caller's or the lowest free; a PS index registers again only from the address it had
   (a shard restarted alone must come back where the trainers look for it); a trainer's
   answer waits until every PS shard has registered. A PS shard registers the address it
@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 
-from common.coordinator import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
 from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
 from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
@@ -42,6 +41,7 @@ from common.job import Job
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch, held_out_share
 from common.transport import Request, Response, Router, StreamResponse, encode_message
+from oracle.coordinator_client import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
 from oracle.service import int_param
 
 log = logging.getLogger(__name__)
