@@ -28,10 +28,6 @@ class DataFacts:
     num_dense: int
     iterations: int  # N: the run's length; its final snapshot is checkpoint N
 
-    def to_json(self) -> dict[str, object]:
-        return {"table_sizes": list(self.table_sizes), "num_dense": self.num_dense,
-                "iterations": self.iterations}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Job:

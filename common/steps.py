@@ -53,7 +53,7 @@ class TrainBatch:
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
         meta, arrays = _decode(body, cls.KIND)
-        return cls(iteration=meta.get("iteration"), trainer=meta.get("trainer"),  # type: ignore[arg-type]
+        return cls(iteration=meta.get("iteration"), trainer=meta.get("trainer"),
                    labels=require(arrays, "labels", "<f4", 1), dense=require(arrays, "dense", "<f4", 2))
 
 
@@ -116,7 +116,7 @@ class EndOfStream:
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
         meta, _ = _decode(body, cls.KIND)
-        return cls(iterations=meta.get("iterations"))  # type: ignore[arg-type]
+        return cls(iterations=meta.get("iterations"))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -1,6 +1,7 @@
 """The oracle as the job's coordinator: roles register with it and learn the job from it.
 
-Routes (beside the directive streams of `oracle.service`):
+Routes (beside the directive streams of `oracle.service`; their messages are in
+`oracle.protocol`):
 
 * ``POST /v1/register``: a PS shard or trainer joins (`oracle.coordinator_client`). Indices are
   the caller's or the lowest free; a PS index registers again only from the address it had
@@ -32,17 +33,33 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import orjson
-
 from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
 from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch, held_out_share
-from common.transport import Request, Response, Router, StreamResponse, encode_message
-from oracle.coordinator_client import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
-from oracle.service import int_param
+from common.transport import Response, Router, StreamResponse, encode_message
+from oracle.protocol import (
+    COMPLETE_CHECKPOINT,
+    DENSE,
+    EVAL,
+    FINISHED,
+    REGISTER,
+    REGISTER_HOLD_S,
+    RESUME_POINT,
+    CheckpointCompleted,
+    DenseCheckpoint,
+    DenseRequest,
+    EvalRequest,
+    Finished,
+    FinishProgress,
+    Joined,
+    Registration,
+    ResumePoint,
+    add_handlers,
+    fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,15 +178,12 @@ class Coordinator:
         self.finished = asyncio.Event()  # every trainer has said it is done
 
     def add_routes(self, router: Router) -> None:
-        router.add("POST", "/v1/register", self.register)
-        router.add("GET", "/v1/eval", self.eval)
-        router.add("POST", "/v1/finished", self.trainer_finished)
-        router.add("POST", "/v1/checkpoint", self.checkpoint_complete)
-        router.add("GET", "/v1/checkpoint", self.resume_point)
-        router.add("GET", "/v1/dense", self.dense_state)
+        add_handlers(router, {
+            REGISTER: self.register, EVAL: self.eval, FINISHED: self.trainer_finished,
+            COMPLETE_CHECKPOINT: self.checkpoint_complete, RESUME_POINT: self.resume_point, DENSE: self.dense_state,
+        })
 
-    async def register(self, request: Request) -> Response:
-        reg = Registration.from_json(request.body)
+    async def register(self, reg: Registration) -> Joined:
         ps: tuple[Endpoint, ...] = ()
         store = None
         if reg.role == "trainer":  # answered once it can train; registered only then
@@ -183,9 +197,8 @@ class Coordinator:
                  f" (again: {generation} time(s) before)" if generation else "")
         if not self.registry.missing_ps:
             self._ps_ready.set()
-        joined = Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
-                        store=store, generation=generation, resumed_from=self.resumed_from)
-        return Response(body=joined.to_json(), content_type="application/json")
+        return Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
+                      store=store, generation=generation, resumed_from=self.resumed_from)
 
     async def _check_ps(self, reg: Registration) -> None:
         """BadRequest unless a shard listens at `reg`'s address; before any trainer knows
@@ -223,10 +236,10 @@ class Coordinator:
                 self._store = await asyncio.to_thread(self._start_store)
         return self._store[1]
 
-    async def eval(self, request: Request) -> StreamResponse:
+    async def eval(self, ask: EvalRequest) -> StreamResponse:
         trainers = self.job.spec.trainers.count
-        trainer = int_param(request, "trainer", 0, trainers - 1)
-        return StreamResponse(chunks=self._eval_chunks(trainer, trainers))
+        ask.within(trainer=(0, trainers - 1))
+        return StreamResponse(chunks=self._eval_chunks(ask.trainer, trainers))
 
     async def _eval_chunks(self, trainer: int, trainers: int) -> AsyncIterator[bytes]:
         from common.data import open_dataset
@@ -240,23 +253,17 @@ class Coordinator:
             count += 1
         yield encode_message(EndOfStream(iterations=count).to_wire())
 
-    async def trainer_finished(self, request: Request) -> Response:
-        try:
-            raw = orjson.loads(request.body)
-            trainer = raw["trainer"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            raise BadRequest('expected {"trainer": J}', field="trainer") from None
-        trainers = self.job.spec.trainers.count
-        if type(trainer) is not int or not 0 <= trainer < trainers:
-            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {quoted(trainer)}", field="trainer")
+    async def trainer_finished(self, done: Finished) -> FinishProgress:
+        trainers, trainer = self.job.spec.trainers.count, done.trainer
+        if trainer >= trainers:
+            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer}", field="trainer")
         self._finished.add(trainer)
         log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
         if len(self._finished) == trainers:
             self.finished.set()
-        return Response.json({"finished": len(self._finished)})
+        return FinishProgress(finished=len(self._finished))
 
-    async def checkpoint_complete(self, request: Request) -> Response:
-        done = DenseCheckpoint.decode(request.body)
+    async def checkpoint_complete(self, done: DenseCheckpoint) -> CheckpointCompleted:
         spec = self.job.spec
         if not (is_checkpoint(done.checkpoint, spec.checkpoint.every) and done.checkpoint < self.job.iterations):
             raise BadRequest(f"{done.checkpoint} is not a checkpoint of this run", field="checkpoint")
@@ -269,7 +276,7 @@ class Coordinator:
                                 f"{spec.checkpoint.dir}: {exc}", checkpoint=done.checkpoint) from None
         log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent",
                  done.checkpoint, done.nbytes, done.seconds)
-        return Response.json({"checkpoint": done.checkpoint, "kept": kept})
+        return CheckpointCompleted(checkpoint=done.checkpoint, kept=tuple(kept))
 
     def _complete(self, done: DenseCheckpoint) -> list[int]:
         """Write the dense state, then the manifest that makes the checkpoint complete, then
@@ -290,12 +297,13 @@ class Coordinator:
                          ", ".join(map(str, gone)))
         return complete_checkpoints(directory, shards)
 
-    async def resume_point(self, request: Request) -> Response:
-        return Response.json({"resumed_from": self.resumed_from})
+    async def resume_point(self, _: None) -> ResumePoint:
+        return ResumePoint(resumed_from=self.resumed_from)
 
-    async def dense_state(self, request: Request) -> Response:
+    async def dense_state(self, ask: DenseRequest) -> Response:
+        """Checkpoint c's dense state as trainer 0 sent it: opaque bytes (`torch.save`)."""
         spec = self.job.spec
-        c = int_param(request, "checkpoint", 0, self.job.iterations)
+        c = ask.within(checkpoint=(0, self.job.iterations)).checkpoint
         if not is_complete(spec.checkpoint.dir, c, spec.ps.num_shards):
             raise NotFound(f"checkpoint {c} is not complete in {spec.checkpoint.dir}", checkpoint=c)
         return Response(body=await asyncio.to_thread(dense_path(spec.checkpoint.dir, c).read_bytes))

@@ -3,6 +3,8 @@ per trainer (DESIGN §2, §4, §7).
 
 Routes:
 
+Its routes and their messages are in `oracle.protocol`:
+
 * ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
   framed messages (`common.steps`): a batch and a directive per iteration, then an end
   message (at once for X = `num_iterations`). J must be a trainer of the run and X within
@@ -31,14 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.data.dataset import Dataset
-from common.errors import BadRequest, ConfigError
+from common.errors import ConfigError
 from common.keys import TableLayout
 from common.metrics import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
-from common.transport import Request, Response, Router, StreamResponse, encode_message
+from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
 from oracle.planner import Planner
+from oracle.protocol import ACKNOWLEDGE, HEALTH, METRICS, STREAM, OracleHealth, StreamAck, StreamRequest, add_handlers
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +139,8 @@ class OracleService:
 
     def router(self) -> Router:
         router = Router()
-        router.add("GET", "/v1/stream", self.stream)
-        router.add("POST", "/v1/stream/ack", self.acknowledge)
-        router.add("GET", "/v1/health", self.health, public=True)
-        router.add("GET", "/metrics", self.render_metrics, public=True)
+        add_handlers(router, {STREAM: self.stream, ACKNOWLEDGE: self.acknowledge, HEALTH: self.health,
+                              METRICS: self.render_metrics})
         return router
 
     def start(self) -> None:
@@ -206,10 +207,10 @@ class OracleService:
 
     # -- routes --------------------------------------------------------------------------
 
-    async def stream(self, request: Request) -> StreamResponse:
+    async def stream(self, ask: StreamRequest) -> StreamResponse:
         assert self.buffer is not None
-        trainer = int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        start = int_param(request, "start", self.workload.start, self.workload.num_iterations)
+        ask.within(trainer=(0, self.config.num_trainers - 1), start=(self.workload.start, self.workload.num_iterations))
+        trainer, start = ask.trainer, ask.start
         self.buffer.check_resumable(start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
@@ -232,27 +233,19 @@ class OracleService:
         finally:
             self.streams_open[trainer] -= 1
 
-    def acknowledge(self, request: Request) -> Response:
+    def acknowledge(self, ack: StreamAck) -> Response:
         """Trainer J has received every step before `next` (answered at once, without a
         body: an answer must not wait for flow-control credit the stream holds)."""
         assert self.buffer is not None
-        trainer = int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        received = int_param(request, "next", self.workload.start, self.workload.num_iterations)
-        self.buffer.acknowledge(trainer, received)
+        ack.within(trainer=(0, self.config.num_trainers - 1), next=(self.workload.start, self.workload.num_iterations))
+        self.buffer.acknowledge(ack.trainer, ack.next)
         return Response(status=204)
 
-    async def health(self, request: Request) -> Response:
-        return Response.json(
-            {
-                "role": "oracle",
-                "mode": self.config.mode,
-                "trainers": self.config.num_trainers,
-                "iterations": self.workload.num_iterations,
-                "planned": self.progress.iterations,
-            }
-        )
+    async def health(self, _: None) -> OracleHealth:
+        return OracleHealth(role="oracle", mode=self.config.mode, trainers=self.config.num_trainers,
+                            iterations=self.workload.num_iterations, planned=self.progress.iterations)
 
-    async def render_metrics(self, request: Request) -> Response:
+    async def render_metrics(self, _: None) -> Response:
         self._copy_progress()
         body = self.metrics.render().encode()
         self.final_scrape.scraped()
@@ -289,16 +282,3 @@ def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None
     if not future.done():
         future.set_result(exc)
 
-
-def int_param(request: Request, name: str, low: int, high: int) -> int:
-    """A required integer query parameter in low..high; BadRequest (400) naming it otherwise."""
-    raw = request.query.get(name)
-    if raw is None:
-        raise BadRequest(f"query parameter {name!r} is required", parameter=name)
-    # isascii: str.isdigit accepts digits such as '²' that int() refuses; the length bound
-    # keeps int() off strings long enough to hit Python's digit limit (or to cost time).
-    digits = raw.isascii() and raw.isdigit() and len(raw) <= len(str(high))
-    if not digits or not low <= int(raw) <= high:
-        message = f"query parameter {name!r} must be an integer in {low}..{high}, got {raw[:40]!r}"
-        raise BadRequest(message, parameter=name)
-    return int(raw)

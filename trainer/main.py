@@ -27,7 +27,8 @@ from common.runtime import configure_logging
 from common.spec import Endpoint
 from common.steps import EvalBatch
 from common.transport import run
-from oracle.coordinator_client import CoordinatorClient, DenseCheckpoint, Joined
+from oracle.coordinator_client import CoordinatorClient
+from oracle.protocol import DenseCheckpoint, Joined
 from ps.client import PsClient
 from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from common.directive import Directive
 from common.errors import BagpipeError, TimedOut, Unavailable, WireError
@@ -18,6 +17,7 @@ from common.spec import Endpoint, Transport
 from common.steps import EndOfStream, EvalBatch, Step, TrainBatch, kind_of
 from common.transport import Client, connect_client, read_messages
 from common.transport.retry import RetryBudget
+from oracle.protocol import ACKNOWLEDGE, EVAL, FINISHED, STREAM, EvalRequest, Finished, StreamAck, StreamRequest, ask
 from ps.client import PsClient
 from trainer.io_thread import IoThread
 
@@ -80,9 +80,8 @@ class _Acknowledger:
         budget = RetryBudget(retries=0, window_s=0.0, first_delay_s=0.1)
         while self._wanted > self._sent:
             wanted = self._wanted
-            path = f"/v1/stream/ack?trainer={self._trainer}&next={wanted}"
             try:
-                await self._client.call("POST", path)
+                await ask(self._client, ACKNOWLEDGE, StreamAck(trainer=self._trainer, next=wanted))
             except (Unavailable, TimedOut):
                 await budget.wait()
                 continue
@@ -193,8 +192,8 @@ class DirectiveStream:
 
     async def _read_from(self, start: int) -> None:
         """Read steps from `start` on; returns when the stream ends."""
-        path = f"/v1/stream?trainer={self.trainer}&start={start}"
-        chunks = self._client.stream("GET", path, timeout=self._timeout_s)
+        target = STREAM.target(StreamRequest(trainer=self.trainer, start=start))
+        chunks = self._client.stream(STREAM.method, target, timeout=self._timeout_s)
         pending: TrainBatch | None = None
         async for message in read_messages(chunks):
             kind = kind_of(message)
@@ -267,7 +266,8 @@ def eval_batches(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[Eva
 
 def _eval_stream(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[EvalBatch]:
     client = oracle.client()
-    messages = read_messages(client.stream("GET", f"/v1/eval?trainer={trainer}", timeout=oracle.timeout_s))
+    target = EVAL.target(EvalRequest(trainer=trainer))
+    messages = read_messages(client.stream(EVAL.method, target, timeout=oracle.timeout_s))
     try:
         while True:
             try:
@@ -295,7 +295,7 @@ def report_finished(io: IoThread, oracle: OracleLink, trainer: int) -> None:
         try:
             while True:
                 try:
-                    await client.call("POST", "/v1/finished", body=orjson.dumps({"trainer": trainer}))
+                    await ask(client, FINISHED, Finished(trainer=trainer))
                     return
                 except Unavailable as exc:
                     if not budget.allows_retry():

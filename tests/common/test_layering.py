@@ -23,8 +23,9 @@ COMMON = ROOT / "common"
 ABOVE_COMMON = frozenset({"ps", "trainer", "oracle", "launcher"})
 # Everything but launch.py, bench/ and tests/, which may import the launcher, and the launcher itself.
 BELOW_LAUNCHER = ("common", "ps", "trainer", "oracle", "serving", "examples")
-#: What other roles may import of the oracle. Everything else in oracle/ is its server side.
-ORACLE_CLIENT_SIDE = frozenset({"oracle.coordinator_client"})
+#: What other roles may import of the oracle: its protocol (which its servers share) and the
+#: coordinator's client. Everything else in oracle/ is its server side.
+ORACLE_CLIENT_SIDE = frozenset({"oracle.protocol", "oracle.coordinator_client"})
 #: The oracle's servers: the directive streams and the coordinator's routes.
 ORACLE_SERVERS = frozenset({"oracle.service", "oracle.coordinator_service"})
 

@@ -9,12 +9,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from common.errors import BadRequest, Conflict, WireError
+from common.errors import BadRequest, Conflict
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import Endpoint, parse_spec
-from common.transport import Request
-from oracle.coordinator_client import Joined, Registration, fingerprint
 from oracle.coordinator_service import Coordinator, Registry
+from oracle.protocol import Joined, Registration, fingerprint
 
 A, B = Endpoint(host="10.0.0.2", port=7000), Endpoint(host="10.0.0.3", port=7000)
 
@@ -82,19 +81,19 @@ def test_the_fingerprint_is_of_the_content_not_its_spelling() -> None:
 )
 def test_a_malformed_registration_is_a_bad_request_naming_its_field(body: bytes, field: str | None) -> None:
     with pytest.raises(BadRequest) as caught:
-        Registration.from_json(body)
+        Registration.from_wire(body)
     assert caught.value.fields.get("field") == field
 
 
 def test_messages_round_trip() -> None:
     r = reg("trainer", None, Endpoint(host="::1", port=0), fp="ab")
-    assert Registration.from_json(r.to_json()) == r
+    assert Registration.from_wire(r.to_wire()) == r
     joined = Joined(index=1, document={"name": "x", "ps": {"shards": 2}},
                     facts=DataFacts(table_sizes=(3, 4), num_dense=2, iterations=9), ps=(A, B),
                     store=Endpoint(host="10.0.0.1", port=29500), generation=2)
-    assert Joined.from_json(joined.to_json()) == joined
-    with pytest.raises(WireError, match="malformed answer from the coordinator"):
-        Joined.from_json(b'{"index": 1}')
+    assert Joined.from_wire(joined.to_wire()) == joined
+    with pytest.raises(BadRequest, match="invalid join answer: document is missing"):
+        Joined.from_wire(b'{"index": 1}')
 
 
 HUGE = "f" * (20 << 20)  # the probe's 20 MiB fingerprint
@@ -107,7 +106,7 @@ def test_a_refusal_quotes_at_most_a_few_hundred_bytes_of_what_it_was_sent() -> N
     for body in ({"role": HUGE}, {"role": "ps", "index": HUGE},
                  {"role": "ps", "index": 0, "address": HUGE}, {"role": "ps", "index": 0, "address": HUGE + ":1"}):
         with pytest.raises(BadRequest) as caught:
-            Registration.from_json(orjson.dumps(body))
+            Registration.from_wire(orjson.dumps(body))
         assert len(caught.value.message) < 600, caught.value.message[:100]
 
 
@@ -124,9 +123,9 @@ def _coordinator(num_shards: int = 1) -> Coordinator:
 
 
 async def _register(coordinator: Coordinator, index: int | None, address: str) -> Joined:
-    body = orjson.dumps({"role": "ps", "index": index, "address": address})
-    answer = await coordinator.register(Request(method="POST", path="/v1/register", query={}, headers={}, body=body))
-    return Joined.from_json(bytes(answer.body))  # type: ignore[arg-type]
+    registration = Registration.from_wire(orjson.dumps({"role": "ps", "index": index, "address": address}))
+    joined = await coordinator.register(registration)
+    return Joined.from_wire(joined.to_wire())
 
 
 async def _listener() -> asyncio.Server:

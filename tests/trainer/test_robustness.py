@@ -18,7 +18,8 @@ from common.directive import Directive
 from common.errors import BadRequest, TimedOut, Unavailable
 from common.spec import Endpoint
 from common.steps import EndOfStream, Step
-from common.transport import H2Server, Request, Response, Router, StreamResponse, encode_message
+from common.transport import H2Server, Response, Router, StreamResponse, encode_message
+from oracle.protocol import ACKNOWLEDGE, STREAM, StreamAck, StreamRequest, add_handlers
 from ps.client import PsClient
 from tests.ps.conftest import DIM, TOKEN, make_server, make_service
 from trainer.io_thread import IoThread
@@ -82,19 +83,18 @@ class FlakyOracle:
 
     def router(self) -> Router:
         router = Router()
-        router.add("GET", "/v1/stream", self.stream)
-        router.add("POST", "/v1/stream/ack", self.ack)
+        add_handlers(router, {STREAM: self.stream, ACKNOWLEDGE: self.ack})
         return router
 
-    def ack(self, request: Request) -> Response:
+    def ack(self, ack: StreamAck) -> Response:
         if self.refuse_acks:
             raise BadRequest("no acknowledgements here")
         self.acks += 1
-        self.acknowledged = max(self.acknowledged, int(request.query["next"]))
+        self.acknowledged = max(self.acknowledged, ack.next)
         return Response(status=204)
 
-    async def stream(self, request: Request) -> StreamResponse:
-        start = int(request.query["start"])
+    async def stream(self, ask: StreamRequest) -> StreamResponse:
+        start = ask.start
         self.starts.append(start)
         return StreamResponse(chunks=self._chunks(start, broken=len(self.starts) == 1))
 
