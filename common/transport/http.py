@@ -121,6 +121,10 @@ class Router:
             raise ValueError(f"route {method} {path} registered twice")
         by_method[method] = Route(handler=handler, public=public)
 
+    def registered(self) -> set[tuple[str, str]]:
+        """Every (method, path) with a handler."""
+        return {(method, path) for path, by_method in self._routes.items() for method in by_method}
+
     def resolve(self, method: str, path: str) -> Route:
         """The route for a request; raises NotFound (404) or MethodNotAllowed (405)."""
         by_method = self._routes.get(path)

@@ -1,8 +1,15 @@
-"""The oracle's protocol as pure logic: every message survives its codec with the bytes the
-oracle has always exchanged; every malformed field is refused, naming it."""
+"""The oracle's protocol as pure logic, and its route table held to what is served and asked:
+every message survives its codec with the bytes the oracle has always exchanged; every
+malformed field is refused, naming it; both servers register exactly the table's routes;
+every client asks only for them (a fake oracle made from the table alone serves them all)."""
 
 from __future__ import annotations
 
+import ast
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,13 +19,23 @@ import pytest
 from common.errors import BadRequest, WireError
 from common.job import DataFacts
 from common.spec import Endpoint
+from common.steps import EndOfStream, EvalBatch
+from common.transport import H2Server, Response, Router, StreamResponse, encode_message
 from common.wire import encode
+from oracle.coordinator_client import CoordinatorClient
 from oracle.protocol import (
     ACKNOWLEDGE,
+    COMPLETE_CHECKPOINT,
+    COORDINATOR_ROUTES,
     DENSE,
     EVAL,
+    FINISHED,
     HEALTH,
+    METRICS,
     REGISTER,
+    RESUME_POINT,
+    ROUTES,
+    SERVICE_ROUTES,
     STREAM,
     CheckpointCompleted,
     DenseCheckpoint,
@@ -33,8 +50,16 @@ from oracle.protocol import (
     Route,
     StreamAck,
     StreamRequest,
+    add_handlers,
 )
+from oracle.service import OracleService
+from tests.common.test_steps import _step
+from tests.oracle.test_coordinator import _coordinator
+from tests.oracle.test_service import config, workload
+from trainer.io_thread import IoThread
+from trainer.remote import DirectiveStream, OracleLink, eval_batches, report_finished
 
+ROOT = Path(__file__).resolve().parents[2]
 A, B = Endpoint(host="10.0.0.2", port=7000), Endpoint(host="10.0.0.3", port=7001)
 FACTS = DataFacts(table_sizes=(3, 4), num_dense=2, iterations=9)
 
@@ -261,3 +286,140 @@ def test_a_refusal_quotes_at_most_a_few_hundred_bytes_of_what_it_was_sent() -> N
     with pytest.raises(BadRequest) as refused:
         StreamRequest.from_wire({"trainer": huge, "start": "0"})
     assert len(refused.value.message) < 200
+
+
+# --------------------------------------------------------------------------- the route table
+def test_the_table_names_each_route_once_and_only_health_and_metrics_are_public() -> None:
+    assert len({(r.method, r.path) for r in ROUTES}) == len(ROUTES) == len(set(ROUTES))
+    assert set(SERVICE_ROUTES).isdisjoint(COORDINATOR_ROUTES) and ROUTES == SERVICE_ROUTES + COORDINATOR_ROUTES
+    assert {r.path for r in ROUTES if r.public} == {"/v1/health", "/metrics"}
+    assert all(r.stream == () or r.response is None for r in ROUTES)  # a streamed answer is no one message
+
+
+def test_each_server_registers_exactly_its_routes_of_the_table() -> None:
+    """A route added by hand (not through the table) or dropped fails here."""
+    service = OracleService(config(), workload(), max_ahead=4).router()
+    coordinator = Router()
+    _coordinator().add_routes(coordinator)
+    for router, routes in ((service, SERVICE_ROUTES), (coordinator, COORDINATOR_ROUTES)):
+        assert router.registered() == {(r.method, r.path) for r in routes}
+        assert all(router.resolve(r.method, r.path).public == r.public for r in routes)
+
+
+def _path_literals(path: Path) -> list[str]:
+    """String constants of `path`'s code (docstrings have other words first) that are paths."""
+    return [node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and (node.value.startswith("/v1/") or node.value.startswith("/metrics"))]
+
+
+#: Files that may spell a route: the two protocols, and the trainer's own metrics target.
+SPELL_ROUTES = {"oracle/protocol.py", "ps/protocol.py", "trainer/exporter.py"}
+
+
+def test_no_role_spells_a_route_but_the_protocols() -> None:
+    """Every client builds its requests from a route table (`Route.target`), every server
+    registers from one: a path written by hand elsewhere fails here."""
+    spelt = {}
+    for folder in ("common", "oracle", "ps", "trainer", "launcher", "serving"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = str(path.relative_to(ROOT))
+            if name not in SPELL_ROUTES and (found := _path_literals(path)):
+                spelt[name] = found
+    for name in ("launch.py",):
+        if found := _path_literals(ROOT / name):
+            spelt[name] = found
+    assert spelt == {}
+
+
+class FakeOracle:
+    """An oracle made from the route table alone, each route answering what its messages
+    allow; it records which route every request reached. A client that asks for a path
+    not in the table gets 404 and fails."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[Route, Any]] = []
+
+    def router(self) -> Router:
+        answers: dict[Route, Callable[[Any], Any]] = {
+            STREAM: lambda ask: StreamResponse(chunks=self._steps(ask.start)),
+            ACKNOWLEDGE: lambda ack: Response(status=204),
+            HEALTH: lambda _: OracleHealth(role="oracle", mode="bagpipe", trainers=1, iterations=2, planned=2),
+            METRICS: lambda _: Response(body=b"", content_type="text/plain"),
+            REGISTER: lambda reg: joined(index=reg.index or 0, resumed_from=None),
+            EVAL: lambda ask: StreamResponse(chunks=self._eval()),
+            FINISHED: lambda done: FinishProgress(finished=1),
+            COMPLETE_CHECKPOINT: lambda done: CheckpointCompleted(checkpoint=done.checkpoint, kept=(done.checkpoint,)),
+            RESUME_POINT: lambda _: ResumePoint(resumed_from=4),
+            DENSE: lambda ask: Response(body=b"dense state %d" % ask.checkpoint),
+        }
+        assert set(answers) == set(ROUTES)
+        router = Router()
+        add_handlers(router, {route: self._recorded(route, answer) for route, answer in answers.items()})
+        return router
+
+    def _recorded(self, route: Route, answer: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def handler(message: Any) -> Any:
+            self.asked.append((route, message))
+            return answer(message)
+
+        return handler
+
+    async def _steps(self, start: int) -> AsyncIterator[bytes]:
+        for x in range(start, 2):
+            step = _step(x)
+            yield encode_message(step.batch.to_wire()) + encode_message(step.directive.to_wire())
+        yield encode_message(EndOfStream(iterations=2).to_wire())
+
+    async def _eval(self) -> AsyncIterator[bytes]:
+        batch = EvalBatch(keys=np.zeros((2, 1), np.int64), dense=np.zeros((2, 3), np.float32), labels=np.ones(2, np.float32))
+        yield encode_message(batch.to_wire())
+        yield encode_message(EndOfStream(iterations=1).to_wire())
+
+
+@contextlib.contextmanager
+def fake_oracle() -> Iterator[tuple[FakeOracle, IoThread, Endpoint]]:
+    oracle, io = FakeOracle(), IoThread()
+    server = H2Server(oracle.router(), host="127.0.0.1", port=0, token="t")
+    io.run(server.start(), timeout=10)
+    try:
+        yield oracle, io, Endpoint(host="127.0.0.1", port=server.port)
+    finally:
+        io.run(server.stop(), timeout=10)
+        io.close()
+
+
+def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
+    with fake_oracle() as (oracle, io, endpoint):
+        coordinator = CoordinatorClient(endpoint, token="t")
+
+        async def coordinate() -> tuple[Any, ...]:
+            answers = (
+                await coordinator.join("ps", 1, A),
+                await coordinator.complete_checkpoint(dense_checkpoint()),
+                await coordinator.resumed_from(),
+                await coordinator.dense_state(4),
+            )
+            with contextlib.suppress(TimeoutError):  # it polls health for as long as it answers
+                await asyncio.wait_for(coordinator.watch(reconnect_s=5, every_s=0.01), 0.5)
+            await coordinator.close()
+            return answers
+
+        got, kept, resumed, dense = io.run(coordinate(), timeout=30)
+        assert (got.index, kept, resumed, dense) == (1, (4,), 4, b"dense state 4")
+
+        stream = DirectiveStream(io, endpoint, token="t", transport="h2", trainer=0, timeout_s=10)
+        try:
+            assert [s.iteration for s in stream] == [0, 1] and stream.iterations == 2
+        finally:
+            stream.close()
+        link = OracleLink(endpoint=endpoint, token="t", transport="h2", timeout_s=10, retries=0, reconnect_s=0)
+        assert len(list(eval_batches(io, link, 0))) == 1
+        report_finished(io, link, 0)
+    asked = {route for route, _ in oracle.asked}
+    assert asked == set(ROUTES) - {METRICS}  # Prometheus, not a client of ours, reads the metrics
+    messages = {route: message for route, message in oracle.asked}
+    assert messages[REGISTER] == Registration(role="ps", index=1, address=A)
+    assert messages[STREAM] == StreamRequest(trainer=0, start=0) and messages[EVAL] == EvalRequest(trainer=0)
+    assert messages[FINISHED] == Finished(trainer=0) and messages[DENSE] == DenseRequest(checkpoint=4)
+    assert StreamAck(trainer=0, next=2) in [m for r, m in oracle.asked if r == ACKNOWLEDGE]
