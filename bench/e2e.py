@@ -268,6 +268,23 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def thread_table(summaries: Mapping[str, RunSummary]) -> str:
+    """A trainer process's CPU µs per sample by thread (mean over trainers): the training
+    thread in and out of the model's compute, every other thread, and the busiest of them."""
+    head = f"{'mode':<14}{'compute':>10}{'training else':>15}{'other threads':>15}  busiest other threads"
+    lines = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        cpu = s.cpu_us_per_sample
+        if not cpu:
+            lines.append(f"{name:<14}{'n/a':>10}{'n/a':>15}{'n/a':>15}")
+            continue
+        others = sorted(((v, k.removeprefix("thread ")) for k, v in cpu.items() if k.startswith("thread ")), reverse=True)
+        busiest = ", ".join(f"{k} {v:,.1f}" for v, k in others[:3])
+        lines.append(f"{name:<14}{cpu['training_thread_compute']:>10,.1f}{cpu['training_thread_other']:>15,.1f}"
+                     f"{cpu['other_threads']:>15,.1f}  {busiest}")
+    return "\n".join(lines)
+
+
 def rss_table(runs: Mapping[str, ModeRun], warmup: int, cpu_until: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
     and final saves included), its fitted growth per 1,000 iterations after the warm-up
@@ -296,6 +313,8 @@ def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
             "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
             "phase_s": s.phase_s, "compute_cpu_s": s.compute_cpu_s, "machinery_s": s.machinery_s,
             "bytes_per_iter": s.bytes_per_iter,
+            # a trainer process's CPU µs per sample, by thread (launcher.summary.cpu_per_sample)
+            "trainer_cpu_us_per_sample": s.cpu_us_per_sample,
             "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
             "max_samples_per_s": max(rates), "rss": rss}
@@ -393,6 +412,8 @@ def main() -> int:
     print("\nms per iteration and trainer "
           "(machinery: all but forward, backward and the dense optimizer)")
     print(phase_table(summaries))
+    print("\ntrainer process CPU µs per sample of its slice, by thread")
+    print(thread_table(summaries))
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
     print()
