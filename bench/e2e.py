@@ -45,6 +45,7 @@ way, named as trainers. A long run with a small batch checks that memory stays f
     python bench/e2e.py --quick --rounds 3
     python bench/e2e.py --shaped 1gbit          (root: PS behind a 1 Gbit/s link)
     python bench/e2e.py --quick --modes bagpipe --no-torchrec --iterations 5000 --batch 256
+    python bench/e2e.py --quick --fast-compute  (a small dense model: the balance of a GPU trainer)
 
 `--smoke` runs the same code on a small job in seconds (bagpipe only unless `--modes` says
 otherwise, 30 iterations of 128 on tables of 1,000 rows, the oracle 8 iterations ahead).
@@ -92,6 +93,10 @@ SEED = 3
 MAX_AHEAD = 64
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder, in its run folder
 DLRM = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [512, 256, 64, 16], "top_mlp": [512, 256]}
+#: `--fast-compute`: the same DLRM with small MLPs, its forward and backward about a tenth of
+#: DLRM's here, so that this machine shows the balance of a GPU trainer, whose compute is
+#: fast and whose machinery (the boundary, sums, copies, the PS client) is what remains.
+FAST_DLRM = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,6 +373,9 @@ def parse_args() -> tuple[argparse.Namespace, Size]:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run everything this many times, in turn; report medians")
     parser.add_argument("--shaped", metavar="RATE", help="put the PS behind a veth link shaped to RATE (e.g. 1gbit); root")
+    parser.add_argument("--fast-compute", action="store_true",
+                        help="a DLRM with small MLPs (forward and backward about a tenth of DLRM's here): the "
+                             "balance of a GPU trainer")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
     parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
                                                  f"with --smoke {SMOKE_RESULTS}/{NAME})")
@@ -376,6 +384,8 @@ def parse_args() -> tuple[argparse.Namespace, Size]:
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     base = SIZES[kind]
     size = dataclasses.replace(base, iterations=args.iterations or base.iterations, batch=args.batch or base.batch)
+    if args.fast_compute and not args.smoke:
+        size = dataclasses.replace(size, model=dict(FAST_DLRM))
     measured = measured_of(size.iterations, size.max_ahead)
     if measured < 2:
         parser.error(f"--iterations {size.iterations} leaves {measured} to measure: the first fifth and "
@@ -426,8 +436,11 @@ def main() -> int:
     config = config_of(args, iterations=iterations, warmup=warmup_of(iterations), cooldown=max_ahead,
                        batch_size=batch, cache_rows=cache_rows, table_sizes=list(size.table_sizes) or "criteo-kaggle",
                        model=dict(size.model), modes=args.modes, torchrec_skipped=skipped)
-    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures={"modes": per_mode},
-                  headline=headline(per_mode), smoke=args.smoke)
+    # Each variant keeps results of its own (docs/benchmarks.md shows each): e2e/fast-compute, ...
+    variant = "/".join([NAME, *(["fast-compute"] if args.fast_compute else []),
+                        *([f"shaped-{args.shaped}"] if args.shaped else [])])
+    write_results(results_path(variant.replace("/", "-"), args.json, args.smoke), bench=variant, config=config,
+                  figures={"modes": per_mode}, headline=headline(per_mode), smoke=args.smoke)
     if args.plot:
         plot_modes(summaries, args.plot)
     return 0
