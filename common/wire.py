@@ -15,6 +15,7 @@ object array or read past the body.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import struct
 from collections.abc import Mapping
@@ -117,12 +118,40 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
 _Slot = tuple[str, np.dtype, tuple[int, ...], int, int]
 
 
+def peer_json(raw: bytes | bytearray | memoryview, what: str = "body") -> Any:
+    """A peer's JSON, WireError if it is not JSON or an object in it names a key twice
+    (where orjson would quietly keep the last: {"version": 3, "version": 9} is ambiguous).
+    orjson parses it; the standard library then looks for repeats, only where orjson
+    found fewer keys than the text could hold (a cheap count of its colons says so)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"{what} is not valid JSON: {exc}") from None  # "header is not valid JSON: ..."
+    if _keys_in(value) < bytes(raw).count(b":"):  # a colon inside a string also counts
+        json.loads(bytes(raw), object_pairs_hook=lambda pairs: _unique(pairs, what))
+    return value
+
+
+def _keys_in(value: Any) -> int:
+    if isinstance(value, dict):
+        return len(value) + sum(_keys_in(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_keys_in(v) for v in value)
+    return 0
+
+
+def _unique(pairs: list[tuple[str, Any]], what: str) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise WireError(f"{what} names the key {quoted(key)} twice", field=clipped(key))
+        seen.add(key)
+    return dict(pairs)
+
+
 def _header(raw: bytes) -> tuple[dict[str, Any], tuple[_Slot, ...]]:
     """The meta and the array slots a header gives; WireError if it is malformed."""
-    try:
-        header = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
+    header = peer_json(raw, "header")
     if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
         raise WireError("header must be an object with an object 'meta'")
     slots = []

@@ -13,7 +13,7 @@ from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
 from oracle.coordinator_client import CoordinatorClient
-from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers, resharded, snapshot_shards
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -97,7 +97,7 @@ async def run_ps(
         gone = remove_after(service.checkpoint_dir, -1 if start is None else start)
         if gone:
             log.warning("removed snapshots %s, newer than the latest complete checkpoint %s", gone, start)
-        _restore(service, start)
+        _restore(service, start, reshard=True)
     else:
         joined_at = None if coordinator is None else coordinator.endpoint
         start_fresh(service, index, delete=fresh, command=launch_command(index, joined_at, address))
@@ -202,9 +202,24 @@ def restore_own_latest(service: PsService) -> None:
     _restore(service, own[-1] if own else None)
 
 
-def _restore(service: PsService, checkpoint_id: int | None) -> None:
+def _restore(service: PsService, checkpoint_id: int | None, *, reshard: bool = False) -> None:
+    """Load checkpoint `checkpoint_id` (None: start empty). With `reshard`, a checkpoint taken
+    by another number of shards is read from all of theirs, each row to the shard that now
+    owns it (`ps.checkpoint.resharded`): a run may resume with more or fewer shards."""
     if checkpoint_id is None:
         log.info("no complete checkpoint in %s: starting empty", service.checkpoint_dir.parent)
+        return
+    cfg, root = service.store.config, service.checkpoint_dir.parent
+    took = snapshot_shards(root, checkpoint_id)
+    if took is not None and took != cfg.num_shards:
+        if not reshard:
+            raise Conflict(
+                f"checkpoint {checkpoint_id} was taken by {took} PS shards and this run has {cfg.num_shards}: "
+                "only a resume of every role (--resume) moves its rows to the new shards", checkpoint=checkpoint_id,
+            )
+        service.restore_snapshot(resharded(root, checkpoint_id, cfg.shard, cfg.num_shards), checkpoint_id)
+        log.info("restored checkpoint %d, taken by %d shards: %d rows are this shard's of %d",
+                 checkpoint_id, took, service.store.rows_held, cfg.num_shards)
         return
     if checkpoint_id not in list_checkpoints(service.checkpoint_dir):
         raise Conflict(

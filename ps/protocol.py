@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from common.errors import WireError, clipped, quoted
-from common.wire import DTYPES, decode, encode_parts, require
+from common.wire import DTYPES, decode, encode_parts, peer_json, require
 
 INCARNATION_HEADER = "bagpipe-incarnation"
 BINARY = "application/octet-stream"
@@ -242,10 +242,7 @@ class _JsonMessage:
 
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
-        try:
-            payload: Any = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise WireError(f"body must be a JSON object: {exc}") from None
+        payload: Any = peer_json(body)
         if not isinstance(payload, dict):
             raise WireError("body must be a JSON object")
         names = [f.name for f in fields(cls)]

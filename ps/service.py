@@ -21,7 +21,7 @@ import inspect
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,8 +334,9 @@ class PsService:
         self.restore_snapshot(snap, c)
         return Restored(checkpoint=c, rows=int(len(snap.local)))
 
-    def restore_snapshot(self, snap: Snapshot, checkpoint_id: int) -> None:
-        """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot."""
+    def restore_snapshot(self, snap: Snapshot | Iterable[Snapshot], checkpoint_id: int) -> None:
+        """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot (whole, or in
+        parts: `ShardStore.restore`)."""
         self.store.restore(snap, checkpoint_id)
         self.restored = checkpoint_id
         self._wake(self._waiting.recheck(self.store.versions))

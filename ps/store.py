@@ -15,6 +15,7 @@ lazily) and its values never depend on the number of shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +116,11 @@ class ShardStore:
         self._saved: list[_Saved] = []
         self.last_checkpoint = -1  # the newest checkpoint taken or restored
         self.max_version = -1  # the highest version in the table, kept on each write
+
+    @property
+    def rows_held(self) -> int:
+        """Rows ever touched (fetched or written): the rows a snapshot holds."""
+        return int(np.count_nonzero(self._touched))
 
     @property
     def versions(self) -> np.ndarray:
@@ -315,9 +321,27 @@ class ShardStore:
         self._saved = [s for s in kept if len(s.until)]
         return _overlay(parts)
 
-    def restore(self, snap: Snapshot, checkpoint: int = -1) -> None:
-        """Replace the shard's contents with checkpoint `checkpoint`'s snapshot; BadRequest if
-        the snapshot does not fit this shard."""
+    def restore(self, snap: Snapshot | Iterable[Snapshot], checkpoint: int = -1) -> None:
+        """Replace the shard's contents with checkpoint `checkpoint`'s snapshot, given whole or
+        in parts (a resharded one comes chunk by chunk: `ps.checkpoint.resharded`); BadRequest
+        if a part does not fit this shard (the shard is then empty)."""
+        cfg = self.config
+        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
+            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
+            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
+            self._versions = np.full(self.num_rows, -1, dtype=np.int64)
+            self._touched = np.zeros(self.num_rows, dtype=bool)
+        self._saved = []
+        self.max_version = -1
+        try:
+            for part in [snap] if isinstance(snap, Snapshot) else snap:
+                self._restore_part(part)
+        except BadRequest:
+            self.restore([], -1)
+            raise
+        self.last_checkpoint = checkpoint
+
+    def _restore_part(self, snap: Snapshot) -> None:
         cfg = self.config
         n = len(snap.local)
         if snap.local.size and (snap.local.min() < 0 or snap.local.max() >= self.num_rows):
@@ -326,18 +350,11 @@ class ShardStore:
         for name, shape in expected.items():
             if getattr(snap, name).shape != shape:
                 raise BadRequest(f"snapshot {name} has shape {getattr(snap, name).shape}, not {shape}")
-        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
-            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
-            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
-            self._versions = np.full(self.num_rows, -1, dtype=np.int64)
-            self._touched = np.zeros(self.num_rows, dtype=bool)
         self._rows[snap.local] = snap.rows
         self._state[snap.local] = snap.state
         self._versions[snap.local] = snap.versions
         self._touched[snap.local] = True
-        self._saved = []
-        self.last_checkpoint = checkpoint
-        self.max_version = int(snap.versions.max(initial=-1))
+        self.max_version = max(self.max_version, int(snap.versions.max(initial=-1)))
 
 
 def _rows_at(local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: np.ndarray) -> Snapshot:

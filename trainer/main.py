@@ -40,9 +40,11 @@ from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
 from trainer.records import (
-    CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, MetricsRecord, RecordWriter, trainer_log_path,
+    CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, MetricsRecord, RecordWriter, ThreadsRecord,
+    trainer_log_path,
 )
 from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
+from trainer.threads import THREADS_EVERY, thread_cpu
 from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,8 @@ def _train(
         records.write(record)
         metrics.record(record)
         done = stats.iteration + 1
+        if done % THREADS_EVERY == 0:
+            records.write(ThreadsRecord(iteration=done, time=time.time(), cpu=thread_cpu()))
         if spec.train.eval_every:  # without it the predictions are never scored: keep none
             progressive.add(stats.labels, stats.probs)
             if done % spec.train.eval_every == 0:

@@ -9,7 +9,7 @@ from hypothesis.extra import numpy as hnp
 
 from common.errors import WireError
 from common import wire
-from common.wire import MEMO_HEADER_BYTES, decode, encode, encode_parts, require
+from common.wire import MEMO_HEADER_BYTES, decode, encode, encode_parts, peer_json, require
 
 DTYPES = ["<f4", "<f8", "<i4", "<i8", "|u1"]
 
@@ -171,3 +171,18 @@ def test_an_error_quotes_at_most_a_few_hundred_bytes_of_the_header() -> None:
             decode(body)
         assert len(caught.value.message) < 600
         assert all(len(str(v)) < 300 for v in caught.value.fields.values())
+
+
+def test_a_header_naming_a_key_twice_is_refused() -> None:
+    header = b'{"meta":{"version":3,"version":9},"arrays":[]}'
+    body = len(header).to_bytes(4, "little") + header
+    with pytest.raises(WireError, match="names the key 'version' twice"):
+        decode(body + bytes(-len(body) % 8))
+
+
+def test_peer_json_takes_colons_in_strings_and_refuses_repeats_at_any_depth() -> None:
+    assert peer_json(b'{"url": "http://a:1", "n": [{"x": 1}]}') == {"url": "http://a:1", "n": [{"x": 1}]}
+    with pytest.raises(WireError, match="'x' twice"):
+        peer_json(b'{"n": [{"x": 1, "x": 2}]}')
+    with pytest.raises(WireError, match="not valid JSON"):
+        peer_json(b"{")

@@ -440,7 +440,7 @@ BAD_REJOIN_REPORTS = [
     (orjson.dumps({"trainers": 3}), "body lacks ['trainer']"),
     (orjson.dumps({"trainer": 1, "trainers": 3, "checkpoint": 4}), "unexpected fields ['checkpoint']"),
     (orjson.dumps([1, 3]), "body must be a JSON object"),
-    (b"{bad json", "body must be a JSON object"),
+    (b"{bad json", "body is not valid JSON"),
 ]
 
 
