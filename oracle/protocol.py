@@ -14,8 +14,9 @@ Messages are frozen keyword-only dataclasses, checked when they are built (on ei
 with one codec, `to_wire()` / `from_wire()`, in one of three forms:
 
 * a JSON object (`Registration`, `Joined`, `Finished`, the answers): a body that does not
-  follow its message raises `WireError` (400) naming the field, as in `ps.protocol`;
-  fields a message does not know are ignored, as they always were;
+  follow its message, or names a key twice (`common.wire.peer_json`), raises `WireError`
+  (400) naming the field, as in `ps.protocol`; fields a message does not know are ignored,
+  as they always were;
 * a `common.wire` body (`DenseCheckpoint`, and the streams' messages of `common.steps` and
   `common.directive`): `WireError` naming the field or the array;
 * query parameters (`StreamRequest`, `StreamAck`, `EvalRequest`, `DenseRequest`):
@@ -47,7 +48,7 @@ from common.job import DataFacts, Job, job_from_facts
 from common.spec import Endpoint, parse_spec
 from common.steps import EndOfStream, EvalBatch, TrainBatch
 from common.transport import Client, Request, Response, Router, StreamResponse
-from common.wire import decode, encode, require
+from common.wire import decode, encode, peer_json, require
 
 BINARY = "application/octet-stream"
 JSON = "application/json"
@@ -85,10 +86,7 @@ class _JsonMessage:
 
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
-        try:
-            payload: Any = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise WireError(f"{cls.NAME} is not JSON: {exc}") from None
+        payload: Any = peer_json(body, cls.NAME)  # a key given twice is refused, as on the PS
         if not isinstance(payload, dict):
             raise WireError(f"{cls.NAME} must be a JSON object")
         return cls._from_json(payload)

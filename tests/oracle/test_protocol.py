@@ -198,6 +198,15 @@ def test_a_malformed_json_message_is_a_400_naming_its_field(cls: type, body: byt
     assert f"invalid {cls.NAME}: {field} " in caught.value.message  # type: ignore[attr-defined]
 
 
+def test_a_key_given_twice_is_refused_naming_it() -> None:
+    """orjson would keep the last: which trainer finished?"""
+    with pytest.raises(WireError, match="finished report names the key 'trainer' twice") as caught:
+        Finished.from_wire(b'{"trainer": 0, "trainer": 1}')
+    assert caught.value.fields == {"field": "trainer"}
+    with pytest.raises(WireError, match="names the key 'num_dense' twice"):
+        Joined.from_wire(orjson.dumps(JOINED).replace(b'"num_dense":2', b'"num_dense":2,"num_dense":3'))
+
+
 @pytest.mark.parametrize("cls", [Registration, Joined, Finished, CheckpointCompleted, ResumePoint, OracleHealth])
 @pytest.mark.parametrize("body", [b"not json", b"[]", b'"registration"', b""])
 def test_a_body_that_is_no_json_object_is_a_400_naming_the_message(cls: type, body: bytes) -> None:
