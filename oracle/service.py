@@ -1,9 +1,7 @@
 """The oracle process: reads the data, runs the planner ahead, streams one directive stream
 per trainer (DESIGN §2, §4, §7).
 
-Routes:
-
-Its routes and their messages are in `oracle.protocol`:
+Routes (their messages are in `oracle.protocol`):
 
 * ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
   framed messages (`common.steps`): a batch and a directive per iteration, then an end
