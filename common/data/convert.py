@@ -388,6 +388,7 @@ class Conversion:
                               f"got {len(spec.table_sizes)} sizes")  # fmt: skip
         self.num_tables = len(names)
         self._stop = False
+        self._ready = False  # readers have started: the bar gives way to theirs (log lines only)
 
     def stop(self) -> None:
         """Ask a running `run` (in another thread) to stop after the pieces in hand."""
@@ -418,6 +419,8 @@ class Conversion:
             extra = [vocabulary_file(t) for t in range(self.num_tables)]
             write_json_atomically(out / ROWS, [d.rows for d in counted])
         tasks = [dataclasses.replace(t, sizes=tuple(sizes)) for t in tasks]
+        if ready is not None:
+            ready = self._hide_bar_then(ready)
         early = ready is not None and self.spec.hashing != "dictionary" and self.spec.on_error == "fail"
         if early and self.spec.is_raw:
             lines = self._pass("lines", tasks, lambda t: False, done=self._rows_if_converted)
@@ -438,6 +441,14 @@ class Conversion:
             log.warning("skipped %d malformed line(s) in %s", manifest.source["skipped_lines"], self.spec.path)
         log.info("converted %d rows into %s", manifest.rows, out)
         return manifest
+
+    def _hide_bar_then(self, ready: Callable[[], None]) -> Callable[[], None]:
+        def hide_then_ready() -> None:
+            self._ready = True
+            log.info("%s: the first file is converted; the rest converts while it is read", self.out)
+            ready()
+
+        return hide_then_ready
 
     def _task(self, u: int, i: int, piece: list[int]) -> Task:
         return Task(spec=self.spec, out=self.out, unit=self.units[u], index=i, start=piece[0], stop=piece[1],
@@ -530,7 +541,7 @@ class Conversion:
         for i in todo:
             if tasks[i].part.parent.is_dir():
                 remove_stale_temps(tasks[i].part)  # a part a killed worker was writing
-        with _bar(kind, self.spec, tasks, results, self.progress) as bar:
+        with _bar(kind, tasks, results, self.progress and not self._ready, lambda: self._ready) as bar:
             if self._pool_size(len(todo)) == 1 or sum(tasks[i].weight for i in todo) < PARALLEL_BYTES:
                 for i in todo:
                     if self._stop:
@@ -644,14 +655,18 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 class _Bar:
-    """A pass's progress: source bytes done of bytes to do, rows/s and an ETA (tqdm)."""
+    """A pass's progress: source bytes done of bytes to do, rows/s and an ETA (tqdm);
+    cleared once `hidden` says so (another bar takes the terminal)."""
 
-    def __init__(self, bar: tqdm, rows: int) -> None:
-        self.bar, self.rows, self.started = bar, rows, time.perf_counter()
+    def __init__(self, bar: tqdm, hidden: Callable[[], bool]) -> None:
+        self.bar, self.hidden, self.rows, self.started = bar, hidden, 0, time.perf_counter()
         self._drawn = self.started
 
     def report(self, n_bytes: int, rows: int) -> None:
         self.rows += rows
+        if not self.bar.disable and self.hidden():
+            self.bar.clear()
+            self.bar.disable = True
         self.bar.update(n_bytes)
         now = time.perf_counter()
         if now - self._drawn > 0.5:
@@ -660,7 +675,9 @@ class _Bar:
 
 
 @contextmanager
-def _bar(kind: Kind, spec: DataSpec, tasks: list[Task], results: list[Done | None], progress: bool) -> Iterator[_Bar]:
+def _bar(
+    kind: Kind, tasks: list[Task], results: list[Done | None], progress: bool, hidden: Callable[[], bool]
+) -> Iterator[_Bar]:
     """A bar over the source's bytes that ends where bad data stopped the pass.
 
     Readers count bytes as they take them in, a block (8 MiB for text) ahead of the rows
@@ -670,7 +687,7 @@ def _bar(kind: Kind, spec: DataSpec, tasks: list[Task], results: list[Done | Non
     total = sum(t.weight for t in tasks)
     with tqdm(total=total, initial=done, unit="B", unit_scale=True, desc=kind, disable=not progress) as bar:
         try:
-            yield _Bar(bar, 0)
+            yield _Bar(bar, hidden)
         except MalformedData as exc:
             bar.n = _bytes_before([p for t in tasks if t.index == 0 for p in t.unit.paths], exc)
             raise

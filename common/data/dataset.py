@@ -268,8 +268,8 @@ def _converted(spec: DataSpec, progress: bool, background: bool) -> Dataset:
     data, _ = _current(spec, path)
     if data is not None:
         return ArrayDataset(data, spec.eval_fraction)
-    lock = _conversion_lock(path, wait=not background)
-    if lock is None:  # another process converts it: read along, or wait for it (below)
+    lock = _conversion_lock(path)
+    if lock is None:  # another process converts it: read along once its rows are known, or wait
         return ConvertingDataset.wait_for(spec, path)
     try:
         data, why_not = _current(spec, path)  # another process may have converted it meanwhile
@@ -306,15 +306,15 @@ def _current(spec: DataSpec, path: Path) -> tuple[Preprocessed | None, str | Non
     return None, f"{path} is out of date with its source or settings"
 
 
-def _conversion_lock(path: Path, *, wait: bool) -> IO[str] | None:
-    """The lock of conversions into `path`, held while the returned file is open: roles,
-    runs and test workers started together on one source convert it once; the others wait,
-    then open it (`wait`), or get None at once (and read along). Released when its file
-    closes, or its process dies."""
+def _conversion_lock(path: Path) -> IO[str] | None:
+    """The lock of conversions into `path`, held while the returned file is open, or None
+    at once when another process holds it: roles, runs and test workers started together on
+    one source convert it once, and the others read along (`ConvertingDataset.wait_for`).
+    Released when its file closes, or its process dies."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = (path.parent / f".{path.name}.lock").open("w")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
         return None
@@ -323,7 +323,7 @@ def _conversion_lock(path: Path, *, wait: bool) -> IO[str] | None:
 
 def _converter_gone(path: Path) -> bool:
     """Whether no process holds the conversion lock of `path` (tested without waiting)."""
-    lock = _conversion_lock(path, wait=False)
+    lock = _conversion_lock(path)
     if lock is None:
         return False
     lock.close()
@@ -403,8 +403,9 @@ class ConvertingDataset(PartsDataset):
 
     @classmethod
     def wait_for(cls, spec: DataSpec, path: Path) -> Dataset:
-        """The data set of the conversion another process is running into `path`: once it
-        is complete, or once its rows are known (background readers)."""
+        """The data set of the conversion another process is running into `path`: as soon
+        as the rows of its every part are known (it converts in the background), else once
+        it is complete. If that process stops first, this one converts."""
         from common.data.convert import ROWS, failure
 
         while True:
