@@ -62,6 +62,7 @@ from common.errors import ConfigError
 log = logging.getLogger(__name__)
 PLAN = "plan.json"
 PLAN_VERSION = 1
+MIN_PIECE_BYTES = 16 << 20
 PARQUET_PIECE_ROWS = 1 << 22
 # Work below this many source bytes is done in this process: starting a worker (imports,
 # numba's cache) costs about a second, more than converting this much.
@@ -174,6 +175,7 @@ class Done:
     rows: int
     lines: int
     skipped: int = 0
+    cpu_s: float = 0.0  # the worker's CPU time on it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +208,14 @@ def source_units(spec: DataSpec) -> list[Unit]:
     return [Unit(name=p.name, paths=(p,)) for p in files]
 
 
-def unit_pieces(spec: DataSpec, unit: Unit) -> list[tuple[int, int, int]]:
+def piece_size(total: int) -> int:
+    """Bytes of text per piece for a source of `total` bytes: `PIECE_BYTES`, or less for a
+    small source, so that its pieces keep many workers busy to the end. A function of the
+    source alone: the pieces, and so the output's files, never depend on the workers."""
+    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // 64))
+
+
+def unit_pieces(spec: DataSpec, unit: Unit, piece_bytes: int) -> list[tuple[int, int, int]]:
     """(start, stop, weight in bytes) of each piece of a unit; opening checks what can be
     checked without reading rows (an empty text file, npy headers, parquet schemas)."""
     size = sum(p.stat().st_size for p in unit.paths)
@@ -233,7 +242,7 @@ def unit_pieces(spec: DataSpec, unit: Unit) -> list[tuple[int, int, int]]:
         return [(a, b, size * int(done[b] - done[a]) // max(rows, 1)) for a, b in zip(cuts, cuts[1:])]
     check_not_empty(unit.paths[0])
     header_lines(raw_format(spec), unit.paths[0])  # a bad header fails before any long pass
-    return [(p.start, p.stop, p.stop - p.start) for p in split_file(unit.paths[0], PIECE_BYTES)]
+    return [(p.start, p.stop, p.stop - p.start) for p in split_file(unit.paths[0], piece_bytes)]
 
 
 def piece_reader(task: Task, on_bytes: Callable[[int], None]) -> Any:
@@ -286,12 +295,10 @@ def _report(n_bytes: int, rows: int) -> None:
 def work(kind: Kind, task: Task, report: Callable[[int, int], None] = _report) -> Done | Failed:
     """Do one task: count its piece's lines, count its values (dictionary), or convert it
     into its part. Bad data comes back as `Failed`."""
+    started = time.process_time()
     try:
-        if kind == "lines":
-            return _count_lines(task, report)
-        if kind == "count":
-            return _count_values(task, report)
-        return _convert_piece(task, report)
+        do = _count_lines if kind == "lines" else _count_values if kind == "count" else _convert_piece
+        return dataclasses.replace(do(task, report), cpu_s=time.process_time() - started)
     except MalformedData as exc:
         return Failed(path=str(exc.path), line=exc.line, row=exc.row, why=exc.why)
     except ConfigError as exc:
@@ -365,6 +372,16 @@ def merge_table(out: Path, names: Sequence[str], table: int, min_frequency: int,
 # -- the parent: plan, passes, manifest ------------------------------------------------------
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How workers start: forked from a server process (started once, on first use) that
+    has imported the converter and loaded its kernels, so a worker starts in milliseconds,
+    sharing their memory. Not forked from this process: it may run threads (a server,
+    tqdm's monitor) that a fork would copy mid-operation."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["common.data.kernels", "common.data.convert"])
+    return context
+
+
 def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -388,6 +405,7 @@ class Conversion:
                               f"got {len(spec.table_sizes)} sizes")  # fmt: skip
         self.num_tables = len(names)
         self._stop = False
+        self.worker_cpu_s = 0.0  # CPU time of the worker processes (not of this one) on their tasks
         self._ready = False  # readers have started: the bar gives way to theirs (log lines only)
 
     def stop(self) -> None:
@@ -466,11 +484,12 @@ class Conversion:
             for folder in ("parts", "counts"):
                 shutil.rmtree(out / folder, ignore_errors=True)
         kept = {u["key"]: u for u in old["units"]}
+        piece_bytes = piece_size(sum(f["bytes"] for f in files))
         units = []
         for unit in self.units:
             prints = fingerprint(unit.paths)
             same = unit.key in kept and kept[unit.key]["files"] == prints
-            pieces = kept[unit.key]["pieces"] if same else [list(p) for p in unit_pieces(self.spec, unit)]
+            pieces = kept[unit.key]["pieces"] if same else [list(p) for p in unit_pieces(self.spec, unit, piece_bytes)]
             units.append({"key": unit.key, "files": prints, "pieces": pieces})
         changed = [u["key"] for u in units if kept.get(u["key"], {}).get("files") != u["files"]]
         every_unit = [u["key"] for u in units] == [u["key"] for u in old["units"]]
@@ -515,10 +534,7 @@ class Conversion:
 
     @contextmanager
     def _pool(self, tasks: int, progress: Any) -> Iterator[ProcessPoolExecutor]:
-        # spawn, not fork: the parent may run threads (a server, tqdm's monitor) that a fork
-        # would copy mid-operation.
-        context = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(self._pool_size(tasks), mp_context=context, initializer=_start_worker,
+        pool = ProcessPoolExecutor(self._pool_size(tasks), mp_context=worker_context(), initializer=_start_worker,
                                    initargs=(progress,))  # fmt: skip
         try:
             yield pool
@@ -559,7 +575,7 @@ class Conversion:
         self, kind: Kind, tasks: list[Task], todo: list[int], results: list[Done | None], bar: _Bar,
         on_done: Callable[[int], None] | None,
     ) -> None:  # fmt: skip
-        progress = multiprocessing.get_context("spawn").SimpleQueue()
+        progress = worker_context().SimpleQueue()
         failure: tuple[int, Failed] | None = None
         with self._pool(len(todo), progress) as pool:
             futures: dict[Future[Done | Failed], int] = {pool.submit(work, kind, tasks[i]): i for i in todo}
@@ -583,6 +599,7 @@ class Conversion:
                                     f.cancel()
                     else:
                         results[i] = result
+                        self.worker_cpu_s += result.cpu_s
                 if on_done is not None and failure is None:
                     on_done(_prefix(results))
                 if self._stop and failure is None:

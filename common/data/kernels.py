@@ -1,8 +1,11 @@
 """The converter's numba kernels: the Criteo text parser and the row hash.
 
 They sit in one file for numba's cache (kept in the user's folder: `common.numba_cache`),
-and only conversion imports this module: numba costs about 0.4 s and 60 MB to import, which
-processes that only read converted or in-place data never pay. Each kernel has a plain
+and only conversion imports this module: numba costs about 0.4 s and 60 MB to import, and
+its compiler another 0.5 s and 100 MB to load the kernels, which processes that only read
+converted or in-place data never pay. The kernels are compiled for their signatures when
+this module is imported (from numba's cache after the first time): conversion workers fork
+from a server that has imported it, and start with the kernels loaded. Each kernel has a plain
 numpy twin that is its specification (`common.data.raw` for the parser's rules,
 `common.data.hashing.hash_rows` for the hash); tests hold them to the same bits.
 """
@@ -30,58 +33,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX[_c] = 10 + _i
-
-
-@numba.njit(cache=True, nogil=True)
-def parse_criteo(
-    buf: np.ndarray, skip: bool, labels: np.ndarray, ints: np.ndarray, ids: np.ndarray
-) -> tuple[int, int, int, int, int, int, int, int]:
-    """Parse the whole lines of `buf` (uint8; the last one may lack its newline) into
-    `labels` float32 [n], `ints` int64 [n, 13] (missing: 0) and `ids` uint64 [n, 26]
-    (missing: MISSING), n >= lines in `buf`.
-
-    The rules of `common.data.raw` (a line is label, 13 integers, 26 hex values, tab-
-    separated; "\\r\\n" ends a line too; an empty line is a line whose label is missing).
-    Returns (rows written, lines read, lines skipped, and the first bad line's index in
-    `buf`, code, field, and the byte span to quote: the field's, or the line's for a wrong
-    field count); the index is -1 when there is none. In fail mode (`skip` False) parsing
-    stops at the first bad line; in skip mode bad lines are dropped and counted.
-    """
-    bounds = np.empty(CRITEO_FIELDS, dtype=np.int64)  # tab positions of the current line
-    n = len(buf)
-    pos = rows = lines = skipped = 0
-    err_line, err_code, err_field, err_a, err_b = -1, OK, 0, 0, 0
-    while pos < n:
-        start = pos
-        tabs = 0
-        while pos < n and buf[pos] != _NL:
-            if buf[pos] == _TAB:
-                if tabs < CRITEO_FIELDS:
-                    bounds[tabs] = pos
-                tabs += 1
-            pos += 1
-        end = pos
-        pos += 1  # past the newline
-        if end > start and buf[end - 1] == _CR:
-            end -= 1
-        code, field, a, b = OK, 0, start, end
-        if end == start:
-            code = MISSING_LABEL
-        elif tabs != CRITEO_FIELDS - 1:
-            code, field = FIELD_COUNT, tabs + 1
-        else:
-            bounds[CRITEO_FIELDS - 1] = end
-            code, field, a, b = _fields(buf, start, bounds, rows, labels, ints, ids)
-        lines += 1
-        if code == OK:
-            rows += 1
-            continue
-        if err_line < 0:
-            err_line, err_code, err_field, err_a, err_b = lines - 1, code, field, a, b
-        if not skip:
-            break
-        skipped += 1
-    return rows, lines, skipped, err_line, err_code, err_field, err_a, err_b
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -140,7 +91,67 @@ def _mix64(x: np.uint64) -> np.uint64:
     return x ^ (x >> np.uint64(31))
 
 
-@numba.njit(cache=True, nogil=True)
+_C = numba.types.Array
+_PARSE = numba.types.UniTuple(numba.int64, 8)(
+    _C(numba.uint8, 1, "C", readonly=True), numba.boolean, _C(numba.float32, 1, "C"), _C(numba.int64, 2, "C"),
+    _C(numba.uint64, 2, "C"),
+)  # the bytes come from np.frombuffer: read-only
+
+
+@numba.njit(_PARSE, cache=True, nogil=True)
+def parse_criteo(
+    buf: np.ndarray, skip: bool, labels: np.ndarray, ints: np.ndarray, ids: np.ndarray
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """Parse the whole lines of `buf` (uint8; the last one may lack its newline) into
+    `labels` float32 [n], `ints` int64 [n, 13] (missing: 0) and `ids` uint64 [n, 26]
+    (missing: MISSING), n >= lines in `buf`.
+
+    The rules of `common.data.raw` (a line is label, 13 integers, 26 hex values, tab-
+    separated; "\\r\\n" ends a line too; an empty line is a line whose label is missing).
+    Returns (rows written, lines read, lines skipped, and the first bad line's index in
+    `buf`, code, field, and the byte span to quote: the field's, or the line's for a wrong
+    field count); the index is -1 when there is none. In fail mode (`skip` False) parsing
+    stops at the first bad line; in skip mode bad lines are dropped and counted.
+    """
+    bounds = np.empty(CRITEO_FIELDS, dtype=np.int64)  # tab positions of the current line
+    n = len(buf)
+    pos = rows = lines = skipped = 0
+    err_line, err_code, err_field, err_a, err_b = -1, OK, 0, 0, 0
+    while pos < n:
+        start = pos
+        tabs = 0
+        while pos < n and buf[pos] != _NL:
+            if buf[pos] == _TAB:
+                if tabs < CRITEO_FIELDS:
+                    bounds[tabs] = pos
+                tabs += 1
+            pos += 1
+        end = pos
+        pos += 1  # past the newline
+        if end > start and buf[end - 1] == _CR:
+            end -= 1
+        code, field, a, b = OK, 0, start, end
+        if end == start:
+            code = MISSING_LABEL
+        elif tabs != CRITEO_FIELDS - 1:
+            code, field = FIELD_COUNT, tabs + 1
+        else:
+            bounds[CRITEO_FIELDS - 1] = end
+            code, field, a, b = _fields(buf, start, bounds, rows, labels, ints, ids)
+        lines += 1
+        if code == OK:
+            rows += 1
+            continue
+        if err_line < 0:
+            err_line, err_code, err_field, err_a, err_b = lines - 1, code, field, a, b
+        if not skip:
+            break
+        skipped += 1
+    return rows, lines, skipped, err_line, err_code, err_field, err_a, err_b
+
+
+@numba.njit(["void(uint64[:, ::1], uint64[::1], uint64[::1], int32[:, ::1])",
+             "void(uint64[:, ::1], uint64[::1], uint64[::1], int64[:, ::1])"], cache=True, nogil=True)
 def hash_into(ids: np.ndarray, salts: np.ndarray, moduli: np.ndarray, out: np.ndarray) -> None:
     """`hashing.hash_rows` of every column t of `ids` (uint64 [n, F]) into `out` [n, F]:
     MISSING → row 0, a value → ``1 + mix64(value ^ salts[t]) % moduli[t]`` (moduli: the
