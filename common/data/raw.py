@@ -1,8 +1,8 @@
 """Readers for the raw click logs: Criteo Kaggle/Terabyte TSV and Avazu CSV, plain or `.gz`.
 
-A file is cut into pieces (`split_file`): runs of whole lines about `PIECE_BYTES` long (a
-``.gz`` file, which cannot be entered in the middle, is one piece), which conversion
-workers read side by side. A piece is read in blocks of whole lines, `BLOCK_BYTES` or so:
+A file is cut into pieces (`split_file`): runs of whole lines of about a given size (at
+most `PIECE_BYTES`; a ``.gz`` file, which cannot be entered in the middle, is one piece),
+which conversion workers read side by side. A piece is read in blocks of whole lines, `BLOCK_BYTES` or so:
 memory stays bounded whatever the file size. Criteo blocks are parsed by a compiled kernel
 (`common.data.kernels.parse_criteo`), Avazu blocks by pyarrow's CSV reader with every
 column a string, then checked and converted with vectorised numpy/pyarrow code.
