@@ -221,7 +221,7 @@ def write_criteo_days(folder: Path, *, rows: int | None, size: int | None) -> tu
             here = written = 0
             while (per_file is not None and here < per_file) or (size is not None and written < size // DAYS):
                 n = TEXT_CHUNK if per_file is None else min(TEXT_CHUNK, per_file - here)
-                text = criteo_text(lambda first: gen.rows(first, first + n), done, n, seed=7)
+                text = criteo_text(lambda first, n=n: gen.rows(first, first + n), done, n, seed=7)
                 f.write(text)
                 written += len(text)
                 done, here = done + n, here + n
@@ -362,7 +362,7 @@ def first_batch(spec: DataSpec) -> dict[str, float]:
 
 def run_conversion(tmp: Path, *, rows: int | None, size: int | None, repeat: int, gz: bool) -> dict[str, dict]:
     """The conversion benchmark (see the module docstring)."""
-    files, written = write_criteo_days(tmp / "text", rows=rows, size=size)
+    files, _ = write_criteo_days(tmp / "text", rows=rows, size=size)
     text_bytes = sum(f.stat().st_size for f in files)
     spec = DataSpec(format="criteo", path=str(tmp / "text" / "day_*.tsv"), cache_dir=str(tmp / "cache"))
     out: dict[str, dict] = {}

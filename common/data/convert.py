@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice, takewhile
+from itertools import islice, pairwise, takewhile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,11 +49,25 @@ from common.data.mapping import Counter, RowMapper, save_vocabulary, vocabulary_
 from common.data.npy import PIECE_ROWS, NpyDaysReader, NpyPiece, day_files, day_rows
 from common.data.parquet import ParquetReader, check_schema, parquet_files
 from common.data.preprocessed import (
-    MANIFEST, Manifest, Part, PartWriter, check_part, read_part_info, remove_stale_temps, sparse_dtype,
+    MANIFEST,
+    Manifest,
+    Part,
+    PartWriter,
+    check_part,
+    read_part_info,
+    remove_stale_temps,
+    sparse_dtype,
     write_json_atomically,
 )  # fmt: skip
 from common.data.raw import (
-    PIECE_BYTES, Piece, PieceReader, check_not_empty, count_lines, header_lines, raw_format, source_files,
+    PIECE_BYTES,
+    Piece,
+    PieceReader,
+    check_not_empty,
+    count_lines,
+    header_lines,
+    raw_format,
+    source_files,
     split_file,
 )  # fmt: skip
 from common.data.spec import DataSpec
@@ -224,7 +238,7 @@ def unit_pieces(spec: DataSpec, unit: Unit, piece_bytes: int) -> list[tuple[int,
         NpyPiece(spec, files, 0, 0)  # checks the day's three files agree
         rows = day_rows(files)
         cuts = [*range(0, rows, PIECE_ROWS), rows] if rows else [0, 0]
-        return [(a, b, size * (b - a) // max(rows, 1)) for a, b in zip(cuts, cuts[1:])]
+        return [(a, b, size * (b - a) // max(rows, 1)) for a, b in pairwise(cuts)]
     if spec.format == "parquet":
         check_schema(unit.paths[0], spec)
         import pyarrow.parquet as pq
@@ -239,7 +253,7 @@ def unit_pieces(spec: DataSpec, unit: Unit, piece_bytes: int) -> list[tuple[int,
                 acc = 0
         cuts.append(len(groups))
         done = np.cumsum([0, *groups])
-        return [(a, b, size * int(done[b] - done[a]) // max(rows, 1)) for a, b in zip(cuts, cuts[1:])]
+        return [(a, b, size * int(done[b] - done[a]) // max(rows, 1)) for a, b in pairwise(cuts)]
     check_not_empty(unit.paths[0])
     header_lines(raw_format(spec), unit.paths[0])  # a bad header fails before any long pass
     return [(p.start, p.stop, p.stop - p.start) for p in split_file(unit.paths[0], piece_bytes)]
@@ -428,33 +442,38 @@ class Conversion:
     def _run(self, ready: Callable[[], None] | None) -> Manifest:
         out = self.out
         plan = self._plan()
-        tasks = [self._task(u, i, piece) for u, unit in enumerate(plan["units"]) for i, piece in enumerate(unit["pieces"])]
-        sizes = self.spec.table_sizes
-        extra: list[str] = []
+        tasks = [self._task(u, i, piece)
+                 for u, unit in enumerate(plan["units"]) for i, piece in enumerate(unit["pieces"])]  # fmt: skip
+        sizes, extra, readable = self.spec.table_sizes, [], False
         if self.spec.hashing == "dictionary":
-            counted = self._pass("count", tasks, lambda t: t.counts.is_file())
+            counted = self._pass([("count", t) for t in tasks], self._counted)
             sizes = self._dictionaries(tasks)
             extra = [vocabulary_file(t) for t in range(self.num_tables)]
             write_json_atomically(out / ROWS, [d.rows for d in counted])
+            readable = True  # every piece's rows are known: readers may start once the first is in
         tasks = [dataclasses.replace(t, sizes=tuple(sizes)) for t in tasks]
-        if ready is not None:
-            ready = self._hide_bar_then(ready)
-        early = ready is not None and self.spec.hashing != "dictionary" and self.spec.on_error == "fail"
-        if early and self.spec.is_raw:
-            lines = self._pass("lines", tasks, lambda t: False, done=self._rows_if_converted)
-            write_json_atomically(out / ROWS, [d.rows for d in lines])
-        first = sum(1 for t in tasks if t.unit == tasks[0].unit) if tasks else 0
-        on_done = _when_prefix_done(first, ready) if ready is not None and (early or self.spec.hashing == "dictionary") else None
-        results = self._pass("convert", tasks, self._part_done, on_done=on_done)
+        first = [t for t in tasks if t.unit == tasks[0].unit] if tasks else []
+        ready = None if ready is None else self._hide_bar_then(ready)
+        if ready is not None and not readable and self.spec.on_error == "fail" and self.spec.is_raw:
+            # Convert the first file while counting the lines of the others (in fail mode a
+            # line is a row): then the length is exact and the first file readable.
+            jobs: list[tuple[Kind, Task]] = [("convert", t) for t in first]
+            ahead = self._pass(jobs + [("lines", t) for t in tasks[len(first):]], self._converted)
+            write_json_atomically(out / ROWS, [d.rows for d in ahead])
+            ready()
+            ready = None
+        on_done = None if ready is None or not readable else _when_prefix_done(len(first), ready)
+        results = self._pass([("convert", t) for t in tasks], self._converted, on_done=on_done)
         parts = tuple(Part(name=f"parts/{t.name}", rows=r.rows) for t, r in zip(tasks, results, strict=True))
         manifest = Manifest(
             rows=sum(p.rows for p in parts), num_dense=self.num_dense, table_sizes=tuple(sizes),
             config=conversion_config(self.spec), extra_files=tuple(extra), parts=parts,
-            source={"files": plan["files"], "checksum": plan["checksum"], "skipped_lines": sum(r.skipped for r in results)},
+            source={"files": plan["files"], "checksum": plan["checksum"],
+                    "skipped_lines": sum(r.skipped for r in results)},
         )  # fmt: skip
         write_json_atomically(out / MANIFEST, manifest.to_json())
         if ready is not None and on_done is None:
-            ready()
+            ready()  # rows known only now (skip mode): readers start at the end
         if manifest.source["skipped_lines"]:
             log.warning("skipped %d malformed line(s) in %s", manifest.source["skipped_lines"], self.spec.path)
         log.info("converted %d rows into %s", manifest.rows, out)
@@ -506,22 +525,30 @@ class Conversion:
         (out / ROWS).unlink(missing_ok=True)
         return plan
 
-    def _part_done(self, task: Task) -> bool:
-        """Whether `task`'s part is complete and current: its part.json names the same
-        piece, and its arrays have the sizes its rows need."""
+    def _converted(self, kind: Kind, task: Task) -> Done | None:
+        """`task`'s part, if complete and current (whatever `kind` asks: a converted piece's
+        lines are known too): its part.json names the same piece, and its arrays have the
+        sizes its rows need."""
         info = read_part_info(task.part)
         if info is None or info.get("range") != task.range:
-            return False
-        return check_part(task.part, int(info["rows"]), self.num_dense, task.sizes, self.out) is None
+            return None
+        if check_part(task.part, int(info["rows"]), self.num_dense, task.sizes, self.out) is not None:
+            return None
+        return Done(rows=int(info["rows"]), lines=int(info["lines"]), skipped=int(info["skipped"]))
 
-    def _rows_if_converted(self, task: Task) -> Done | None:
-        info = read_part_info(task.part) if self._part_done(task) else None
-        return None if info is None else Done(rows=int(info["rows"]), lines=int(info["lines"]))
+    def _counted(self, kind: Kind, task: Task) -> Done | None:
+        """`task`'s values, if counted already (dictionary hashing)."""
+        if not task.counts.is_file():
+            return None
+        with np.load(task.counts) as piece:
+            rows, skipped = int(piece["rows"]), int(piece["skipped"])
+        return Done(rows=rows, lines=rows + skipped, skipped=skipped)
 
     def _dictionaries(self, tasks: list[Task]) -> tuple[int, ...]:
         caps = self.spec.table_sizes
         names = [t.name for t in tasks]
-        jobs = [(self.out, names, t, self.spec.min_frequency, caps[t] if caps else None) for t in range(self.num_tables)]
+        jobs = [(self.out, names, t, self.spec.min_frequency, caps[t] if caps else None)
+                for t in range(self.num_tables)]  # fmt: skip
         if self._pool_size(len(jobs)) == 1 or sum(t.weight for t in tasks) < PARALLEL_BYTES:
             counts = [merge_table(*job) for job in jobs]
         else:
@@ -542,43 +569,41 @@ class Conversion:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _pass(
-        self, kind: Kind, tasks: list[Task], done_already: Callable[[Task], bool], *,
-        done: Callable[[Task], Done | None] | None = None, on_done: Callable[[int], None] | None = None,
+        self, jobs: list[tuple[Kind, Task]], done: Callable[[Kind, Task], Done | None], *,
+        on_done: Callable[[int], None] | None = None,
     ) -> list[Done]:  # fmt: skip
-        """Do `kind` for every task not done already, `workers` at a time; their results in
-        task order. The first bad piece in task order fails the pass (MalformedData)."""
-        results: list[Done | None] = [None] * len(tasks)
-        for i, task in enumerate(tasks):
-            if done is not None:
-                results[i] = done(task)
-            elif done_already(task):
-                results[i] = _done_of(kind, task)
+        """Do every job not `done` already, `workers` at a time; their results in job order.
+        The first bad piece in job order fails the pass (MalformedData). `on_done` is told
+        how many jobs from the first are done, as that grows."""
+        results: list[Done | None] = [done(kind, task) for kind, task in jobs]
         todo = [i for i, r in enumerate(results) if r is None]
         for i in todo:
-            if tasks[i].part.parent.is_dir():
-                remove_stale_temps(tasks[i].part)  # a part a killed worker was writing
-        with _bar(kind, tasks, results, self.progress and not self._ready, lambda: self._ready) as bar:
+            if jobs[i][1].part.parent.is_dir():
+                remove_stale_temps(jobs[i][1].part)  # a part a killed worker was writing
+        tasks = [task for _, task in jobs]
+        with _bar(jobs[0][0] if jobs else "convert", tasks, results, self.progress and not self._ready,
+                  lambda: self._ready) as bar:  # fmt: skip
             if self._pool_size(len(todo)) == 1 or sum(tasks[i].weight for i in todo) < PARALLEL_BYTES:
                 for i in todo:
                     if self._stop:
                         raise Stopped(self.out)
-                    results[i] = _ok(work(kind, tasks[i], bar.report))
+                    results[i] = _ok(work(*jobs[i], bar.report))
                     if on_done is not None:
                         on_done(_prefix(results))
             else:
-                self._run_parallel(kind, tasks, todo, results, bar, on_done)
+                self._run_parallel(jobs, todo, results, bar, on_done)
         if on_done is not None:
             on_done(len(results))
         return [r for r in results if r is not None]
 
     def _run_parallel(
-        self, kind: Kind, tasks: list[Task], todo: list[int], results: list[Done | None], bar: _Bar,
+        self, jobs: list[tuple[Kind, Task]], todo: list[int], results: list[Done | None], bar: _Bar,
         on_done: Callable[[int], None] | None,
     ) -> None:  # fmt: skip
         progress = worker_context().SimpleQueue()
         failure: tuple[int, Failed] | None = None
         with self._pool(len(todo), progress) as pool:
-            futures: dict[Future[Done | Failed], int] = {pool.submit(work, kind, tasks[i]): i for i in todo}
+            futures: dict[Future[Done | Failed], int] = {pool.submit(work, *jobs[i]): i for i in todo}
             pending = set(futures)
             while pending:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -605,10 +630,10 @@ class Conversion:
                 if self._stop and failure is None:
                     for f in pending:
                         f.cancel()
-                    failure = (len(tasks), Failed(why=""))
+                    failure = (len(jobs), Failed(why=""))
                 pending = {f for f in pending if not f.cancelled()}
         if failure is not None:
-            if failure[0] == len(tasks):
+            if failure[0] == len(jobs):
                 raise Stopped(self.out)
             raise failure[1].error()
 
@@ -651,15 +676,6 @@ def _when_prefix_done(first: int, ready: Callable[[], None]) -> Callable[[int], 
             ready()
 
     return on_done
-
-
-def _done_of(kind: Kind, task: Task) -> Done:
-    if kind == "count":
-        with np.load(task.counts) as piece:
-            rows, skipped = int(piece["rows"]), int(piece["skipped"])
-        return Done(rows=rows, lines=rows + skipped, skipped=skipped)
-    info = read_part_info(task.part) or {}
-    return Done(rows=int(info["rows"]), lines=int(info.get("lines", info["rows"])), skipped=int(info.get("skipped", 0)))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

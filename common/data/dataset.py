@@ -43,15 +43,25 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
 import numpy as np
 
 from common.data.files import entries, is_pattern
-from common.data.preprocessed import Manifest, Part, Preprocessed, map_part, open_preprocessed, read_part_info
+from common.data.preprocessed import (
+    Manifest,
+    Part,
+    Preprocessed,
+    map_part,
+    open_preprocessed,
+    read_part_info,
+)
 from common.data.spec import ID_FORMATS, DataSpec
 from common.data.synthetic import CHUNK_ROWS, Rows, SyntheticGenerator
 from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.data.convert import Conversion
 
 log = logging.getLogger(__name__)
 Access = Literal["in place", "converted", "preprocessed", "generated"]
@@ -334,7 +344,7 @@ class BackgroundConversion:
     """A `Conversion` running in a thread of this process, holding the conversion lock;
     `wait_ready` returns once readers can start (or raises the conversion's error)."""
 
-    def __init__(self, job: object, lock: IO[str]) -> None:
+    def __init__(self, job: Conversion, lock: IO[str]) -> None:
         self.job, self._lock = job, lock
         self._ready = threading.Event()
         self.error: BaseException | None = None
@@ -344,8 +354,8 @@ class BackgroundConversion:
 
     def _run(self) -> None:
         try:
-            self.manifest = self.job.run(ready=self._ready.set)  # type: ignore[attr-defined]
-        except BaseException as exc:  # noqa: BLE001 - kept for whoever waits or joins
+            self.manifest = self.job.run(ready=self._ready.set)
+        except BaseException as exc:
             self.error = exc
         finally:
             self._lock.close()
@@ -370,7 +380,7 @@ class BackgroundConversion:
 
     def stop(self) -> None:
         """Stop after the pieces in hand (what is done is kept for the next run) and wait."""
-        self.job.stop()  # type: ignore[attr-defined]
+        self.job.stop()
         self._thread.join()
 
 
@@ -399,7 +409,8 @@ class ConvertingDataset(PartsDataset):
             return spec.table_sizes
         from common.data.convert import table_names
 
-        return tuple(2 + len(np.load(path / f"vocab_{t}.npy", mmap_mode="r")[0]) for t in range(len(table_names(spec) or ())))
+        tables = range(len(table_names(spec) or ()))
+        return tuple(2 + len(np.load(path / f"vocab_{t}.npy", mmap_mode="r")[0]) for t in tables)
 
     @classmethod
     def wait_for(cls, spec: DataSpec, path: Path) -> Dataset:

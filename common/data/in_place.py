@@ -11,15 +11,16 @@ rows are those a conversion would have written, bit for bit.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from common.data.chunks import RawChunk, Reader
+from common.data.chunks import RawChunk, row_errors
 from common.data.dataset import PartsDataset
 from common.data.mapping import RowMapper
-from common.data.npy import CRITEO_SPARSE_NAMES, NpyPiece, day_files
+from common.data.npy import CRITEO_SPARSE_NAMES, NpyPiece, day_chunks, day_files
 from common.data.spec import DataSpec
 from common.errors import ConfigError
 
@@ -40,7 +41,8 @@ class InPlaceDataset(PartsDataset):
 
     def __init__(self, spec: DataSpec, windows: list[Window], num_dense: int, tables: int) -> None:
         if spec.table_sizes and len(spec.table_sizes) != tables:
-            raise ConfigError("data.table_sizes", f"{spec.format} has {tables} tables, got {len(spec.table_sizes)} sizes")
+            raise ConfigError("data.table_sizes", f"{spec.format} has {tables} tables, "
+                              f"got {len(spec.table_sizes)} sizes")  # fmt: skip
         super().__init__([w.rows for w in windows], num_dense=num_dense, table_sizes=spec.table_sizes,
                          eval_fraction=spec.eval_fraction)  # fmt: skip
         self.spec, self.windows = spec, windows
@@ -72,8 +74,8 @@ class NpyDataset(InPlaceDataset):
         super().__init__(spec, windows, NpyPiece.num_dense, len(CRITEO_SPARSE_NAMES))
 
     def _read(self, window: Window) -> RawChunk:
-        reader = NpyPiece(self.spec, self.days[window.unit], window.start, window.start + window.rows)
-        return _one(reader)
+        reader = self.readers[window.unit]  # its day mapped once, when the data set opened
+        return _one(day_chunks(reader, reader.day, window.start, window.start + window.rows))
 
 
 class ParquetDataset(InPlaceDataset):
@@ -113,13 +115,11 @@ class ParquetDataset(InPlaceDataset):
         chunk, checks = self.reader._parse(batch)
         first = self._group_starts[window.unit][window.group] + window.start
         file = self.reader.files[window.unit]
-        from common.data.chunks import row_errors
-
         return self.reader.keep(chunk, checks, row_errors(first, lambda _: file))
 
 
-def _one(reader: Reader) -> RawChunk:
-    chunks = list(reader.chunks())
+def _one(chunks_of_window: Iterator[RawChunk]) -> RawChunk:
+    chunks = list(chunks_of_window)
     if len(chunks) == 1:
         return chunks[0]
     return RawChunk(labels=np.concatenate([c.labels for c in chunks]), dense=np.concatenate([c.dense for c in chunks]),

@@ -5,9 +5,9 @@ and only conversion imports this module: numba costs about 0.4 s and 60 MB to im
 its compiler another 0.5 s and 100 MB to load the kernels, which processes that only read
 converted or in-place data never pay. The kernels are compiled for their signatures when
 this module is imported (from numba's cache after the first time): conversion workers fork
-from a server that has imported it, and start with the kernels loaded. Each kernel has a plain
-numpy twin that is its specification (`common.data.raw` for the parser's rules,
-`common.data.hashing.hash_rows` for the hash); tests hold them to the same bits.
+from a server that has imported it, and start with the kernels loaded. Tests hold each
+kernel to its specification: the parser to the rules of `common.data.raw` and a plain
+per-field parser (tests/common/data/test_raw.py), the hash to `hashing.hash_rows`, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from common.numba_cache import use_user_cache
 
 use_user_cache()  # before numba is imported: it reads the cache folder once
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
+import numba
+import numpy as np
 
 # What `parse_criteo` found wrong with a line (codes, with the field where they apply).
 OK, FIELD_COUNT, BAD_VALUE, MISSING_LABEL = 0, 1, 2, 3

@@ -55,7 +55,9 @@ def sparse_dtype(table_sizes: tuple[int, ...]) -> np.dtype:
     return np.dtype(np.int64 if max(table_sizes, default=1) > 2**31 - 1 else np.int32)
 
 
-def array_shapes(rows: int, num_dense: int, table_sizes: tuple[int, ...]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+def array_shapes(
+    rows: int, num_dense: int, table_sizes: tuple[int, ...]
+) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """File name → (dtype, shape) of the arrays of a part of `rows` rows."""
     dtype = sparse_dtype(table_sizes)
     return {
@@ -133,8 +135,10 @@ class Preprocessed:
 
 
 def map_part(folder: Path, rows: int, num_dense: int, table_sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    return tuple(np.memmap(folder / name, dtype=dtype, mode="r", shape=shape) if np.prod(shape) else np.empty(shape, dtype)
-                 for name, (dtype, shape) in array_shapes(rows, num_dense, table_sizes).items())  # fmt: skip
+    """The arrays of a part, memory-mapped read-only (an empty one, which cannot be mapped, in memory)."""
+    shapes = array_shapes(rows, num_dense, table_sizes).items()
+    return tuple(np.memmap(folder / name, dtype=dtype, mode="r", shape=shape) if np.prod(shape)
+                 else np.empty(shape, dtype) for name, (dtype, shape) in shapes)  # fmt: skip
 
 
 def check_part(folder: Path, rows: int, num_dense: int, table_sizes: tuple[int, ...], where: Path) -> str | None:

@@ -25,6 +25,7 @@ import gzip
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import BinaryIO
 
@@ -236,7 +237,7 @@ def split_file(path: Path, piece_bytes: int) -> list[Piece]:
                 break
             cuts.append(cut)
     cuts.append(size)
-    return [Piece(path=path, index=i, start=a, stop=b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    return [Piece(path=path, index=i, start=a, stop=b) for i, (a, b) in enumerate(pairwise(cuts))]
 
 
 def _line_end(f: BinaryIO, offset: int) -> int:

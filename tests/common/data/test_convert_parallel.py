@@ -149,7 +149,8 @@ def test_a_stopped_conversion_resumes_where_it_stopped(
     calls.clear()
     conversion.convert(spec, out, progress=False, workers=1)
     assert calls == list(range(5, len(calls) + 5))  # the rest, and only the rest
-    assert {p.parent.name: p.stat().st_mtime_ns for p in out.glob("parts/*/*/part.json") if p.parent.name in done} == done
+    again = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("parts/*/*/part.json")}
+    assert {name: stamp for name, stamp in again.items() if name in done} == done
     assert digest(out) == PINNED["kaggle-hash"][0]
 
 
@@ -192,12 +193,15 @@ def test_files_lists_and_patterns_are_read_in_order(tmp_path: Path) -> None:
     np.testing.assert_array_equal(by_pattern.sparse, want)
     listed = DataSpec(format="criteo", path=tuple(str(tmp_path / f"day_{d}.gz") for d in (2, 10, 1)))
     np.testing.assert_array_equal(open_dataset(listed).rows(0, 350).sparse, whole.sparse[:350])  # as written
-    assert order == [1, 2, 10] and cache_path(listed) != cache_path(DataSpec(format="criteo", path=str(tmp_path / "day_*.gz")))
+    assert order == [1, 2, 10]
+    assert cache_path(listed) != cache_path(DataSpec(format="criteo", path=str(tmp_path / "day_*.gz")))
 
 
-def test_training_starts_before_the_conversion_ends(tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rows of every piece are counted first, then the first file converted: the data
-    set opens with its exact length, and a read of rows not converted yet waits for them."""
+def test_training_starts_before_the_conversion_ends(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first file is converted while the lines of the others are counted: the data set
+    opens with its exact length, and a read of rows not converted yet waits for them."""
     lines = KAGGLE.read_text().splitlines()
     for day, (a, b) in enumerate([(0, 2000), (2000, 8000)]):
         (tmp_path / f"day_{day}.tsv").write_text("\n".join(lines[a:b]) + "\n")
