@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from common.data.spec import DataSpec, parse_data_spec
 from common.keys import TableLayout
 from common.model_spec import ModelSpec, parse_model_spec
 from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
 from common.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from common.data.dataset import Dataset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,13 +74,14 @@ class Job:
         return self.optimizer.state_min
 
 
-def build_job(spec: ClusterSpec) -> Job:
+def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
     """Parse the role-owned sections and read the data's facts (table sizes the spec leaves
-    to the data, the run's length) from the data itself."""
+    to the data, the run's length) from the data itself: `dataset`, when the caller has
+    opened it already (the launcher, converting in the background)."""
     from common.data import open_dataset
 
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
-    dataset = open_dataset(data)
+    dataset = dataset or open_dataset(data)
     train = spec.train
     total = dataset.num_batches(train.batch_size, train.epochs)
     facts = DataFacts(

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -42,6 +42,9 @@ from launcher.memory import RSS_FILE, RssRecorder
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
 from oracle.main import check_capacity
+
+if TYPE_CHECKING:
+    from common.data.dataset import BackgroundConversion, Dataset
 
 log = logging.getLogger(__name__)
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -328,7 +331,25 @@ def _watch(
 def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
+    from common.data.spec import parse_data_spec
     from common.runtime import configure_logging
+
+    configure_logging("launch")
+    spec = load_spec(spec_path)
+    # A source to convert is converted here, before the roles start, as far as training
+    # needs to start (its first file); the rest converts while it runs, the roles reading along.
+    data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
+    dataset = open_dataset(data, progress=not quiet, background=True)
+    conversion = getattr(dataset, "conversion", None)
+    try:
+        return _run_local(spec, dataset, conversion, resume=resume, run_dir=run_dir, quiet=quiet)
+    finally:
+        if conversion is not None and not conversion.done:
+            conversion.stop()  # what it converted is kept: the next run resumes it
+
+
+def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConversion | None, *, resume: bool,
+               run_dir: Path | None, quiet: bool) -> int:  # fmt: skip
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
     from launcher.plots import plot_rss, plot_run
     from launcher.progress import ProgressBar
@@ -336,15 +357,12 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     from launcher.text import format_summary
     from trainer.records import RunTail, read_run
 
-    configure_logging("launch")
-    spec = load_spec(spec_path)
-    job = build_job(spec)
+    job = build_job(spec, dataset=dataset)
     if job.model.factory is not None:  # a bad model of one's own fails here, not in every trainer
         from trainer.models import build_model
 
         build_model(job.model, job.num_dense, job.layout.num_tables)
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
-    open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     total = job.iterations
     tail = RunTail(run_dir, spec.trainers.count)
@@ -353,9 +371,15 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     if not is_compiled(spec.oracle.mode):  # the oracle compiles it before the trainers start
         print(f"bagpipe: compiling the planner (first run only; cached in {os.environ[NUMBA_CACHE_ENV]})",
               file=sys.stderr)
+
+    def poll(_: LocalCluster) -> None:
+        if conversion is not None and conversion.done and conversion.error is not None:
+            raise conversion.error  # bad data further on: stop now, not when training gets there
+        bar.update(tail.poll())
+
     try:  # the bar closes (and logs its last line) before an error is shown
         with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
-            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda _: bar.update(tail.poll()))
+            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=poll)
     except KeyboardInterrupt:
         print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
         return 130
