@@ -22,6 +22,7 @@ from common.transport import (
     Response,
     Router,
     StreamResponse,
+    Tls,
     connect_client,
     encode_message,
 )
@@ -102,14 +103,15 @@ def make_server(
     grace: float = 5.0,
     limits: ConnectionLimits = ConnectionLimits(),
     sock: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
     return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace,
-               sock=sock)
+               sock=sock, tls=tls)
 
 
-def make_client(kind: str, port: int, *, timeout: float = 10.0) -> Client:
-    return connect_client(kind, "127.0.0.1", port, TOKEN, timeout)  # type: ignore[arg-type]
+def make_client(kind: str, port: int, *, timeout: float = 10.0, tls: Tls | None = None) -> Client:
+    return connect_client(kind, "127.0.0.1", port, TOKEN, timeout, tls=tls)  # type: ignore[arg-type]
 
 
 # -- raw peers: what a well-behaved client never sends ------------------------------------
