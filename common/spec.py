@@ -382,10 +382,14 @@ def spec_toml(name: str, seed: int, sections: dict[str, dict[str, Any]]) -> str:
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, Path):
+        value = str(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: [cluster] tls = {cert = "...", ...}
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (int, float)):
         return repr(value)
     raise TypeError(f"cannot write {value!r} to TOML")
