@@ -430,8 +430,11 @@ class _Handshaking(asyncio.Protocol):
         app.connection_made(transport)
         if self.early and isinstance(app, asyncio.Protocol):
             app.data_received(b"".join(self.early))
-        if self.eof and isinstance(app, asyncio.Protocol) and not app.eof_received():
-            transport.close()
+        if self.eof and isinstance(app, asyncio.Protocol):
+            # The TLS transport is closing already (after the peer's close_notify), and
+            # asyncio's must not be closed twice: a second close() unhooks it from its SSL
+            # protocol, and what asks it anything then fails. The app closes it as it would.
+            app.eof_received()
 
 
 class _Refusing(asyncio.Protocol):

@@ -128,8 +128,8 @@ class RawH2:
         self.eof = False
 
     @classmethod
-    async def open(cls, port: int) -> RawH2:
-        raw = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, port: int, tls: Tls | None = None) -> RawH2:
+        raw = cls(*await open_raw(port, tls))
         raw.conn.initiate_connection()
         await raw.flush()
         return raw
@@ -178,6 +178,14 @@ class RawH2:
         self.writer.close()
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
+
+
+async def open_raw(port: int, tls: Tls | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A bare connection to 127.0.0.1:`port`: plain TCP, or a TLS session (handshake done)
+    with `tls`'s client context, inside which a test speaks as it would in clear."""
+    if tls is None:
+        return await asyncio.open_connection("127.0.0.1", port)
+    return await asyncio.open_connection("127.0.0.1", port, ssl=tls.client, server_hostname="127.0.0.1")
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout: float = BOUNDED) -> bytes:
