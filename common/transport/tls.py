@@ -370,9 +370,12 @@ class TlsListener:
                 lambda: holder, conn, ssl=self._context,
                 ssl_handshake_timeout=max(0.1, pending.deadline - loop.time()), ssl_shutdown_timeout=LINGER_S,
             )
-        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
-            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-            self._logs["handshake"].warning("TLS handshake with %s failed: %s", pending.peer, reason)
+        except ssl.SSLError as exc:  # the peer's certificate, its protocol versions, not TLS at all
+            self._logs["handshake"].warning("TLS handshake with %s failed: %s", pending.peer, exc.reason or exc)
+            return
+        except (OSError, asyncio.TimeoutError) as exc:  # the peer left, or took too long
+            self._logs["handshake_cut"].info("TLS handshake with %s cut short: %s", pending.peer,
+                                             str(exc) or type(exc).__name__)
             return
         finally:
             if self._pending.get(conn) is pending:
