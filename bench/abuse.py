@@ -23,7 +23,12 @@ start-up), a newcomer connects every `NEWCOMER_EVERY_S` and makes one authentica
 ``newcomers`` counts those served, ``refused`` those that were not (a restarted shard or
 trainer must always get back in).
 
+With `--tls` the server speaks TLS only (throw-away certificates, `launcher.certs`) and
+every peer, the attacker's included, speaks inside TLS sessions: each connection the
+attacks open then costs a handshake.
+
     python bench/abuse.py --quick
+    python bench/abuse.py --quick --tls
 
 `--smoke`: 0.2 s per scenario against a server capped at 16 connections.
 """
@@ -38,6 +43,7 @@ import os
 import itertools
 import queue
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -58,8 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from common.errors import BagpipeError  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
-from common.spec import Endpoint  # noqa: E402
-from common.transport import ConnectionLimits, H2Server, Http1Server, connect_client, run  # noqa: E402
+from common.spec import Endpoint, TlsSection  # noqa: E402
+from common.transport import ConnectionLimits, H2Server, Http1Server, Tls, connect_client, run  # noqa: E402
 from ps.client import PsClient  # noqa: E402
 from ps.service import PsService  # noqa: E402
 from ps.store import ShardConfig, ShardStore  # noqa: E402
@@ -76,6 +82,35 @@ H2_ONLY = ("rapid_reset", "continuation")
 NEWCOMER_EVERY_S = 0.1
 
 
+@dataclass(frozen=True)
+class Target:
+    """The server as every peer here reaches it: its port, in clear or (with `tls_files`)
+    over TLS, each process loading the files once."""
+
+    port: int
+    tls_files: TlsSection | None = None
+
+    def tls(self) -> Tls | None:
+        if self.tls_files is None:
+            return None
+        if self.tls_files not in _LOADED:
+            _LOADED[self.tls_files] = Tls.load(self.tls_files)
+        return _LOADED[self.tls_files]
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A raw connection: TCP, or a TLS session with its handshake done."""
+        tls = self.tls()
+        if tls is None:
+            return await asyncio.open_connection("127.0.0.1", self.port)
+        return await asyncio.open_connection("127.0.0.1", self.port, ssl=tls.client, server_hostname="127.0.0.1")
+
+    def client(self, kind: str, token: str | None, **kw: Any) -> Any:
+        return connect_client(kind, "127.0.0.1", self.port, token, tls=self.tls(), **kw)  # type: ignore[arg-type]
+
+
+_LOADED: dict[TlsSection, Tls] = {}
+
+
 @dataclass(kw_only=True)
 class Row:
     protocol: str
@@ -89,10 +124,12 @@ class Row:
     newcomers: int = 0  # fresh authenticated connections served during the scenario
     newcomers_refused: int = 0  # ... and those that were not
     attack: dict[str, int] = field(default_factory=dict)
+    tls: bool = False
 
 
 # -- the server -----------------------------------------------------------------------------
-def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event, cpus: set[int] | None) -> None:
+def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event, cpus: set[int] | None,
+           tls_files: TlsSection | None = None) -> None:
     _pin(cpus)
 
     async def main() -> None:
@@ -101,7 +138,8 @@ def _serve(limits: dict[str, Any], ports: mp.Queue, stop: Event, cpus: set[int] 
         store = ShardStore(config)
         store.gather(np.arange(TABLE_ROWS))  # every row initialised: steady-state RSS
         service = PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
-        kw = {"token": TOKEN, "max_body_bytes": 64 << 20, "limits": ConnectionLimits(**limits)}
+        kw = {"token": TOKEN, "max_body_bytes": 64 << 20, "limits": ConnectionLimits(**limits),
+              "tls": Target(0, tls_files).tls()}
         servers = [H2Server(service.router(), **kw), Http1Server(service.router(), **kw)]
         for server in servers:
             await server.start()
@@ -155,8 +193,8 @@ class _Peer:
         self._reading = asyncio.create_task(self._read(reader))
 
     @classmethod
-    async def open(cls, port: int) -> _Peer:
-        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, target: Target) -> _Peer:
+        peer = cls(*await target.open())
         await peer.pump()
         return peer
 
@@ -185,10 +223,10 @@ class _Peer:
         self.writer.close()
 
 
-async def _rapid_reset(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+async def _rapid_reset(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
     ready.set()
     while True:
-        peer = await _Peer.open(port)
+        peer = await _Peer.open(target)
         try:
             # Sending stops with an error once the server has hung up or sent GOAWAY.
             with contextlib.suppress(OSError, h2.exceptions.ProtocolError):
@@ -206,7 +244,7 @@ async def _rapid_reset(port: int, kind: str, counts: dict[str, int], ready: asyn
             peer.close()
 
 
-async def _held_connections(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event,
+async def _held_connections(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event,
                             *, count: int) -> None:
     preface = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     preface.initiate_connection()
@@ -214,7 +252,7 @@ async def _held_connections(port: int, kind: str, counts: dict[str, int], ready:
     held: list[asyncio.StreamWriter] = []
 
     async def hold() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await target.open()
         held.append(writer)
         writer.write(first_bytes)
         counts["opened"] += 1
@@ -236,16 +274,16 @@ async def _held_connections(port: int, kind: str, counts: dict[str, int], ready:
             writer.close()
 
 
-async def _unauth_bodies(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+async def _unauth_bodies(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
     ready.set()
     upload = _unauth_h2_upload if kind == "h2" else _unauth_http1_upload
-    await asyncio.gather(*(upload(port, counts) for _ in range(2)))
+    await asyncio.gather(*(upload(target, counts) for _ in range(2)))
 
 
-async def _unauth_h2_upload(port: int, counts: dict[str, int]) -> None:
+async def _unauth_h2_upload(target: Target, counts: dict[str, int]) -> None:
     chunk = bytes(1 << 20)
     while True:
-        peer = await _Peer.open(port)
+        peer = await _Peer.open(target)
         counts["connections"] += 1
         try:
             streams = []
@@ -279,7 +317,7 @@ async def _unauth_h2_upload(port: int, counts: dict[str, int]) -> None:
             peer.close()
 
 
-async def _unauth_http1_upload(port: int, counts: dict[str, int]) -> None:
+async def _unauth_http1_upload(target: Target, counts: dict[str, int]) -> None:
     """Uploads that read the answer while sending, as curl and aiohttp do."""
     chunk = bytes(1 << 20)
     head = f"POST /v1/fetch HTTP/1.1\r\nhost: ps\r\ncontent-length: {UPLOAD}\r\n\r\n".encode()
@@ -290,7 +328,7 @@ async def _unauth_http1_upload(port: int, counts: dict[str, int]) -> None:
             counts["uploads_refused"] += line.startswith(b"HTTP/1.1 4")
 
     while True:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await target.open()
         counts["connections"] += 1
         answer = asyncio.create_task(status(reader))
         try:
@@ -308,8 +346,8 @@ async def _unauth_http1_upload(port: int, counts: dict[str, int]) -> None:
             writer.close()
 
 
-async def _health_flood(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
-    clients = [connect_client(kind, "127.0.0.1", port, None) for _ in range(4)]  # type: ignore[arg-type]
+async def _health_flood(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+    clients = [target.client(kind, None) for _ in range(4)]
 
     async def flood(client: Any) -> None:
         while True:
@@ -324,17 +362,17 @@ async def _health_flood(port: int, kind: str, counts: dict[str, int], ready: asy
             await client.close()
 
 
-async def _continuation(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
+async def _continuation(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event) -> None:
     """Header blocks of 64 MiB that never end, from 8 connections at a time."""
     ready.set()
-    await asyncio.gather(*(_endless_header_block(port, counts) for _ in range(8)))
+    await asyncio.gather(*(_endless_header_block(target, counts) for _ in range(8)))
 
 
-async def _endless_header_block(port: int, counts: dict[str, int]) -> None:
+async def _endless_header_block(target: Target, counts: dict[str, int]) -> None:
     headers = HeadersFrame(1, data=bytes(1024)).serialize()  # no END_HEADERS
     continuation = ContinuationFrame(1, data=bytes(1 << 20)).serialize()
     while True:
-        peer = await _Peer.open(port)
+        peer = await _Peer.open(target)
         counts["connections"] += 1
         try:
             with contextlib.suppress(OSError):
@@ -353,7 +391,7 @@ async def _endless_header_block(port: int, counts: dict[str, int]) -> None:
             peer.close()
 
 
-async def _idle_connections(port: int, kind: str, counts: dict[str, int], ready: asyncio.Event,
+async def _idle_connections(target: Target, kind: str, counts: dict[str, int], ready: asyncio.Event,
                             *, count: int) -> None:
     """`count` bare connections, each sending one byte a second of a request it never
     finishes; one the server closes is opened again a second later (at once, the attacker
@@ -366,7 +404,7 @@ async def _idle_connections(port: int, kind: str, counts: dict[str, int], ready:
 
     async def hold() -> None:
         while True:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            reader, writer = await target.open()
             counts["opened"] += 1
             if counts["opened"] >= count:
                 opened.set()
@@ -402,10 +440,10 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
         return False
 
 
-Attack = Callable[[int, str, dict[str, int], asyncio.Event], Awaitable[None]]
+Attack = Callable[[Target, str, dict[str, int], asyncio.Event], Awaitable[None]]
 
 
-def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Event,
+def _attack(abuse: str, kind: str, target: Target, held: int, ready: Event, stop: Event,
             results: mp.Queue, cpus: set[int] | None) -> None:
     _pin(cpus)
     attacks: dict[str, Attack] = {
@@ -420,7 +458,7 @@ def _attack(abuse: str, kind: str, port: int, held: int, ready: Event, stop: Eve
     async def main() -> dict[str, int]:
         counts = _Counts()
         started = asyncio.Event()
-        task = asyncio.create_task(attacks[abuse](port, kind, counts, started))
+        task = asyncio.create_task(attacks[abuse](target, kind, counts, started))
         await asyncio.wait([task, asyncio.create_task(started.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
         ready.set()
@@ -441,13 +479,13 @@ class _Counts(dict[str, int]):
 
 
 # -- the measurement ------------------------------------------------------------------------
-async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
+async def _fetch_loop(kind: str, target: Target, seconds: float, pid: int,
                       start_attack: Callable[[], None]) -> tuple[list[float], float, dict[str, int]]:
     """Fetch latencies (seconds) of one authenticated client for `seconds`, the peak server
     RSS seen meanwhile and how the newcomers fared (`_newcomers`). The client connects
     before the attack starts, as a trainer connects at start-up."""
-    client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=DIM,
-                      state_width=0, transport=kind, timeout_s=30, retries=2)  # type: ignore[arg-type]
+    client = PsClient([Endpoint(host="127.0.0.1", port=target.port)], token=TOKEN, dim=DIM,
+                      state_width=0, transport=kind, timeout_s=30, retries=2, tls=target.tls())  # type: ignore[arg-type]
     keys = np.random.default_rng(0).integers(0, TABLE_ROWS, FETCH_ROWS, dtype=np.int64)
     latencies: list[float] = []
     newcomers = _Counts()
@@ -456,7 +494,7 @@ async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
         await asyncio.to_thread(start_attack)
         peak = _rss_mb(pid)
         deadline = time.perf_counter() + seconds
-        arriving = asyncio.create_task(_newcomers(kind, port, newcomers))
+        arriving = asyncio.create_task(_newcomers(kind, target, newcomers))
         try:
             while time.perf_counter() < deadline:
                 started = time.perf_counter()
@@ -473,10 +511,10 @@ async def _fetch_loop(kind: str, port: int, seconds: float, pid: int,
     return latencies, max(peak, _rss_mb(pid)), newcomers
 
 
-async def _newcomers(kind: str, port: int, counts: dict[str, int]) -> None:
+async def _newcomers(kind: str, target: Target, counts: dict[str, int]) -> None:
     """A fresh client every `NEWCOMER_EVERY_S`, one authenticated request each, no retry."""
     while True:
-        client = connect_client(kind, "127.0.0.1", port, TOKEN, timeout=5)  # type: ignore[arg-type]
+        client = target.client(kind, TOKEN, timeout=5)
         try:
             await client.call("GET", "/v1/status")
             counts["served"] += 1
@@ -489,15 +527,17 @@ async def _newcomers(kind: str, port: int, counts: dict[str, int]) -> None:
 
 def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
             abuses: tuple[str, ...] = ABUSES, report: Callable[[Row], None] | None = None,
-            isolate: bool = True) -> list[Row]:
+            isolate: bool = True, tls_files: TlsSection | None = None) -> list[Row]:
     """Every (protocol, abuse) pair against one server process; `report` sees each row.
     `held_connections` opens `held_extra` more than the server's cap. With `isolate`, the
-    attacker runs on CPUs of its own (`split_cpus`)."""
+    attacker runs on CPUs of its own (`split_cpus`). With `tls_files`, the server and every
+    peer speak TLS."""
     ctx = mp.get_context("spawn")
     split = split_cpus() if isolate else None
     attacker_cpus, server_cpus = split or (None, None)
     ports_queue, stop_server = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server, server_cpus), daemon=True)
+    server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server, server_cpus, tls_files),
+                         daemon=True)
     server.start()
     rows = []
     own_cpus = os.sched_getaffinity(0)
@@ -509,7 +549,7 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
             for abuse in abuses:
                 if abuse in H2_ONLY and kind == "http1":
                     continue
-                rows.append(_scenario(ctx, kind, abuse, ports[kind], server.pid, seconds,
+                rows.append(_scenario(ctx, kind, abuse, Target(ports[kind], tls_files), server.pid, seconds,
                                       limits.max_connections + held_extra, attacker_cpus))
                 if report is not None:
                     report(rows[-1])
@@ -522,11 +562,11 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
     return rows
 
 
-def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: float,
+def _scenario(ctx: Any, kind: str, abuse: str, target: Target, pid: int, seconds: float,
               held: int, attacker_cpus: set[int] | None) -> Row:
     before = _rss_mb(pid)
     stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Event()
-    attacker = ctx.Process(target=_attack, args=(abuse, kind, port, held, ready, stop, results, attacker_cpus),
+    attacker = ctx.Process(target=_attack, args=(abuse, kind, target, held, ready, stop, results, attacker_cpus),
                            daemon=True)
 
     def start_attack() -> None:
@@ -537,7 +577,7 @@ def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: flo
             raise RuntimeError(f"the {abuse} attacker did not start")
 
     try:
-        latencies, peak, newcomers = run(_fetch_loop(kind, port, seconds, pid, start_attack))
+        latencies, peak, newcomers = run(_fetch_loop(kind, target, seconds, pid, start_attack))
     finally:
         stop.set()
     counts = {}
@@ -556,12 +596,17 @@ def _scenario(ctx: Any, kind: str, abuse: str, port: int, pid: int, seconds: flo
     return Row(protocol=kind, abuse=abuse, fetches=len(latencies),
                p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
                rss_before_mb=before, rss_peak_mb=peak, rss_after_mb=_rss_mb(pid),
-               newcomers=newcomers["served"], newcomers_refused=newcomers["refused"], attack=counts)
+               newcomers=newcomers["served"], newcomers_refused=newcomers["refused"], attack=counts,
+               tls=target.tls_files is not None)
+
+
+def _protocol(r: Row) -> str:
+    return f"{r.protocol} TLS" if r.tls else r.protocol
 
 
 def _print_row(r: Row) -> None:
     attack = ", ".join(f"{k} {v:,}" for k, v in sorted(r.attack.items()))
-    print(f"{r.protocol:>5} {r.abuse:<16} | {r.fetches:>7,} {r.p50_ms:>7.2f} {r.p99_ms:>7.2f} | "
+    print(f"{_protocol(r):>9} {r.abuse:<16} | {r.fetches:>7,} {r.p50_ms:>7.2f} {r.p99_ms:>7.2f} | "
           f"{r.rss_before_mb:>7.0f} {r.rss_peak_mb:>7.0f} {r.rss_after_mb:>7.0f} | "
           f"{r.newcomers:>5} {r.newcomers_refused:>7} | {attack}", flush=True)
 
@@ -572,6 +617,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, help="fetch loop per scenario (default 10, quick 2, smoke 0.2)")
     parser.add_argument("--shared-cpus", action="store_true",
                         help="let the attacker share the server's CPUs (default: the last CPU is its own)")
+    parser.add_argument("--tls", action="store_true", help="the server and every peer over TLS")
     parser.add_argument("--max-connections", type=int,
                         help=f"the server's connection cap (default {ConnectionLimits().max_connections}, "
                              "16 with --smoke; held_connections opens 16 more)")
@@ -585,9 +631,16 @@ def main() -> int:
         print(f"attacker on CPU {sorted(split[0])}, server and fetching client on CPUs {sorted(split[1])}")
     print(f"PS fetch of {FETCH_ROWS} rows x d {DIM}, one client, {seconds:g} s per scenario; "
           f"server RSS in MB; limits {limits}")
-    print(f"{'proto':>5} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
+    print(f"{'proto':>9} {'abuse':<16} | {'fetches':>7} {'p50 ms':>7} {'p99 ms':>7} | "
           f"{'before':>7} {'peak':>7} {'after':>7} | {'new':>5} {'refused':>7} | attacker")
-    rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus)
+    with tempfile.TemporaryDirectory(prefix="abuse-tls-") as folder:
+        tls_files = None
+        if args.tls:
+            from launcher.certs import make_certificates
+
+            tls_files = make_certificates(Path(folder))
+        rows = measure(seconds=seconds, limits=limits, report=_print_row, isolate=not args.shared_cpus,
+                       tls_files=tls_files)
     config = config_of(args, seconds=seconds, limits=asdict(limits), fetch_rows=FETCH_ROWS, dim=DIM)
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
                   figures={"rows": [asdict(r) for r in rows]}, headline=headline(rows), smoke=args.smoke)
@@ -599,7 +652,7 @@ def headline(rows: list[Row]) -> Table:
     authenticated newcomers served and refused meanwhile."""
     columns = ("protocol", "abuse", "fetches", "p50 ms", "p99 ms", "RSS before MB", "RSS peak MB", "RSS after MB",
                "newcomers", "refused")
-    return Table(columns, tuple((r.protocol, r.abuse, r.fetches, r.p50_ms, r.p99_ms, r.rss_before_mb,
+    return Table(columns, tuple((_protocol(r), r.abuse, r.fetches, r.p50_ms, r.p99_ms, r.rss_before_mb,
                                  r.rss_peak_mb, r.rss_after_mb, r.newcomers, r.newcomers_refused) for r in rows))
 
 

@@ -116,6 +116,15 @@ class Unavailable(BagpipeError):
     code = "unavailable"
 
 
+class TlsError(BagpipeError):
+    """TLS could not be agreed with a peer: one end speaks TLS and the other does not, a
+    certificate does not verify, a client certificate is missing. Not retried: only a change
+    of configuration mends it (DESIGN, "Authentication and limits")."""
+
+    status = 400
+    code = "tls"
+
+
 class TimedOut(BagpipeError):
     """A wait (for a version, a peer, a response) ran past its limit."""
 
@@ -137,6 +146,7 @@ _BY_CODE: dict[str, type[BagpipeError]] = {
         PayloadTooLarge,
         StorageFailed,
         Unavailable,
+        TlsError,
         TimedOut,
     )
 }

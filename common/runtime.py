@@ -23,7 +23,7 @@ import orjson
 
 from common.files import write_atomically
 from common.spec import ClusterSection, Endpoint, TrainersSection
-from common.transport import ConnectionLimits, H2Server, Http1Server, Router
+from common.transport import ConnectionLimits, H2Server, Http1Server, Router, Tls
 
 log = logging.getLogger(__name__)
 
@@ -133,33 +133,34 @@ def make_server(
     max_body_bytes: int,
     limits: ConnectionLimits = ConnectionLimits(),
     sock: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> H2Server | Http1Server:
     cls = H2Server if transport == "h2" else Http1Server
     return cls(
         router, host=host, port=port, token=token, max_body_bytes=max_body_bytes, limits=limits,
-        sock=sock,
+        sock=sock, tls=tls,
     )
 
 
 def make_servers(
     cluster: ClusterSection, router: Router, address: Endpoint, *, token: str, admin_port: int | None,
-    sock: socket.socket | None = None,
+    sock: socket.socket | None = None, tls: Tls | None = None,
 ) -> list[H2Server | Http1Server]:
     """A service's servers (not started): `router` on `address` in the spec's transport
     (on `sock`, when it already listens there) and, when that is h2, the same routes over
     HTTP/1.1 for tools that speak only that (Prometheus, browsers) on `admin_port`: by
     default the address's port + 1, or any free port when that is 0. The last server is the
-    HTTP/1.1 one."""
+    HTTP/1.1 one. With `tls` (the process's, `common.transport.tls`) both speak TLS only."""
     limits = connection_limits(cluster)
     servers = [
         make_server(cluster.transport, router, host=address.host, port=address.port,
-                    token=token, max_body_bytes=cluster.max_body_bytes, limits=limits, sock=sock)
+                    token=token, max_body_bytes=cluster.max_body_bytes, limits=limits, sock=sock, tls=tls)
     ]
     if cluster.transport == "h2":
         if admin_port is None:
             admin_port = address.port + 1 if address.port else 0
         servers.append(make_server("http1", router, host=address.host, port=admin_port,
-                                   token=token, max_body_bytes=cluster.max_body_bytes, limits=limits))
+                                   token=token, max_body_bytes=cluster.max_body_bytes, limits=limits, tls=tls))
     return servers
 
 

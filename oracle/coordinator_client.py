@@ -25,7 +25,7 @@ import time
 
 from common.errors import Unauthorized, Unavailable
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint
-from common.transport import TransportKind, connect_client
+from common.transport import Tls, TransportKind, connect_client
 from common.transport.retry import RetryBudget
 from oracle.protocol import (
     COMPLETE_CHECKPOINT,
@@ -49,17 +49,19 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorClient:
-    """A PS shard's or trainer's line to the coordinator at `endpoint`. With `spec` (a role
-    given the spec file too) the registration carries its fingerprint, so that the
-    coordinator refuses a role of another job."""
+    """A PS shard's or trainer's line to the coordinator at `endpoint` (over TLS with `tls`,
+    which the role's servers then use too). With `spec` (a role given the spec file too) the
+    registration carries its fingerprint, so that the coordinator refuses a role of another
+    job."""
 
     def __init__(self, endpoint: Endpoint, *, token: str, transport: TransportKind = "h2",
-                 spec: ClusterSpec | None = None, reconnect_s: float = 30.0) -> None:
+                 spec: ClusterSpec | None = None, reconnect_s: float = 30.0, tls: Tls | None = None) -> None:
         self.endpoint = endpoint
         self.reconnect_s = reconnect_s
+        self.tls = tls
         self._fingerprint = None if spec is None else fingerprint(spec.document)
         self._client = connect_client(transport, endpoint.host, endpoint.port, token=token,
-                                      timeout=REGISTER_HOLD_S + 10)
+                                      timeout=REGISTER_HOLD_S + 10, tls=tls)
 
     async def join(self, role: Role, index: int | None, address: Endpoint) -> Joined:
         """Register, asking again while the coordinator is unreachable or still waits for

@@ -12,6 +12,7 @@ from common.errors import ConfigError, Conflict
 from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
+from common.transport import Tls
 from oracle.coordinator_client import CoordinatorClient
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers, resharded, snapshot_shards
 from ps.service import PsService
@@ -64,6 +65,7 @@ async def run_ps(
     coordinator: CoordinatorClient | None = None,
     resumed_from: int | None = None,
     listener: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> None:
     """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
     is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
@@ -78,7 +80,8 @@ async def run_ps(
     served to a fetch that asks for any version. Otherwise it starts empty, which is right
     only for a new run: with snapshots on its disk (a run that may still be going on) it
     refuses to start unless `fresh` says to delete them (`start_fresh`). `listener`: a
-    socket already listening on `address`, which the shard then serves.
+    socket already listening on `address`, which the shard then serves. `tls`: both its
+    servers speak TLS only.
     """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
@@ -103,7 +106,7 @@ async def run_ps(
         start_fresh(service, index, delete=fresh, command=launch_command(index, joined_at, address))
     address = address or spec.ps.addresses[index]
     servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port,
-                           sock=listener)
+                           sock=listener, tls=tls)
     for server in servers:
         await server.start()
     info = {
@@ -114,8 +117,8 @@ async def run_ps(
         "http1_port": servers[-1].port,
         "rows": service.store.num_rows,
     }
-    log.info("PS shard %d/%d serving %s on %s:%d (HTTP/1.1 on port %d), %d rows of dim %d",
-             index, spec.ps.num_shards, spec.cluster.transport, address.host, info["port"],
+    log.info("PS shard %d/%d serving %s%s on %s:%d (HTTP/1.1 on port %d), %d rows of dim %d",
+             index, spec.ps.num_shards, spec.cluster.transport, " over TLS" if tls else "", address.host, info["port"],
              info["http1_port"], service.store.num_rows, job.dim)
     write_ready_file(ready_file, info)
     try:
@@ -138,7 +141,8 @@ async def join_and_run_ps(
     ready_file: Path | None, resume: bool = False, rejoin: bool = False, fresh: bool = False,
     admin_port: int | None = None,
 ) -> None:
-    """A shard that knows only the coordinator: listen, register, learn the job, serve.
+    """A shard that knows only the coordinator: listen, register, learn the job, serve (over
+    TLS when the coordinator's client speaks it: with the same files, mutual if the job is).
 
     It listens before it registers: the coordinator checks that the address it registers
     answers, and the port is its own from then on (none other can take it meanwhile)."""
@@ -153,9 +157,10 @@ async def join_and_run_ps(
         job = joined.job(coordinator.endpoint)
         # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
         resume = resume or (joined.resumed_from is not None and not rejoin)
+        tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
         await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
                      fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
-                     resumed_from=joined.resumed_from, listener=listener)
+                     resumed_from=joined.resumed_from, listener=listener, tls=tls)
     finally:
         listener.close()  # closed by its server already, when one served it
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.spec import MODES
+from tests.tls_fixtures import TlsFiles, make_tls_files
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,3 +34,8 @@ def compiled_planner() -> Iterator[None]:
         for mode in MODES:
             compile_planner(mode)
     yield
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))

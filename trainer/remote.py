@@ -15,7 +15,7 @@ from common.directive import Directive
 from common.errors import BagpipeError, TimedOut, Unavailable, WireError
 from common.spec import Endpoint, Transport
 from common.steps import EndOfStream, EvalBatch, Step, TrainBatch, kind_of
-from common.transport import Client, connect_client, read_messages
+from common.transport import Client, Tls, connect_client, read_messages
 from common.transport.retry import RetryBudget
 from oracle.protocol import ACKNOWLEDGE, EVAL, FINISHED, STREAM, EvalRequest, Finished, StreamAck, StreamRequest, ask
 from ps.client import PsClient
@@ -127,6 +127,7 @@ class DirectiveStream:
         retries: int = 5,
         reconnect_s: float = 0.0,
         timeout_s: float = 120.0,
+        tls: Tls | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.trainer = trainer
@@ -139,7 +140,8 @@ class DirectiveStream:
         # oracle back) and is cancelled cleanly by `close`.
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._room: asyncio.Semaphore = io.run(_make_semaphore(read_ahead))
-        self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+        self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s,
+                                      tls=tls)
         self._retries = retries
         self._reconnect_s = reconnect_s
         self._timeout_s = timeout_s
@@ -231,10 +233,11 @@ class OracleLink:
     timeout_s: float
     retries: int
     reconnect_s: float
+    tls: Tls | None = None
 
     def client(self) -> Client:
         e = self.endpoint
-        return connect_client(self.transport, e.host, e.port, token=self.token, timeout=self.timeout_s)
+        return connect_client(self.transport, e.host, e.port, token=self.token, timeout=self.timeout_s, tls=self.tls)
 
     def budget(self) -> RetryBudget:
         return RetryBudget(self.retries, self.reconnect_s, first_delay_s=0.2)

@@ -443,7 +443,8 @@ class H2Protocol(asyncio.Protocol):
             await self._drain_waiters.wait()
 
     def close(self) -> None:
-        if self.transport is not None:
+        # Once only: asyncio's TLS transport, closed twice, is unhooked from its SSL protocol.
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     # -- flow-controlled sending ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""HTTP/2 cleartext (prior knowledge) server over asyncio.
+"""HTTP/2 server over asyncio: cleartext with prior knowledge (h2c), or over TLS (ALPN h2,
+`common.transport.tls`).
 
 A request is admitted on its HEADERS (route, token, declared size) before any of its body
 is read; a refused one is answered at once and the rest of its body dropped unread. Each
@@ -50,6 +51,7 @@ from common.transport.http import (
     start_handler,
 )
 from common.transport.limits import LINGER_S, ConnectionLimits, EventWindow, Newcomers
+from common.transport.tls import HANDSHAKE_RECORD, NOT_TLS_ANSWER, Tls, TlsListener
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +160,19 @@ class _ServerProtocol(H2Protocol):
         self._closing = True
         if head[:1].isupper():  # a request line: GET / HTTP/1.1
             self._server.logs["not_h2"].info(
-                "HTTP/1.x request from %s on the h2c port: answered 505", self.peer
+                "HTTP/1.x request from %s on the HTTP/2 port: answered 505", self.peer
             )
             if self.transport is not None:
                 self.transport.write(NOT_H2_ANSWER)
+        elif head[:1] == bytes([HANDSHAKE_RECORD]) and self._server.tls is None:
+            self._server.logs["not_tls"].warning(
+                "TLS handshake from %s on a plaintext port: answered that it does not speak TLS",
+                self.peer,
+            )
+            if self.transport is not None:
+                self.transport.write(NOT_TLS_ANSWER)
+            self.goaway(linger=True)  # its handshake unread must not reset the answer
+            return False
         else:
             self._server.logs["not_h2"].warning(
                 "dropped a connection from %s: not HTTP/2 (first bytes %r)", self.peer, head[:16]
@@ -532,7 +543,8 @@ def _split_path(raw_path: str) -> tuple[str, tuple[tuple[str, str], ...]]:
 
 
 class H2Server:
-    """Serves a `Router` over h2c. `port=0` binds a free port, reported by `.port`.
+    """Serves a `Router` over h2c, or over TLS with `tls`. `port=0` binds a free port,
+    reported by `.port`.
 
     `token=None` disables the bearer check; `limits` bounds connections and streams. With
     `sock` (a socket already listening), it serves that instead of binding host and port.
@@ -552,16 +564,18 @@ class H2Server:
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
         sock: socket.socket | None = None,
+        tls: Tls | None = None,
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes, limits)
         self.limits = limits
+        self.tls = tls
         self._sock = sock
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
         self.newcomers: Newcomers[_ServerProtocol] = Newcomers(limits)
         self.tasks: set[asyncio.Task[None]] = set()
         self._host, self._port, self._grace = host, port, grace
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.Server | TlsListener | None = None
 
     @property
     def port(self) -> int:
@@ -581,14 +595,19 @@ class H2Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._sock is not None:
+        if self.tls is not None:
+            listener = TlsListener(self.connection, self.tls, "h2", self.limits, self.logs)
+            async with listening(self._host, self._port):
+                await listener.start(self._host, self._port, backlog=self.limits.max_connections, sock=self._sock)
+            self._server = listener
+        elif self._sock is not None:
             self._server = await loop.create_server(self.connection, sock=self._sock)
         else:
             async with listening(self._host, self._port):
                 self._server = await loop.create_server(
                     self.connection, self._host, self._port, backlog=self.limits.max_connections
                 )
-        logger.info("h2 server listening on %s:%d", self._host, self.port)
+        logger.info("h2 server listening on %s:%d%s", self._host, self.port, " (TLS)" if self.tls else "")
 
     async def stop(self) -> None:
         if self._server is None:

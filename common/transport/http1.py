@@ -1,5 +1,5 @@
-"""The same routes over HTTP/1.1 keep-alive with aiohttp: for tools (curl, Prometheus) and
-as the alternative data plane named in the cluster spec."""
+"""The same routes over HTTP/1.1 keep-alive with aiohttp, cleartext or over TLS: for tools
+(curl, Prometheus) and as the alternative data plane named in the cluster spec."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from common.transport.http import (
     run_handler,
 )
 from common.transport.limits import LINGER_S, ConnectionLimits, Newcomers
+from common.transport.tls import HANDSHAKE_RECORD, NOT_TLS_ANSWER, Tls, TlsListener, connect_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Http1Server:
     (`limits.Newcomers`, as on HTTP/2). `port=0` binds a free port, reported by `.port`.
     `stop()` lets in-flight requests finish for up to `grace` seconds. With `sock` (a socket
     already listening) it serves that instead of binding host and port; an address it
-    cannot listen on is `Unavailable` naming it.
+    cannot listen on is `Unavailable` naming it. With `tls` it speaks TLS (ALPN http/1.1).
     """
 
     def __init__(
@@ -63,13 +64,15 @@ class Http1Server:
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
         sock: socket.socket | None = None,
+        tls: Tls | None = None,
     ) -> None:
         self._sock = sock
+        self.tls = tls
         self._gate = Gate(router, token, max_body_bytes, limits)
         self._limits = limits
         self._host, self._port, self._grace = host, port, grace
         self._runner: web.AppRunner | None = None
-        self._listener: asyncio.Server | None = None
+        self._listener: asyncio.Server | TlsListener | None = None
         self._logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self._newcomers: Newcomers[web.RequestHandler] = Newcomers(limits)
         self._watched: dict[web.RequestHandler, _Watched] = {}  # the newcomers' wrappers
@@ -103,7 +106,13 @@ class Http1Server:
         loop = asyncio.get_running_loop()
         # Our own listener rather than a TCPSite: every accepted socket passes `_accept`.
         try:
-            if self._sock is not None:
+            if self.tls is not None:
+                listener = TlsListener(self._accept, self.tls, "http1", self._limits, self._logs)
+                async with listening(self._host, self._port):
+                    await listener.start(self._host, self._port, backlog=self._limits.max_connections,
+                                         sock=self._sock)
+                self._listener = listener
+            elif self._sock is not None:
                 self._listener = await loop.create_server(self._accept, sock=self._sock)
             else:
                 async with listening(self._host, self._port):
@@ -114,7 +123,7 @@ class Http1Server:
             await runner.cleanup()
             raise
         self._runner = runner
-        logger.info("http/1.1 server listening on %s:%d", self._host, self.port)
+        logger.info("http/1.1 server listening on %s:%d%s", self._host, self.port, " (TLS)" if self.tls else "")
 
     async def stop(self) -> None:
         listener, self._listener = self._listener, None
@@ -145,7 +154,8 @@ class Http1Server:
                             "(max_unauthenticated_connections or max_connections)")
         loop = asyncio.get_running_loop()
         deadline = loop.call_later(self._limits.auth_timeout_s, self._auth_expired, handler)
-        watched = self._watched[handler] = _Watched(handler, deadline, self._left)
+        plaintext_logs = None if self.tls is not None else self._logs
+        watched = self._watched[handler] = _Watched(handler, deadline, self._left, plaintext_logs)
         return watched
 
     def _showed_token(self, handler: web.RequestHandler) -> None:
@@ -222,17 +232,29 @@ class Http1Server:
 class _Watched(asyncio.Protocol):
     """aiohttp's protocol for one connection, passed every event, telling the server when the
     connection is gone (aiohttp offers no hook for that): a newcomer's bookkeeping must not
-    outlive it."""
+    outlive it. On a plaintext port (`plaintext_logs` given), a TLS handshake is answered
+    with `NOT_TLS_ANSWER` and a log line, not passed to aiohttp."""
 
     def __init__(self, handler: web.RequestHandler, deadline: asyncio.TimerHandle,
-                 left: Callable[[web.RequestHandler], None]) -> None:
+                 left: Callable[[web.RequestHandler], None], plaintext_logs: RateLimitedLogs | None = None) -> None:
         self.handler, self.deadline, self._left = handler, deadline, left
+        self._plaintext_logs = plaintext_logs  # None once the first bytes were looked at
+        self._refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
         self.handler.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self.handler.data_received(data)
+        if self._plaintext_logs is not None:
+            logs, self._plaintext_logs = self._plaintext_logs, None
+            self._refused = data[:1] == bytes([HANDSHAKE_RECORD])
+            if self._refused:
+                logs["not_tls"].warning("TLS handshake from %s on a plaintext port: answered that it does "
+                                        "not speak TLS", self._transport.get_extra_info("peername"))
+                _answer_and_close(self._transport, NOT_TLS_ANSWER)
+        if not self._refused:
+            self.handler.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.handler.eof_received()
@@ -246,6 +268,18 @@ class _Watched(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._left(self.handler)
         self.handler.connection_lost(exc)
+
+
+def _answer_and_close(transport: asyncio.BaseTransport, answer: bytes) -> None:
+    """Send `answer`, then close once the peer has read it (at most `LINGER_S` later): closing
+    with its bytes unread would make the kernel reset the connection over the answer."""
+    writer: asyncio.Transport = transport  # type: ignore[assignment]
+    writer.write(answer)
+    if writer.can_write_eof():
+        writer.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, writer.close)
+    else:
+        writer.close()
 
 
 class _Refused(asyncio.Protocol):
@@ -323,20 +357,23 @@ async def _stream(raw: web.Request, response: StreamResponse) -> web.StreamRespo
 
 
 class Http1Client(Client):
-    """`H2Client`'s interface over an aiohttp keep-alive pool (one session, lazily made)."""
+    """`H2Client`'s interface over an aiohttp keep-alive pool (one session, lazily made);
+    over TLS with `tls`."""
 
     def __init__(
-        self, host: str, port: int, *, token: str | None = None, timeout: float = 30.0
+        self, host: str, port: int, *, token: str | None = None, timeout: float = 30.0,
+        tls: Tls | None = None,
     ) -> None:
-        self._base = f"http://{host}:{port}"
+        self._base = f"{'http' if tls is None else 'https'}://{host}:{port}"
         self._timeout = timeout
         self._auth = auth_headers(token)
+        self._ssl = False if tls is None else tls.client
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._auth, connector=aiohttp.TCPConnector(limit=0)
+                headers=self._auth, connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl)
             )
         return self._session
 
@@ -420,5 +457,9 @@ def _translate(what: str, limit: float) -> Iterator[None]:
         yield
     except (TimeoutError, asyncio.TimeoutError):
         raise TimedOut(f"{what} timed out after {limit}s", timeout=limit) from None
+    except aiohttp.ClientConnectorCertificateError as exc:
+        raise connect_error(what, exc.certificate_error) from exc
+    except aiohttp.ClientSSLError as exc:  # the TLS handshake failed
+        raise connect_error(what, exc.os_error) from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise Unavailable(f"{what} failed: {exc}") from exc

@@ -62,6 +62,7 @@ SMOKES = (
     Smoke("recovery", out=True),
     Smoke("planner"),
     Smoke("ps_fetch"),
+    Smoke("ps_fetch", ("--tls",)),  # every fetch again over TLS, alternating with plaintext
     Smoke("ps_waiting", slow=False),
     Smoke("abuse"),
     Smoke("sync_sum"),

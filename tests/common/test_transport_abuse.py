@@ -1,7 +1,7 @@
-"""A real PS shard under each abuse of the hardening issues, both protocols: an authenticated
-fetch loop running meanwhile must stay fast, the server's memory flat, and a newcomer with
-the token must always get in. The scenarios are bench/abuse.py's (server and attacker in
-processes of their own)."""
+"""A real PS shard under each abuse of the hardening issues, both protocols, in clear and over
+TLS: an authenticated fetch loop running meanwhile must stay fast, the server's memory flat,
+and a newcomer with the token must always get in. The scenarios are bench/abuse.py's (server
+and attacker in processes of their own; over TLS every peer speaks inside TLS sessions)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import pytest
 
 from bench.abuse import ABUSES, H2_ONLY, measure
 from common.transport import ConnectionLimits
+from tests.tls_fixtures import TlsFiles
 
 HELD_EXTRA = 8
 
 
 @pytest.mark.slow
-def test_fetches_stay_fast_and_memory_flat_under_abuse() -> None:
+@pytest.mark.parametrize("security", ["plain", "tls"])
+def test_fetches_stay_fast_and_memory_flat_under_abuse(security: str, tls_files: TlsFiles) -> None:
     rows = measure(seconds=1.5, limits=ConnectionLimits(max_connections=64),
-                   held_extra=HELD_EXTRA)
+                   held_extra=HELD_EXTRA, tls_files=tls_files.section if security == "tls" else None)
     assert {(r.protocol, r.abuse) for r in rows} == {
         (p, a) for p in ("h2", "http1") for a in ABUSES if p == "h2" or a not in H2_ONLY
     }

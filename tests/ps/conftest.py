@@ -10,7 +10,7 @@ import pytest
 
 from common.keys import TableLayout
 from common.spec import Endpoint
-from common.transport import H2Server, Http1Server
+from common.transport import H2Server, Http1Server, Tls
 from ps.client import PsClient
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -50,9 +50,9 @@ def make_service(
                      rejoin_trainers=rejoin_trainers, num_trainers=num_trainers)
 
 
-def make_server(kind: str, service: PsService, port: int = 0) -> H2Server | Http1Server:
+def make_server(kind: str, service: PsService, port: int = 0, tls: Tls | None = None) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
-    return cls(service.router(), host="127.0.0.1", port=port, token=TOKEN, max_body_bytes=MAX_BODY)
+    return cls(service.router(), host="127.0.0.1", port=port, token=TOKEN, max_body_bytes=MAX_BODY, tls=tls)
 
 
 @pytest.fixture(params=["h2", "http1"])
