@@ -15,6 +15,7 @@ from common.spec import Endpoint
 from common.transport import Tls
 from oracle.coordinator_client import CoordinatorClient
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers, resharded, snapshot_shards
+from ps.relaunch import shard_command
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -103,7 +104,7 @@ async def run_ps(
         _restore(service, start, reshard=True)
     else:
         joined_at = None if coordinator is None else coordinator.endpoint
-        start_fresh(service, index, delete=fresh, command=launch_command(index, joined_at, address))
+        start_fresh(service, index, delete=fresh, command=shard_command(index, joined_at, address))
     address = address or spec.ps.addresses[index]
     servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port,
                            sock=listener, tls=tls)
@@ -165,16 +166,6 @@ async def join_and_run_ps(
         listener.close()  # closed by its server already, when one served it
 
 
-def launch_command(index: int, coordinator: Endpoint | None, address: Endpoint | None) -> str:
-    """The command that starts shard `index` again the way it was started: from the spec, or
-    through the coordinator at `coordinator` (on the address it serves, where the trainers
-    look for it)."""
-    if coordinator is None:
-        return f"python launch.py SPEC --role ps --index {index}"
-    bind = "" if address is None else f" --bind {address}"
-    return f"python launch.py --role ps --coordinator {coordinator} --index {index}{bind}"
-
-
 def start_fresh(service: PsService, index: int, *, delete: bool, command: str | None = None) -> None:
     """Shard `index` starts empty, as at iteration 0 of a new run.
 
@@ -182,10 +173,10 @@ def start_fresh(service: PsService, index: int, *, delete: bool, command: str | 
     newer than any of them, and an empty shard would lose those (and, once it snapshots,
     make a checkpoint that lost them). So they are deleted only when `delete` (``--fresh``)
     says this is a new run; otherwise Conflict names the commands that recover, starting
-    with `command` (`launch_command`; default: the spec's form).
+    with `command` (`ps.relaunch.shard_command`; default: the spec's form).
     """
     own = list_checkpoints(service.checkpoint_dir)
-    command = command or launch_command(index, None, None)
+    command = command or shard_command(index, None, None)
     if own and not delete:
         raise Conflict(
             f"PS shard {index} has snapshots {own} in {service.checkpoint_dir}: they may belong to a run "

@@ -60,6 +60,7 @@ class Peers:
     oracle: Endpoint
     ps: tuple[Endpoint, ...]
     rendezvous: Rendezvous
+    joined: bool = False  # through the coordinator at `oracle` (so are the PS shards)
 
 
 def run_trainer(
@@ -101,7 +102,7 @@ def run_trainer(
                 retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
                 resumed_from=-1 if resumed_from is None else resumed_from,
-                trainer=rank, trainers=world, tls=tls,
+                trainer=rank, trainers=world, tls=tls, coordinator=peers.oracle if peers.joined else None,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
@@ -181,7 +182,7 @@ def join_and_run_trainer(
         # coordinator (its own name for its host may be a wildcard such as 0.0.0.0).
         store = Endpoint(host=coordinator.endpoint.host, port=joined.store.port)
         rendezvous = Rendezvous(store=store, prefix=f"bagpipe/{joined.generation}/")
-    peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous)
+    peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous, joined=True)
     tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
     # A trainer follows the coordinator: it resumes when the run does.
     run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
