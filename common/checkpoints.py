@@ -7,7 +7,7 @@ With ``[checkpoint] every`` = n > 0, checkpoints are taken after iterations n-1,
 Checkpoint c is made of one snapshot per PS shard (``<dir>/ps-<s>/ckpt-<c>/``), the dense
 model and optimizer of trainer 0 (``<dir>/trainer/dense-<c>.pt``) and, written last, the
 manifest ``<dir>/ckpt-<c>.json``. Only a checkpoint whose manifest and parts all exist is
-complete; recovery ignores the others (DESIGN §9).
+complete; recovery ignores the others (docs/design.md#checkpoints).
 
 A finished run leaves its model in ``<run dir>/final/`` (`final_paths`), its tables as the
 PS shards' snapshot N (the run's length) in the checkpoint directory, or in local mode as one

@@ -28,7 +28,7 @@ _MIN_RING = 1 << 16
 
 
 class BagpipeRules:
-    """DESIGN §4 with lookahead L and lead D, one kernel state for all trainers."""
+    """The planner (docs/design.md#the-planner) with lookahead L and lead D, one kernel state for all trainers."""
 
     kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept)
 

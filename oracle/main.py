@@ -52,7 +52,7 @@ def planner_config(job: Job, workload: Workload) -> PlannerConfig:
 
 
 def check_capacity(job: Job) -> None:
-    """The capacity rule (DESIGN §4 rule 4, §8): ConfigError naming `oracle.cache_rows` and
+    """The capacity rule (docs/design.md#rule-4-capacity, #modes): ConfigError naming `oracle.cache_rows` and
     the C this run needs. The launcher calls it before it starts any role, the oracle before
     it plans; it judges the whole run, also when resuming, so that both always agree.
 

@@ -1,4 +1,4 @@
-"""The launcher's behaviour on failure (DESIGN §10): `python launch.py` as a user runs it.
+"""The launcher's behaviour on failure (docs/design.md#launcher-and-cluster-spec): `python launch.py` as a user runs it.
 
 Every test starts real subprocesses on real ports: a role killed mid-run stops the whole
 cluster, Ctrl-C stops it, killing the launcher itself orphans nothing, a bad spec starts

@@ -1,4 +1,4 @@
-"""Fault tolerance (DESIGN §9): kill -9 a PS, a trainer or the oracle at a random iteration
+"""Fault tolerance (docs/design.md#recovery): kill -9 a PS, a trainer or the oracle at a random iteration
 of a local 2 x 2 run with checkpoints and automatic restart; the run recovers and ends with
 parameters bit-identical to an uninterrupted run. A PS or the oracle comes back alone while
 the trainers wait (or, with ``restart_alone = false``, every role from the latest complete

@@ -257,7 +257,7 @@ def _train(
 
 
 class Checkpointer:
-    """This trainer's part of checkpoint c (DESIGN §9): rank 0 keeps the dense model and
+    """This trainer's part of checkpoint c (docs/design.md#checkpoints): rank 0 keeps the dense model and
     optimizer as of iteration c; once the PS acknowledged every write of versions <= c
     (flushes included), the trainer reports c to every shard, off the critical path; the
     shards snapshot when all trainers reported; rank 0 then sends the dense state to the

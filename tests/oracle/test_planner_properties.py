@@ -1,5 +1,5 @@
 """Property tests over generated workloads: production == reference byte for byte, and every
-directive stream passes the value-level simulator (DESIGN §4, §11).
+directive stream passes the value-level simulator (docs/design.md#invariants, #verification).
 
 Three budgets: the fast tier's cases are derandomized and few; the `slow` ones (in the
 README's test command, which CI runs) add randomized cases on the scale the fast tier once

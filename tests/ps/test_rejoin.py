@@ -1,4 +1,4 @@
-"""A PS shard restarted alone (DESIGN §9 extended): it comes back with its latest snapshot
+"""A PS shard restarted alone (docs/design.md#a-ps-shard-restarted-alone): it comes back with its latest snapshot
 and every trainer replays the write-backs the snapshot lacks, in whatever order the
 trainers' requests meet it, then reports that it has; the shard serves no fetch until every
 trainer has, and then holds, serves and snapshots exactly what it would have without the
