@@ -33,7 +33,7 @@ import numpy as np
 from common.data.dataset import Dataset
 from common.errors import ConfigError
 from common.keys import TableLayout
-from common.metrics import FinalScrape, Registry
+from common.prometheus import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
 from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer

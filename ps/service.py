@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut, quoted
-from common.metrics import Counter, FinalScrape, Registry
+from common.prometheus import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (

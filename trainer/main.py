@@ -34,9 +34,9 @@ from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
 from trainer.device import Device, select_device
 from trainer.engine import CheckpointCallback, Engine, IterationStats, RowSource
-from trainer.exporter import TrainerMetrics, serve
+from trainer.scrape import TrainerMetrics, serve
 from trainer.io_thread import IoThread
-from trainer.metrics import MetricAccumulator, evaluate
+from trainer.evaluation import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
 from trainer.records import (

@@ -323,7 +323,7 @@ def _path_literals(path: Path) -> list[str]:
 
 
 #: Files that may spell a route: the two protocols, and the trainer's own metrics target.
-SPELL_ROUTES = {"oracle/protocol.py", "ps/protocol.py", "trainer/exporter.py"}
+SPELL_ROUTES = {"oracle/protocol.py", "ps/protocol.py", "trainer/scrape.py"}
 
 
 def test_no_role_spells_a_route_but_the_protocols() -> None:

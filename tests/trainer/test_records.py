@@ -27,7 +27,7 @@ import pytest
 from trainer import main
 from trainer.engine import IterationStats
 from trainer.main import Checkpointer
-from trainer.metrics import MetricAccumulator
+from trainer.evaluation import MetricAccumulator
 from trainer.records import (
     BYTE_KINDS,
     COUNTERS,
