@@ -86,7 +86,7 @@ def missing_parts(directory: Path, checkpoint_id: int, num_shards: int) -> list[
     """The files checkpoint `checkpoint_id` lacks to be complete (none when it is): the
     manifest and dense state, and the snapshot of every shard whose folder is here. The
     manifest is written only once every shard has saved its snapshot; a shard on another
-    machine keeps its snapshots there, and checks for its own when it resumes (`ps.main`).
+    machine keeps its snapshots there, and checks for its own when it resumes (`ps.startup`).
     The shards are those that took it, as its manifest says (a run may resume with another
     number of shards: `ps.checkpoint.resharded`); `num_shards` where it has none."""
     manifest = manifest_path(directory, checkpoint_id)

@@ -2,7 +2,7 @@
 log loss.
 
 By default it scores the held-out rows of the data the run trained on the way the run's own
-evaluation did (`trainer.main`): the same rows in batches of the run's global batch, the
+evaluation did (`trainer.final`): the same rows in batches of the run's global batch, the
 predictions concatenated in the order the trainers gathered them, scored by the same
 `trainer.evaluation.evaluate`. On the CPU it reproduces the run's held-out AUC and log loss
 bit for bit. ``--data FILE`` scores every row of another file instead, read with the run's

@@ -26,7 +26,7 @@ import pytest
 
 from common.job import build_job
 from common.spec import load_spec
-from oracle.main import build_workload
+from oracle.startup import build_workload
 from tests.cluster_helpers import write_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,10 +22,16 @@ from common.job import build_job
 from common.spec import load_spec
 from launcher.inprocess import run_in_process
 from ps.checkpoint import resharded, save_snapshot, snapshot_shards
-from ps.main import build_service, restore_own_latest
+from ps.startup import build_service, restore_own_latest
 from ps.store import Snapshot
 from tests.cluster_helpers import (
-    as_final, assert_identical, differing_elements, final_model, reference_for, run_spec, write_spec,
+    as_final,
+    assert_identical,
+    differing_elements,
+    final_model,
+    reference_for,
+    run_spec,
+    write_spec,
 )
 
 FIRST, TOTAL, EVERY = 20, 40, 5  # the first run stops after iteration 19, a checkpoint

@@ -125,3 +125,29 @@ def test_the_oracles_servers_are_imported_in_oracle_only(path: Path) -> None:
     """The coordinator's routes and the directive streams live in oracle/ and are started by
     `oracle.main` alone (the launcher and launch.py go through it)."""
     assert not oracle_modules(path) & ORACLE_SERVERS
+
+
+ROLE_ENTRY_POINTS = frozenset({"oracle.main", "ps.main", "trainer.main"})
+
+
+@pytest.mark.parametrize("path", [p for p in sources(*BELOW_LAUNCHER, "launcher", "bench", "tests")
+                                  if p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") not in ROLE_ENTRY_POINTS],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_but_launch_py_imports_a_roles_entry_point(path: Path) -> None:
+    """A role's main.py starts its process; what others build a role from (the launcher's
+    in-process harness, the tests) lives in the role's own modules (`oracle.startup`,
+    `ps.startup`, `trainer.startup`, ...)."""
+    assert not imported_modules(path.read_text()) & ROLE_ENTRY_POINTS
+
+
+def test_launch_py_starts_every_role_through_its_entry_point() -> None:
+    assert imported_modules((ROOT / "launch.py").read_text()) >= ROLE_ENTRY_POINTS
+
+
+@pytest.mark.parametrize("path", sources("trainer/models"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_models_know_nothing_of_the_cluster(path: Path) -> None:
+    """A model (ours or a user's `[model] factory`) is a plain module: DDP and the
+    collectives wrap it in the engine, so it runs the same in one process and in many."""
+    imported = imported_modules(path.read_text())
+    assert not {m for m in imported if m == "torch.distributed" or m.startswith("torch.distributed.")}
+    assert not imported_packages(path.read_text()) & {"ps", "oracle", "launcher"}

@@ -22,10 +22,10 @@ from common.transport import H2Client
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
 from ps.client import PsClient
 from ps.journal import WriteJournal
-from ps.main import restore_own_latest, start_fresh
-from ps.relaunch import shard_command
 from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
+from ps.relaunch import shard_command
 from ps.service import PsService
+from ps.startup import restore_own_latest, start_fresh
 from ps.store import ShardConfig, ShardStore
 from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server, until
 

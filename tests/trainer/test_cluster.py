@@ -12,11 +12,18 @@ import pytest
 
 from common.job import Job, build_job
 from launcher.inprocess import run_in_process
-from tests.cluster_helpers import as_final, assert_identical, final_model, reference_for, run_spec, write_spec
+from tests.cluster_helpers import (
+    as_final,
+    assert_identical,
+    final_model,
+    reference_for,
+    run_spec,
+    write_spec,
+)
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
 from trainer.device import select_device
-from trainer.main import seeded_model
 from trainer.records import CheckpointRecord, IterationRecord, Record, read_run
+from trainer.startup import seeded_model
 
 pytestmark = pytest.mark.slow
 
