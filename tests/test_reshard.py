@@ -50,7 +50,8 @@ def _runs(tmp_path: Path, before: dict, after: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 3])
+# 2 -> 3 shards is nightly: in CI the bagpipe case below resumes 2 -> 3 shards (and 2 -> 4 trainers).
+@pytest.mark.parametrize("shards", [1, pytest.param(3, marks=pytest.mark.nightly)])
 def test_reshard_on_resume_ends_as_the_run_that_never_stopped(tmp_path: Path, shards: int) -> None:
     job, run_dir = _runs(tmp_path, {"ps": {"shards": 2}}, {"ps": {"shards": shards}})
     assert job.spec.ps.num_shards == shards
