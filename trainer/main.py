@@ -23,7 +23,7 @@ from oracle.coordinator_client import CoordinatorClient
 from oracle.protocol import Joined
 from ps.client import PsClient
 from trainer.checkpointer import Checkpointer, resume_point
-from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
+from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives, peers_unreachable
 from trainer.device import select_device
 from trainer.engine import Engine
 from trainer.evaluation import MetricAccumulator
@@ -121,6 +121,11 @@ def run_trainer(
         if spec.cluster.metrics_linger_s and not metrics.wait_final_read(spec.cluster.metrics_linger_s):
             log.info("no scrape read the final metrics within metrics_linger_s = %g s", spec.cluster.metrics_linger_s)
         report_finished(io, oracle, rank)
+    except RuntimeError as exc:  # gloo's error names no peer and no setting: say which and why
+        unreachable = peers_unreachable(exc, rank, world, spec.cluster.request_timeout_s * 4)
+        if unreachable is None:
+            raise
+        raise unreachable from exc
     finally:
         # Also after a failure: nothing may keep the process alive (the launcher waits for
         # it to exit to report the error), so no step here can block for long.
