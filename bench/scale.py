@@ -20,6 +20,9 @@ a long stream, RSS against the distinct keys read so far (counted by this proces
 same seeded stream) and `oracle_rss_growth_mb_per_1k`, the least-squares slope of RSS over
 the stream's second half per 1,000 iterations; a `ShardStore` (d 16, one state float) whose
 touched rows grow, at random keys and at consecutive ones, RSS above the fresh store's.
+(numpy asks the kernel for transparent huge pages on large arrays, madvise: where it grants
+them, as here, one random row makes 2 MiB of the table resident, so a few thousand random
+rows make all of it, where 4 KiB pages would hold 16 MB after 4,096 rows of a 256 MB table.)
 Checkpoints: `ps.checkpoint.save_snapshot` (fsynced) of a store's snapshot and
 `load_snapshot` + `ShardStore.restore` into a fresh store, median wall time of the rounds,
 sizes alternating.
@@ -321,7 +324,7 @@ def series_of(runs: list[PlannerRun], oracle: dict, shard: dict[str, list[float]
 def headline(series: list[dict[str, Any]]) -> Table:
     """Per series: the work's range, the cost at its ends, the fitted exponent."""
     return Table(("cost", "against", "from", "to", "cost at from", "cost at to", "unit", "exponent"), tuple(
-        (s["name"], s["work"], s["x"][0], s["x"][-1], s["y"][0], s["y"][-1], s["unit"], s["exponent"])
+        (s["name"], s["work"], int(s["x"][0]), int(s["x"][-1]), s["y"][0], s["y"][-1], s["unit"], s["exponent"])
         for s in series))
 
 
