@@ -66,6 +66,7 @@ SMOKES = (
     Smoke("ps_waiting", slow=False),
     Smoke("abuse"),
     Smoke("sync_sum"),
+    Smoke("scale"),
     Smoke("data", slow=False),
     Smoke("export", needs=_no_gnu_time),
     Smoke("linkrate", needs=_namespaces_unavailable),
