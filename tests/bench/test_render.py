@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from bench import BENCHES, RESULTS, SMOKE_RESULTS, Table, commit, machine, results_path, write_results
-from bench.render import DOC, format_value, main, newest_results, render
+from bench.render import DOC, README, format_value, headline, main, newest_results, render, with_headline
 
 HEADLINE = Table(("mode", "samples/s", "hit rate %", "bit-identical"), (("bagpipe", 12345.678, 90.5, True),
                                                                        ("local", 23456.0, None, False)))
@@ -66,7 +66,9 @@ def test_the_document_shows_the_newest_real_results_of_each_benchmark(tmp_path: 
     (folder / "notes.json").write_text('{"not": "results"}')
     (folder / "broken.json").write_text("{")
     out = tmp_path / "docs" / "benchmarks.md"
-    assert main(["--results", str(folder), "--out", str(out)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- headline:start -->\n<!-- headline:end -->\n")
+    assert main(["--results", str(folder), "--out", str(out), "--readme", str(readme)]) == 0
     doc = out.read_text()
     assert [line[3:] for line in doc.splitlines() if line.startswith("## ")] == list(BENCHES)
     e2e = doc.split("## e2e\n", 1)[1].split("\n## ", 1)[0]
@@ -107,3 +109,32 @@ def test_docs_benchmarks_md_is_what_bench_results_render_to() -> None:
     assert DOC.read_text() == render(newest_results(RESULTS)), (
         "docs/benchmarks.md is out of date with bench/results/ or the scripts' docstrings: "
         "run `python bench/render.py`")
+
+
+def test_the_readme_headline_is_what_bench_results_render_to() -> None:
+    assert README.read_text() == with_headline(README.read_text(), newest_results(RESULTS)), (
+        "README.md's headline is out of date with bench/results/: run `python bench/render.py`")
+
+
+def test_the_headline_puts_loopback_shaped_and_torchrec_side_by_side(tmp_path: Path) -> None:
+    def mode(rounds: list[float], hit: float) -> dict:
+        return {"rounds_samples_per_s": rounds, "median_samples_per_s": sorted(rounds)[(len(rounds) - 1) // 2],
+                "hit_rate": hit}
+
+    modes = {"bagpipe": mode([900.0, 1200.0, 1000.0], 0.9), "torchrec": mode([1000.0, 1000.0, 2000.0], 0.0)}
+    write_results(tmp_path / "e2e.json", bench="e2e", config={"smoke": False}, figures={"modes": modes},
+                  headline=HEADLINE, smoke=False)
+    runs = {"1gbit": {"bagpipe": {"summary": {"samples_per_s": 800.0, "hit_rate": 0.88}}}}
+    write_results(tmp_path / "cluster.json", bench="cluster", config={"smoke": False}, figures={"runs": runs},
+                  headline=HEADLINE, smoke=False)
+    text = headline(newest_results(tmp_path))
+    # ratios per round 0.9, 1.2, 0.5: their median; TorchRec's own row has no ratio and no hit rate
+    assert "| bagpipe | 1,000 | 0.9 | 800.0 | 90.00 |" in text, text
+    assert "| torchrec | 1,000 | n/a | n/a | n/a |" in text, text
+    assert "no-cache" not in text and "Loopback: `" in text and "Shaped links: `" in text
+    readme = "# x\n<!-- headline:start -->\nold\n<!-- headline:end -->\nrest\n"
+    assert with_headline(readme, newest_results(tmp_path)) == f"# x\n<!-- headline:start -->\n{text}<!-- headline:end -->\nrest\n"
+
+
+def test_no_results_say_how_to_make_them() -> None:
+    assert "run `python bench/e2e.py --quick`" in headline({})
