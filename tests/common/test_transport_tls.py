@@ -306,3 +306,26 @@ async def test_curl_fetches_health_from_a_real_ps_over_tls_http2(tls_files: TlsF
             assert (await asyncio.wait_for(auth.communicate(), BOUNDED))[0] == b"200"
     finally:
         await server.stop()
+
+
+async def test_h2load_drives_a_real_ps_over_tls_http2_without_a_failure(tls_files: TlsFiles, tmp_path: Path) -> None:
+    """nghttp2's load generator: ALPN picks h2, and 400 requests over 4 connections of 10
+    concurrent streams each all succeed (h2load does not check the certificate, and sends
+    none, so one-way TLS only)."""
+    if shutil.which("h2load") is None:
+        pytest.skip("needs h2load (nghttp2-client)")
+    from tests.ps.conftest import make_service
+
+    server = H2Server(make_service(0, 1, tmp_path).router(), token=TOKEN, tls=Tls.load(tls_files.section))
+    await server.start()
+    try:
+        load = await asyncio.create_subprocess_exec(
+            "h2load", "-n", "400", "-c", "4", "-m", "10", "-H", f"authorization: Bearer {TOKEN}",
+            f"https://127.0.0.1:{server.port}/v1/status", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(load.communicate(), BOUNDED * 4)
+        text = out.decode()
+        assert load.returncode == 0, err.decode() + text
+        assert "Application protocol: h2" in text, text
+        assert "400 succeeded, 0 failed, 0 errored" in text and "status codes: 400 2xx" in text, text
+    finally:
+        await server.stop()
