@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.config import PlannerConfig
-from oracle.kernels.batch import read_pairs
+from oracle.kernels.batch import read_pairs, read_partition_pairs
 from oracle.kernels.ingest import ingest
 from oracle.kernels.intmap import index_kept, rehashed
 from oracle.kernels.layout import (
@@ -20,6 +20,7 @@ from oracle.kernels.layout import (
     N_WRITE_PREV,
     RING_SIZE,
 )
+from oracle.kernels.merge import merge_runs
 from oracle.kernels.plan import plan_iteration
 from oracle.kernels.state import grow_ring, grow_store, new_events, new_state, pow2, reserve_keys
 from oracle.rules import Batch, Planned, check_feasible
@@ -30,7 +31,8 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """DESIGN §4 with lookahead L and lead D, one kernel state for all trainers."""
 
-    kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept)
+    # read_partition_pairs and merge_runs: what planning with workers adds (oracle/workers.py)
+    kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept, read_partition_pairs, merge_runs)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
