@@ -6,6 +6,9 @@
                                               trainers as subprocesses, with a progress bar
                                               and a final report in runs/<name>/
     python launch.py SPEC.toml --resume       the same, from the latest complete checkpoint
+    python launch.py SPEC.toml --tls          the same over TLS, with a throw-away CA and
+                                              certificate made in the run folder
+                                              (--tls-mutual: servers require client certificates)
     python launch.py SPEC.toml --role ps --index 1
     python launch.py SPEC.toml --role oracle
     python launch.py SPEC.toml --role trainer --index 0
@@ -34,7 +37,9 @@
                                               run's held-out rows, or on FILE (predict --help)
 
 The bearer token comes from the spec's cluster.token or $BAGPIPE_TOKEN; a local cluster
-generates one when neither is set. See README.md for every spec field.
+generates one when neither is set. TLS: the spec's [cluster.tls], or a role's own files with
+--tls-ca, --tls-cert and --tls-key (a role joining through the coordinator needs them when
+the job speaks TLS). See docs/configuration.md for every spec field.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from common.errors import BagpipeError
-from common.spec import ClusterSpec, Endpoint
+from common.errors import BagpipeError, ConfigError
+from common.spec import ClusterSpec, Endpoint, TlsSection
 
 DEFAULT_SPEC = Path(__file__).resolve().parent / "examples" / "local.toml"
 ROLES = ("ps", "oracle", "trainer")
@@ -95,6 +100,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                             "--rejoin, a PS refuses to start empty over snapshots of a run that may go on)")
     alone.add_argument("--admin-port", type=int,
                        help="PS or oracle: port of its HTTP/1.1 listener (default: port + 1, any free one for port 0)")
+    tls = parser.add_argument_group("TLS (instead of the spec's [cluster.tls])")
+    tls.add_argument("--tls", action="store_true",
+                     help="a local cluster over TLS, with a throw-away CA and certificate made in <run dir>/tls/")
+    tls.add_argument("--tls-ca", type=Path, help="this role's CA certificate (PEM), with --tls-cert and --tls-key")
+    tls.add_argument("--tls-cert", type=Path, help="this role's certificate (PEM), for its servers and as a client")
+    tls.add_argument("--tls-key", type=Path, help="its private key (PEM, unencrypted, mode 0600)")
+    tls.add_argument("--tls-mutual", action="store_true",
+                     help="servers accept only clients with a certificate the CA signed (the spec's cluster.tls.mutual)")
     return parser.parse_args(argv)
 
 
@@ -117,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.spec is None and not args.coordinator:
         args.spec = str(DEFAULT_SPEC)
+    if args.tls and args.role is not None:
+        print("launch.py: --tls makes a throw-away CA for a local cluster; a role alone takes --tls-ca, "
+              "--tls-cert and --tls-key", file=sys.stderr)
+        return 2
     if args.role is None:
-        from launcher.cluster import run_local_cluster
+        from launcher.cluster import TlsChoice, run_local_cluster
 
-        return _reporting_errors(lambda: run_local_cluster(Path(args.spec), resume=args.resume,
-                                                           run_dir=args.run_dir, quiet=args.quiet))
+        return _reporting_errors(lambda: run_local_cluster(
+            Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet,
+            tls=TlsChoice(generate=args.tls, mutual=args.tls_mutual, files=tls_files(args, None))))
     faulthandler.enable()  # a role killed by a signal leaves every thread's Python stack in its log
     if args.role != "trainer":
         return _reporting_errors(lambda: run_role(args))
@@ -175,6 +193,33 @@ def with_addresses(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
     return dataclasses.replace(spec, oracle=oracle, ps=ps, trainers=trainers)
 
 
+def tls_files(args: argparse.Namespace, spec: ClusterSpec | None) -> TlsSection | None:
+    """The TLS files the command line gives (all three, or none), mutual if it or the spec
+    says so; None without them."""
+    given = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    if not any(given.values()):
+        return None
+    if not all(given.values()):
+        missing = ", ".join(f"--tls-{name}" for name, path in given.items() if path is None)
+        raise ConfigError(f"--tls-{next(n for n, p in given.items() if p is None)}",
+                          f"--tls-ca, --tls-cert and --tls-key go together: {missing} missing")
+    spec_tls = None if spec is None else spec.cluster.tls
+    mutual = args.tls_mutual or (spec_tls is not None and spec_tls.mutual)
+    return TlsSection(**{name: path.resolve() for name, path in given.items()}, mutual=mutual, origin="--tls")
+
+
+def role_tls(args: argparse.Namespace, spec: ClusterSpec | None) -> TlsSection | None:
+    """A role's TLS section: its command line's files, else the spec's [cluster.tls]
+    (mutual with --tls-mutual); None for a role without TLS."""
+    section = tls_files(args, spec) or (None if spec is None else spec.cluster.tls)
+    if args.tls_mutual:
+        if section is None:
+            raise ConfigError("--tls-mutual", "needs TLS: [cluster.tls] in the spec, or --tls-ca, --tls-cert "
+                                              "and --tls-key")
+        section = dataclasses.replace(section, mutual=True)
+    return section
+
+
 def run_role(args: argparse.Namespace) -> int:
     from common.runtime import configure_logging, pin_process, raise_file_limit
 
@@ -186,9 +231,10 @@ def run_role(args: argparse.Namespace) -> int:
         return run_joined_role(args)
     from common.job import build_job
     from common.spec import load_spec
-    from common.transport import run
+    from common.transport import load_tls, run
 
     spec = with_addresses(load_spec(args.spec), args)
+    tls = load_tls(role_tls(args, spec))
     job = build_job(spec)
     token = spec.token()
     index = args.index or 0
@@ -196,12 +242,12 @@ def run_role(args: argparse.Namespace) -> int:
         from ps.main import run_ps
 
         run(run_ps(job, index, token=token, resume=args.resume, ready_file=args.ready_file,
-                   rejoin=args.rejoin, fresh=args.fresh, admin_port=args.admin_port))
+                   rejoin=args.rejoin, fresh=args.fresh, admin_port=args.admin_port, tls=tls))
     elif args.role == "oracle":
         from oracle.main import run_oracle
 
         run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume,
-                       first_iteration=args.first_iteration, admin_port=args.admin_port))
+                       first_iteration=args.first_iteration, admin_port=args.admin_port, tls=tls))
     else:
         from trainer.collectives import Rendezvous
         from trainer.main import Peers, run_trainer
@@ -209,24 +255,26 @@ def run_role(args: argparse.Namespace) -> int:
         peers = Peers(oracle=spec.oracle.address, ps=spec.ps.addresses,
                       rendezvous=Rendezvous(store=spec.trainers.rendezvous, hosted=True))
         run_dir = args.run_dir or Path("runs") / spec.name
-        run_trainer(job, index, token=token, peers=peers, run_dir=run_dir, resume=args.resume)
+        run_trainer(job, index, token=token, peers=peers, run_dir=run_dir, resume=args.resume, tls=tls)
     return 0
 
 
 def run_joined_role(args: argparse.Namespace) -> int:
     """A PS shard or trainer that knows only the coordinator's address (and the token)."""
-    from common.coordinator import CoordinatorClient
     from common.spec import TOKEN_ENV, load_spec
-    from common.transport import run
+    from common.transport import load_tls, run
+    from oracle.coordinator_client import CoordinatorClient
 
     spec = load_spec(args.spec) if args.spec else None  # only checked against the coordinator's
+    tls = load_tls(role_tls(args, spec))
     token = spec.token() if spec is not None else os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"launch.py: set ${TOKEN_ENV} to the job's token", file=sys.stderr)
         return 2
     coordinator = Endpoint.parse(args.coordinator, "--coordinator")
     reconnect_s = spec.cluster.reconnect_s if spec is not None else 30.0
-    client = CoordinatorClient(coordinator, token=token, transport=args.transport, spec=spec, reconnect_s=reconnect_s)
+    client = CoordinatorClient(coordinator, token=token, transport=args.transport, spec=spec, reconnect_s=reconnect_s,
+                               tls=tls)
     if args.role == "ps":
         from ps.main import join_and_run_ps
 

@@ -45,6 +45,7 @@ way, named as trainers. A long run with a small batch checks that memory stays f
     python bench/e2e.py --quick --rounds 3
     python bench/e2e.py --shaped 1gbit          (root: PS behind a 1 Gbit/s link)
     python bench/e2e.py --quick --modes bagpipe --no-torchrec --iterations 5000 --batch 256
+    python bench/e2e.py --quick --fast-compute  (a small dense model: the balance of a GPU trainer)
 
 `--smoke` runs the same code on a small job in seconds (bagpipe only unless `--modes` says
 otherwise, 30 iterations of 128 on tables of 1,000 rows, the oracle 8 iterations ahead).
@@ -92,6 +93,10 @@ SEED = 3
 MAX_AHEAD = 64
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder, in its run folder
 DLRM = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [512, 256, 64, 16], "top_mlp": [512, 256]}
+#: `--fast-compute`: the same DLRM with small MLPs, its forward and backward about a tenth of
+#: DLRM's here, so that this machine shows the balance of a GPU trainer, whose compute is
+#: fast and whose machinery (the boundary, sums, copies, the PS client) is what remains.
+FAST_DLRM = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +273,23 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def thread_table(summaries: Mapping[str, RunSummary]) -> str:
+    """A trainer process's CPU µs per sample by thread (mean over trainers): the training
+    thread in and out of the model's compute, every other thread, and the busiest of them."""
+    head = f"{'mode':<14}{'compute':>10}{'training else':>15}{'other threads':>15}  busiest other threads"
+    lines = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        cpu = s.cpu_us_per_sample
+        if not cpu:
+            lines.append(f"{name:<14}{'n/a':>10}{'n/a':>15}{'n/a':>15}")
+            continue
+        others = sorted(((v, k.removeprefix("thread ")) for k, v in cpu.items() if k.startswith("thread ")), reverse=True)
+        busiest = ", ".join(f"{k} {v:,.1f}" for v, k in others[:3])
+        lines.append(f"{name:<14}{cpu['training_thread_compute']:>10,.1f}{cpu['training_thread_other']:>15,.1f}"
+                     f"{cpu['other_threads']:>15,.1f}  {busiest}")
+    return "\n".join(lines)
+
+
 def rss_table(runs: Mapping[str, ModeRun], warmup: int, cpu_until: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
     and final saves included), its fitted growth per 1,000 iterations after the warm-up
@@ -296,6 +318,8 @@ def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
             "write_back_bytes_per_iter": s.write_back_bytes_per_iter, "iteration_time_s": s.iteration_time_s,
             "phase_s": s.phase_s, "compute_cpu_s": s.compute_cpu_s, "machinery_s": s.machinery_s,
             "bytes_per_iter": s.bytes_per_iter,
+            # a trainer process's CPU µs per sample, by thread (launcher.summary.cpu_per_sample)
+            "trainer_cpu_us_per_sample": s.cpu_us_per_sample,
             "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
             "max_samples_per_s": max(rates), "rss": rss}
@@ -349,6 +373,9 @@ def parse_args() -> tuple[argparse.Namespace, Size]:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run everything this many times, in turn; report medians")
     parser.add_argument("--shaped", metavar="RATE", help="put the PS behind a veth link shaped to RATE (e.g. 1gbit); root")
+    parser.add_argument("--fast-compute", action="store_true",
+                        help="a DLRM with small MLPs (forward and backward about a tenth of DLRM's here): the "
+                             "balance of a GPU trainer")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
     parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
                                                  f"with --smoke {SMOKE_RESULTS}/{NAME})")
@@ -357,6 +384,8 @@ def parse_args() -> tuple[argparse.Namespace, Size]:
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     base = SIZES[kind]
     size = dataclasses.replace(base, iterations=args.iterations or base.iterations, batch=args.batch or base.batch)
+    if args.fast_compute and not args.smoke:
+        size = dataclasses.replace(size, model=dict(FAST_DLRM))
     measured = measured_of(size.iterations, size.max_ahead)
     if measured < 2:
         parser.error(f"--iterations {size.iterations} leaves {measured} to measure: the first fifth and "
@@ -393,6 +422,8 @@ def main() -> int:
     print("\nms per iteration and trainer "
           "(machinery: all but forward, backward and the dense optimizer)")
     print(phase_table(summaries))
+    print("\ntrainer process CPU µs per sample of its slice, by thread")
+    print(thread_table(summaries))
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
     print()
@@ -405,8 +436,11 @@ def main() -> int:
     config = config_of(args, iterations=iterations, warmup=warmup_of(iterations), cooldown=max_ahead,
                        batch_size=batch, cache_rows=cache_rows, table_sizes=list(size.table_sizes) or "criteo-kaggle",
                        model=dict(size.model), modes=args.modes, torchrec_skipped=skipped)
-    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures={"modes": per_mode},
-                  headline=headline(per_mode), smoke=args.smoke)
+    # Each variant keeps results of its own (docs/benchmarks.md shows each): e2e/fast-compute, ...
+    variant = "/".join([NAME, *(["fast-compute"] if args.fast_compute else []),
+                        *([f"shaped-{args.shaped}"] if args.shaped else [])])
+    write_results(results_path(variant.replace("/", "-"), args.json, args.smoke), bench=variant, config=config,
+                  figures={"modes": per_mode}, headline=headline(per_mode), smoke=args.smoke)
     if args.plot:
         plot_modes(summaries, args.plot)
     return 0

@@ -13,6 +13,7 @@ the size of the rows asked for (and, on HTTP/1.1, status 200). The requests carr
 from __future__ import annotations
 
 import asyncio
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -220,12 +221,14 @@ class FetchLoad:
         self._tally, self._connections, self._in_flight = tally, connections, in_flight
 
     @classmethod
-    async def connect(cls, kind: str, fetches: Fetches, in_flight: int) -> FetchLoad:
+    async def connect(cls, kind: str, fetches: Fetches, in_flight: int, tls: ssl.SSLContext | None = None) -> FetchLoad:
+        """`in_flight` fetches over `kind`, TLS with the client context `tls`."""
         loop = asyncio.get_running_loop()
         tally = _Tally()
         peer = _H2Fetches if kind == "h2" else _Http1Fetches
+        secure = {} if tls is None else {"ssl": tls, "server_hostname": fetches.host}
         connections = [
-            await loop.create_connection(lambda: peer(tally, fetches), fetches.host, fetches.port)
+            await loop.create_connection(lambda: peer(tally, fetches), fetches.host, fetches.port, **secure)
             for _ in range(1 if kind == "h2" else in_flight)
         ]
         return cls(tally, connections, in_flight)

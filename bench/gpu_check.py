@@ -35,6 +35,7 @@ from common.spec import MODES, load_spec, spec_toml  # noqa: E402
 from launcher.cluster import run_cluster  # noqa: E402
 from launcher.inprocess import InProcessRun, run_in_process  # noqa: E402
 from launcher.summary import summarise  # noqa: E402
+from trainer.device import deterministic_kernels  # noqa: E402
 from trainer.records import read_run  # noqa: E402
 
 NAME = "gpu_check"
@@ -130,7 +131,7 @@ def main() -> int:
         print("gpu_check: torch sees no CUDA device; nothing to check (try --device cpu for a dry run)", file=sys.stderr)
         return 2
     if args.device == "cuda":
-        torch.use_deterministic_algorithms(True)  # index_put's atomics would add in any order
+        deterministic_kernels()  # before any CUDA work: cuBLAS reads its workspace setting once
     smoke = args.smoke
     iterations, batch = args.iterations or (8 if smoke else 60), args.batch or (64 if smoke else 2048)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}

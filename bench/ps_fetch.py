@@ -26,8 +26,15 @@ one such request. No socket, event loop or other process takes part, so it is th
 Python cost per request, steady from run to run where the rates above are not
 (`protocol_h2_us_per_req`, `..._1`, `protocol_handler_us_per_req`).
 
+With `--tls` the shard also serves both protocols over TLS (throw-away certificates,
+`launcher.certs`) and every measurement runs over TLS too, alternating with plaintext in
+the same run: `tls_http2_MBps`, `tls_http1_MBps`, `small_tls_http2_rps` and so on; and the headline
+case five times more, in clear then over TLS, for the ratios (`tls_http2_ratio`: the
+median of the rounds' TLS / plaintext MB/s, with its range).
+
     python bench/ps_fetch.py --quick
     python bench/ps_fetch.py --small-only --rounds 5
+    python bench/ps_fetch.py --tls
 
 `--smoke`: a shard of 65,536 rows, batches of 1 and 16,384 rows, 0.05 s windows (0.5 s for
 the small fetches), one round.
@@ -41,6 +48,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from bench.fetch_load import FetchLoad, Fetches, H2Requests  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
-from common.spec import Endpoint  # noqa: E402
-from common.transport import H2Server, Http1Server, run  # noqa: E402
+from common.spec import Endpoint, TlsSection  # noqa: E402
+from common.transport import H2Server, Http1Server, Tls, run  # noqa: E402
 from common.transport.http import Request, start_handler  # noqa: E402
 from ps.client import PsClient  # noqa: E402
 from ps.protocol import FETCH, INCARNATION_HEADER  # noqa: E402
@@ -67,6 +75,22 @@ HEADLINE = (16384, 64)
 SMALL_KEYS, SMALL_DIM, SMALL_IN_FLIGHT = 4, 64, 16
 TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figure prefix
 LOADS = ("psclient", "raw")  # PsClient.fetch loops; prepared requests (bench.fetch_load)
+#: Ports the shard serves: (transport, over TLS), in the order `_serve` reports them.
+PORTS = (("h2", False), ("http1", False), ("h2", True), ("http1", True))
+_TLS: dict[TlsSection, Tls] = {}  # each process loads the files once
+
+
+def _tls(files: TlsSection | None) -> Tls | None:
+    if files is None:
+        return None
+    if files not in _TLS:
+        _TLS[files] = Tls.load(files)
+    return _TLS[files]
+
+
+def _prefix(transport: str, tls: bool) -> str:
+    """A figure's prefix: `http2`, `http1`, `tls_http2`, `tls_http1`."""
+    return ("tls_" if tls else "") + TRANSPORTS[transport]
 
 
 def _service(dim: int, rows: int = TABLE_ROWS) -> PsService:
@@ -77,12 +101,15 @@ def _service(dim: int, rows: int = TABLE_ROWS) -> PsService:
     return PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
 
 
-def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event) -> None:
+def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event, tls_files: TlsSection | None = None) -> None:
+    """The shard: HTTP/2 and HTTP/1.1 ports, and the same over TLS with `tls_files` (`PORTS`)."""
     async def main() -> None:
         service = _service(dim, rows)
+        tls = _tls(tls_files)
         servers = [
-            H2Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
-            Http1Server(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30),
+            (H2Server if kind == "h2" else Http1Server)(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30,
+                                                        tls=tls if secure else None)
+            for kind, secure in PORTS if tls is not None or not secure
         ]
         for server in servers:
             await server.start()
@@ -96,11 +123,12 @@ def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event) -> None:
 
 
 async def _fetch_rate(
-    port: int, transport: str, dim: int, batch: int, in_flight: int, seconds: float, rows: int
+    port: int, transport: str, dim: int, batch: int, in_flight: int, seconds: float, rows: int,
+    tls_files: TlsSection | None = None,
 ) -> float:
     """Row-payload bytes per second fetched by `in_flight` concurrent loops from a shard of `rows`."""
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=dim, state_width=0,
-                      transport=transport, timeout_s=120)
+                      transport=transport, timeout_s=120, tls=_tls(tls_files))
     rng = np.random.default_rng(0)
     keys = [rng.integers(0, rows, batch, dtype=np.int64) for _ in range(in_flight)]
     try:
@@ -133,26 +161,60 @@ def _take_rate(dim: int, batch: int, seconds: float, rows: int) -> float:
 
 
 def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float,
-            table_rows: int = TABLE_ROWS) -> list[dict]:
+            table_rows: int = TABLE_ROWS, tls_files: TlsSection | None = None) -> list[dict]:
+    """Per d and batch size: MB/s over each protocol (each also over TLS with `tls_files`,
+    right after its plaintext run) and of `np.take`."""
     rows = []
     ctx = mp.get_context("spawn")
     for dim in dims:
         ports, stop = ctx.Queue(), ctx.Event()
-        server = ctx.Process(target=_serve, args=(dim, table_rows, ports, stop), daemon=True)
+        server = ctx.Process(target=_serve, args=(dim, table_rows, ports, stop, tls_files), daemon=True)
         server.start()
-        h2_port, http1_port = ports.get(timeout=120)
+        port = dict(zip(PORTS, ports.get(timeout=120)))
         try:
             for batch in batches:
-                h2 = run(_fetch_rate(h2_port, "h2", dim, batch, in_flight, seconds, table_rows))
-                http1 = run(_fetch_rate(http1_port, "http1", dim, batch, in_flight, seconds, table_rows))
-                take = _take_rate(dim, batch, seconds, table_rows)
-                rows.append({"dim": dim, "rows": batch, "in_flight": in_flight,
-                             "http2_MBps": h2 / 1e6, "http1_MBps": http1 / 1e6, "inproc_MBps": take / 1e6})
+                row: dict = {"dim": dim, "rows": batch, "in_flight": in_flight}
+                for (transport, secure), number in port.items():
+                    rate = run(_fetch_rate(number, transport, dim, batch, in_flight, seconds, table_rows,
+                                           tls_files if secure else None))
+                    row[f"{_prefix(transport, secure)}_MBps"] = rate / 1e6
+                row["inproc_MBps"] = _take_rate(dim, batch, seconds, table_rows) / 1e6
+                rows.append(row)
                 _print_row(rows[-1])
         finally:
             stop.set()
             server.join(30)
     return rows
+
+
+def measure_tls_ratio(rounds: int, in_flight: int, seconds: float, table_rows: int,
+                      tls_files: TlsSection) -> dict:
+    """The headline case (`HEADLINE`) over each protocol in clear then over TLS, `rounds`
+    times against one shard: per round the TLS / plaintext ratio of MB/s, so that a machine
+    whose load changes from second to second moves both sides of each ratio alike."""
+    dim, batch = HEADLINE[1], HEADLINE[0]
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(dim, table_rows, ports, stop, tls_files), daemon=True)
+    server.start()
+    port = dict(zip(PORTS, ports.get(timeout=120)))
+    ratios: dict[str, list[float]] = {name: [] for name in TRANSPORTS.values()}
+    try:
+        for i in range(rounds):
+            for transport, name in TRANSPORTS.items():
+                plain, tls = (run(_fetch_rate(port[(transport, secure)], transport, dim, batch, in_flight, seconds,
+                                              table_rows, tls_files if secure else None)) for secure in (False, True))
+                ratios[name].append(tls / plain)
+                print(f"{i:>5} {name:>6}: {plain / 1e6:7.1f} MB/s in clear, {tls / 1e6:7.1f} over TLS: "
+                      f"{tls / plain:.2f}", flush=True)
+    finally:
+        stop.set()
+        server.join(30)
+    out = {}
+    for name, values in ratios.items():
+        out[f"tls_{name}_ratio"] = statistics.median(values)
+        out[f"tls_{name}_ratio_range"] = [min(values), max(values)]
+    return out
 
 
 def _server_cpu_s(pid: int) -> float:
@@ -185,29 +247,31 @@ class _PsClientLoad:
 
 
 async def _start_load(
-    load: str, client: PsClient, port: int, transport: str, keys: list[np.ndarray]
+    load: str, client: PsClient, port: int, transport: str, keys: list[np.ndarray], tls: Tls | None
 ) -> _PsClientLoad | FetchLoad:
     if load == "psclient":
         return _PsClientLoad(client, keys)
     (status,) = await client.status()
     fetches = Fetches.of_keys(keys, dim=SMALL_DIM, state_width=0, host="127.0.0.1", port=port,
                               token=TOKEN, incarnation=status.incarnation)
-    return await FetchLoad.connect(transport, fetches, len(keys))
+    return await FetchLoad.connect(transport, fetches, len(keys), None if tls is None else tls.client)
 
 
 async def _count_fetches(
-    load: str, port: int, transport: str, in_flight: int, rows: int, jobs: mp.Queue, answers: mp.Queue
+    load: str, port: int, transport: str, in_flight: int, rows: int, tls_files: TlsSection | None,
+    jobs: mp.Queue, answers: mp.Queue,
 ) -> None:
     """Connect and warm up, say so on `answers`, then take the window (start, stop) from
     `jobs` (`time.perf_counter`, the same clock in every process here) and answer with the
     fetches of SMALL_KEYS keys answered in it, `in_flight` at a time, right and wrong, and
     the CPU seconds this process spent meanwhile."""
+    tls = _tls(tls_files)
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=SMALL_DIM,
-                      state_width=0, transport=transport, timeout_s=120)
+                      state_width=0, transport=transport, timeout_s=120, tls=tls)
     rng = np.random.default_rng(port + in_flight)
     keys = [rng.integers(0, rows, SMALL_KEYS, dtype=np.int64) for _ in range(in_flight)]
     try:
-        fetches = await _start_load(load, client, port, transport, keys)
+        fetches = await _start_load(load, client, port, transport, keys, tls)
         try:
             await fetches.run(0.0)
             answers.put("warm")
@@ -231,12 +295,13 @@ def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
 
 def _small_round(
     server_pid: int, port: int, transport: str, load: str, clients: list[tuple[mp.Queue, mp.Queue]],
-    seconds: float, rows: int,
+    seconds: float, rows: int, tls_files: TlsSection | None = None,
 ) -> dict:
-    """One round of small fetches from every client process; the rate and the CPU spent."""
+    """One round of small fetches from every client process (over TLS with `tls_files`);
+    the rate and the CPU spent."""
     share = SMALL_IN_FLIGHT // len(clients)
     for jobs, _ in clients:
-        jobs.put((load, port, transport, share, rows))
+        jobs.put((load, port, transport, share, rows, tls_files))
     for _, answers in clients:
         answers.get(timeout=120)  # connected and warm
     start = time.perf_counter() + 0.1
@@ -252,18 +317,21 @@ def _small_round(
     if wrong or not done:
         raise RuntimeError(f"{transport} {load}: {done} fetches answered right, {wrong} wrong")
     client_cpu = sum(c[2] for c in counted)
-    return {"transport": transport, "load": load, "rps": done / seconds,
-            "server_us_per_req": cpu / done * 1e6, "server_busy": cpu / seconds,
+    return {"transport": transport, "tls": tls_files is not None, "load": load, "rps": done / seconds,
+            # /proc counts in ticks: a window too short for one reads as 0, never divided by
+            "server_us_per_req": max(cpu, 1e-3) / done * 1e6, "server_busy": cpu / seconds,
             "client_us_per_req": client_cpu / done * 1e6}
 
 
-def measure_small(clients: int, rounds: int, seconds: float, rows: int = TABLE_ROWS) -> dict:
-    """Rounds of every protocol under every load against one shard of `rows`; every round, the medians."""
+def measure_small(clients: int, rounds: int, seconds: float, rows: int = TABLE_ROWS,
+                  tls_files: TlsSection | None = None) -> dict:
+    """Rounds of every protocol (each also over TLS with `tls_files`, right after it in
+    clear) under every load against one shard of `rows`; every round, the medians."""
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(SMALL_DIM, rows, ports, stop), daemon=True)
+    server = ctx.Process(target=_serve, args=(SMALL_DIM, rows, ports, stop, tls_files), daemon=True)
     server.start()
-    port = dict(zip(TRANSPORTS, ports.get(timeout=120)))
+    port = dict(zip(PORTS, ports.get(timeout=120)))
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(clients)]
     procs = [ctx.Process(target=_fetch_client, args=q, daemon=True) for q in queues]
     for p in procs:
@@ -271,9 +339,10 @@ def measure_small(clients: int, rounds: int, seconds: float, rows: int = TABLE_R
     try:
         measured = []
         for i in range(rounds):
-            for transport in TRANSPORTS:
+            for (transport, secure), number in port.items():
                 for load in LOADS:
-                    measured.append(_small_round(server.pid, port[transport], transport, load, queues, seconds, rows))
+                    measured.append(_small_round(server.pid, number, transport, load, queues, seconds, rows,
+                                                 tls_files if secure else None))
                     _print_small_round(i, measured[-1])
     finally:
         for jobs, _ in queues:
@@ -363,9 +432,12 @@ def _small_summary(measured: list[dict]) -> dict:
     `small_http2_rps` and `small_http2_capacity_rps` (and http1's) are the light load's."""
     out: dict = {"small_keys": SMALL_KEYS, "small_dim": SMALL_DIM,
                  "small_in_flight": SMALL_IN_FLIGHT, "small_rounds": measured}
-    for transport, name in TRANSPORTS.items():
+    for transport, secure in PORTS:
+        name = _prefix(transport, secure)
         for load in LOADS:
-            mine = [r for r in measured if (r["transport"], r["load"]) == (transport, load)]
+            mine = [r for r in measured if (r["transport"], r["tls"], r["load"]) == (transport, secure, load)]
+            if not mine:
+                continue
             rps = [r["rps"] for r in mine]
             us = [r["server_us_per_req"] for r in mine]
             key = f"small_{name}_{load}"
@@ -375,27 +447,37 @@ def _small_summary(measured: list[dict]) -> dict:
             out[f"{key}_server_us_range"] = [min(us), max(us)]
             out[f"{key}_capacity_rps"] = 1e6 / statistics.median(us)
             out[f"{key}_client_us_per_req"] = statistics.median(r["client_us_per_req"] for r in mine)
-        out[f"small_{name}_rps"] = out[f"small_{name}_raw_rps"]
-        out[f"small_{name}_capacity_rps"] = out[f"small_{name}_raw_capacity_rps"]
+        if mine:
+            out[f"small_{name}_rps"] = out[f"small_{name}_raw_rps"]
+            out[f"small_{name}_capacity_rps"] = out[f"small_{name}_raw_capacity_rps"]
+        if secure and mine:
+            plain = TRANSPORTS[transport]
+            out[f"small_{name}_ratio"] = out[f"small_{name}_rps"] / out[f"small_{plain}_rps"]
+            out[f"small_{name}_capacity_ratio"] = out[f"small_{name}_capacity_rps"] / out[f"small_{plain}_capacity_rps"]
     return out
 
 
 def _print_small_round(i: int, r: dict) -> None:
-    print(f"{i:>5} {r['transport']:>6} {r['load']:>8} | {r['rps']:>9,.0f} | {r['server_us_per_req']:>9.1f} "
+    proto = ("tls " if r["tls"] else "") + r["transport"]
+    print(f"{i:>5} {proto:>10} {r['load']:>8} | {r['rps']:>9,.0f} | {r['server_us_per_req']:>9.1f} "
           f"{1e6 / r['server_us_per_req']:>12,.0f} {r['server_busy']:>6.0%} | "
           f"{r['client_us_per_req']:>9.1f}", flush=True)
 
 
 def _print_small_summary(s: dict, clients: int) -> None:
-    rounds = len(s["small_rounds"]) // (len(TRANSPORTS) * len(LOADS))
+    protocols = {(r["transport"], r["tls"]) for r in s["small_rounds"]}
+    rounds = len(s["small_rounds"]) // (len(protocols) * len(LOADS))
     print(f"\n{SMALL_KEYS}-key fetches, {SMALL_IN_FLIGHT} in flight from {clients} client processes, "
           f"median of {rounds} rounds (range):")
-    for transport, name in TRANSPORTS.items():
+    for transport, secure in PORTS:
+        if (transport, secure) not in protocols:
+            continue
+        name = _prefix(transport, secure)
         for load in LOADS:
             key = f"small_{name}_{load}"
             lo, hi = s[f"{key}_rps_range"]
             us_lo, us_hi = s[f"{key}_server_us_range"]
-            print(f"  {transport:>5} {load:>8}: {s[f'{key}_rps']:>7,.0f} req/s reached ({lo:,.0f}-{hi:,.0f}); "
+            print(f"  {name:>9} {load:>8}: {s[f'{key}_rps']:>7,.0f} req/s reached ({lo:,.0f}-{hi:,.0f}); "
                   f"shard CPU {s[f'{key}_server_us_per_req']:.1f} us/req ({us_lo:.1f}-{us_hi:.1f}) = "
                   f"{s[f'{key}_capacity_rps']:,.0f} req/s per shard core; "
                   f"client CPU {s[f'{key}_client_us_per_req']:.1f} us/req")
@@ -403,9 +485,13 @@ def _print_small_summary(s: dict, clients: int) -> None:
 
 def _print_row(r: dict) -> None:
     rows_per_s = {k: r[k] * 1e6 / (r["dim"] * 4) for k in ("http2_MBps", "http1_MBps", "inproc_MBps")}
+    tls = ""
+    if "tls_http2_MBps" in r:
+        tls = (f" | {r['tls_http2_MBps']:>9.1f} {r['tls_http2_MBps'] / r['http2_MBps']:>5.2f} "
+               f"{r['tls_http1_MBps']:>9.1f} {r['tls_http1_MBps'] / r['http1_MBps']:>5.2f}")
     print(f"{r['dim']:>4} {r['rows']:>7,} | {r['http2_MBps']:>9.1f} {rows_per_s['http2_MBps']:>12,.0f} | "
           f"{r['http1_MBps']:>9.1f} {rows_per_s['http1_MBps']:>12,.0f} | {r['inproc_MBps']:>9.1f} "
-          f"{rows_per_s['inproc_MBps']:>13,.0f} | {r['http2_MBps'] / r['http1_MBps']:>5.2f}", flush=True)
+          f"{rows_per_s['inproc_MBps']:>13,.0f} | {r['http2_MBps'] / r['http1_MBps']:>5.2f}{tls}", flush=True)
 
 
 def main() -> int:
@@ -415,6 +501,8 @@ def main() -> int:
     parser.add_argument("--small-only", action="store_true", help="only the small-request section")
     parser.add_argument("--clients", type=int, default=2, help="client processes for small fetches")
     parser.add_argument("--rounds", type=int, help="rounds of small fetches per protocol (default 3; 1 with --smoke)")
+    parser.add_argument("--tls", action="store_true",
+                        help="also over TLS (throw-away certificates), alternating with plaintext")
     add_result_options(parser, NAME, f"a shard of {SMOKE_ROWS:,} rows, two batch sizes, 0.05 s windows, one round")
     args = parser.parse_args()
     if args.clients < 1 or SMALL_IN_FLIGHT % args.clients:
@@ -429,14 +517,16 @@ def main() -> int:
         batches, seconds, small_seconds = [1, 256, 4096, 16384, 65536], 0.6, 1.2
     else:
         batches, seconds, small_seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0, 4.0
-    result = {} if args.small_only else _large(batches, args.in_flight, seconds, table_rows)
-    print(f"\nSmall fetches: {SMALL_KEYS} keys x d {SMALL_DIM}, {SMALL_IN_FLIGHT} in flight, "
-          f"{args.clients} client processes; shard CPU from /proc")
-    print(f"{'round':>5} {'proto':>6} {'load':>8} | {'req/s':>9} | {'shard':>9} {'req/s/core':>12} "
-          f"{'busy':>6} | {'client':>9}")
-    print(f"{'':>5} {'':>6} {'':>8} | {'reached':>9} | {'us/req':>9} {'capacity':>12} {'':>6} | "
-          f"{'us/req':>9}")
-    small = measure_small(args.clients, rounds, small_seconds, table_rows)
+    with tempfile.TemporaryDirectory(prefix="ps_fetch-tls-") as folder:
+        tls_files = _tls_files(Path(folder)) if args.tls else None
+        result = {} if args.small_only else _large(batches, args.in_flight, seconds, table_rows, tls_files)
+        print(f"\nSmall fetches: {SMALL_KEYS} keys x d {SMALL_DIM}, {SMALL_IN_FLIGHT} in flight, "
+              f"{args.clients} client processes; shard CPU from /proc")
+        print(f"{'round':>5} {'proto':>10} {'load':>8} | {'req/s':>9} | {'shard':>9} {'req/s/core':>12} "
+              f"{'busy':>6} | {'client':>9}")
+        print(f"{'':>5} {'':>10} {'':>8} | {'reached':>9} | {'us/req':>9} {'capacity':>12} {'':>6} | "
+              f"{'us/req':>9}")
+        small = measure_small(args.clients, rounds, small_seconds, table_rows, tls_files)
     _print_small_summary(small, args.clients)
     protocol = measure_protocol(rounds, requests, table_rows)
     _print_protocol(protocol, rounds)
@@ -448,14 +538,31 @@ def main() -> int:
     return 0
 
 
+def _tls_files(folder: Path) -> TlsSection:
+    from launcher.certs import make_certificates
+
+    return make_certificates(folder)
+
+
 def headline(figures: dict) -> Table:
     """The headline figures: large fetches (16,384 x d 64) in MB/s, when measured; small
     fetches in requests per second reached and per shard core, raw load; the shard's
-    in-process cost per request."""
+    in-process cost per request. With TLS measured, the same over TLS and TLS / plaintext."""
     rows: list[tuple[object, ...]] = []
+    tls = "small_tls_http2_rps" in figures
     if "http2_MBps" in figures:
         rows += [("16,384 rows x d 64, 8 in flight", "MB/s", figures["http2_MBps"], figures["http1_MBps"],
                   figures["inproc_MBps"])]
+        if tls:
+            rows += [("16,384 rows x d 64, 8 in flight, TLS", "MB/s", figures["tls_http2_MBps"],
+                      figures["tls_http1_MBps"], None),
+                     ("16,384 rows x d 64: TLS / plaintext (median of 5 rounds)", "ratio",
+                      figures["tls_http2_ratio"], figures["tls_http1_ratio"], None)]
+    if tls:
+        rows += [(f"{SMALL_KEYS}-key fetches over TLS, reached", "req/s", figures["small_tls_http2_rps"],
+                  figures["small_tls_http1_rps"], None),
+                 (f"{SMALL_KEYS}-key fetches reached: TLS / plaintext", "ratio", figures["small_tls_http2_ratio"],
+                  figures["small_tls_http1_ratio"], None)]
     rows += [(f"{SMALL_KEYS}-key fetches, reached", "req/s", figures["small_http2_rps"], figures["small_http1_rps"], None),
              (f"{SMALL_KEYS}-key fetches, per shard core", "req/s", figures["small_http2_capacity_rps"],
               figures["small_http1_capacity_rps"], None),
@@ -464,17 +571,25 @@ def headline(figures: dict) -> Table:
     return Table(("what", "unit", "HTTP/2", "HTTP/1.1", "in-process (np.take; PS handler)"), tuple(rows))
 
 
-def _large(batches: list[int], in_flight: int, seconds: float, table_rows: int = TABLE_ROWS) -> dict:
+def _large(batches: list[int], in_flight: int, seconds: float, table_rows: int = TABLE_ROWS,
+           tls_files: TlsSection | None = None) -> dict:
     """The table of batch sizes and its headline figures."""
     print(f"PS fetch, {in_flight} requests in flight, MB/s of row payload (1 shard, own process)")
+    tls = "" if tls_files is None else f" | {'tls h2':>9} {'/h2':>5} {'tls h1':>9} {'/h1':>5}"
     print(f"{'d':>4} {'rows':>7} | {'h2 MB/s':>9} {'h2 rows/s':>12} | {'h1 MB/s':>9} {'h1 rows/s':>12} | "
-          f"{'take MB/s':>9} {'take rows/s':>13} | h2/h1")
-    table = measure([16, 64], batches, in_flight, seconds, table_rows)
+          f"{'take MB/s':>9} {'take rows/s':>13} | h2/h1{tls}")
+    table = measure([16, 64], batches, in_flight, seconds, table_rows, tls_files)
     head = next(r for r in table if (r["rows"], r["dim"]) == HEADLINE)
     result = {
         "http2_MBps": head["http2_MBps"], "http1_MBps": head["http1_MBps"], "inproc_MBps": head["inproc_MBps"],
         "http2_over_http1": head["http2_MBps"] / head["http1_MBps"], "table": table,
     }
+    if tls_files is not None:
+        for name in ("http2", "http1"):
+            result[f"tls_{name}_MBps"] = head[f"tls_{name}_MBps"]
+        rounds = 1 if seconds < 0.1 else 5
+        print(f"\n16,384 x 64 rows, {in_flight} in flight, in clear then over TLS, {rounds} rounds:")
+        result |= measure_tls_ratio(rounds, in_flight, seconds, table_rows, tls_files)
     print(f"\n16,384 x 64 rows, {in_flight} in flight: HTTP/2 {result['http2_MBps']:.0f} MB/s, "
           f"HTTP/1.1 {result['http1_MBps']:.0f} MB/s ({result['http2_over_http1']:.2f}x), "
           f"np.take {result['inproc_MBps']:.0f} MB/s")

@@ -70,7 +70,7 @@ def render(results: Mapping[str, Mapping[str, Any]], benches: Sequence[str] = BE
 def section(name: str, result: Mapping[str, Any] | None) -> str:
     lines = [f"## {name}", "", about(name), ""]
     if result is None:
-        lines += [f"No results yet: run `python bench/{name}.py` (it writes `bench/results/{name}.json`), "
+        lines += [f"No results yet: run `python bench/{name}.py` (it writes `bench/results/{name}.json`), "  # a script's own name
                   "then `python bench/render.py`.", ""]  # fmt: skip
         return "\n".join(lines)
     lines += ["```bash", result["command"], "```", ""]
@@ -80,8 +80,9 @@ def section(name: str, result: Mapping[str, Any] | None) -> str:
 
 
 def about(name: str) -> str:
-    """The first paragraph of the script's docstring, read without importing it, on one line."""
-    path = ROOT / "bench" / f"{name}.py"
+    """The first paragraph of the script's docstring, read without importing it, on one line
+    (a variant's results, ``script/variant``, are described by their script's)."""
+    path = ROOT / "bench" / f"{name.split('/')[0]}.py"
     doc = ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
     if not doc:
         return "(no description)"

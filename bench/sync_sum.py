@@ -1,12 +1,15 @@
-"""What the exact embedding-gradient sum costs: `Collectives.sum_rows` (rank-ordered: an
-all-gather and a fold above two trainers) against a plain ring all-reduce, over gloo between
-real trainer processes on loopback, for the buffer sizes a sync list has.
+"""What the exact embedding-gradient sum costs: `Collectives.sum_rows` (rank-ordered above two
+trainers: an all-to-all, a fold in rank order and an all-gather, `trainer.collectives.ordered_sum`)
+against gloo's ring all-reduce, and against what it replaced (every buffer gathered and folded),
+over real trainer processes on loopback, for the buffer sizes a sync list has.
 
-    python bench/sync_sum.py [--trainers 4] [--rows 512 4096] [--dim 16] [--rounds 30]
+    python bench/sync_sum.py [--trainers 3 4 8] [--rows 512 4096 32768] [--dim 16] [--rounds 20]
 
-Prints, per buffer size, the median time of each and the bytes each trainer receives; the
-results add the spread (min, max) over the rounds. `--smoke`: 3 trainers (the all-gather
-path), 64 rows, 2 rounds.
+Prints, per trainer count and buffer size, the median time of each (rounds alternate between
+them) and the bytes each trainer receives, computed from each algorithm (the most any rank
+receives): a ring all-reduce 2 (T - 1) / T of the buffer, `sum_rows` (T - 1) chunks of it
+twice, gather-and-fold T - 1 whole buffers. The results add the spread (min, max) over the
+rounds. `--smoke`: 3 trainers, 64 rows, 2 rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from bench import Table, add_result_options, config_of, results_path, write_resu
 from trainer.collectives import Collectives  # noqa: E402
 
 NAME = "sync_sum"
+METHODS = ("all_reduce", "sum_rows", "gather_fold")
 
 
 def _free_port() -> int:
@@ -44,16 +48,18 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
                             timeout=timedelta(seconds=120))
     comm = Collectives(world_size=world, rank=rank, group=dist.group.WORLD)
     for rows in sizes:
-        timings: dict[str, list[float]] = {"all_reduce": [], "sum_rows": []}
-        for r in range(rounds * 2):  # alternate the two, round by round
-            name = "all_reduce" if r % 2 == 0 else "sum_rows"
+        timings: dict[str, list[float]] = {name: [] for name in METHODS}
+        for r in range(rounds * len(METHODS)):  # alternate them, round by round
+            name = METHODS[r % len(METHODS)]
             buf = torch.randn(rows, dim)
             comm.barrier()
             start = time.perf_counter()
             if name == "all_reduce":
                 comm.all_reduce(buf).wait()
-            else:
+            elif name == "sum_rows":
                 comm.sum_rows(buf).wait()
+            else:
+                _gather_fold(comm, buf)
             timings[name].append(time.perf_counter() - start)
         if rank == 0:
             out[rows] = {k: statistics.median(v) * 1e3 for k, v in timings.items()} | {
@@ -61,44 +67,76 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
     dist.destroy_process_group()
 
 
+def _gather_fold(comm: Collectives, buf: torch.Tensor) -> torch.Tensor:
+    """The sum `sum_rows` made before: every trainer's buffer gathered, added in rank order."""
+    parts = [torch.empty_like(buf) for _ in range(comm.world_size)]
+    comm.group.allgather([parts], [buf]).wait()
+    total = parts[0]
+    for part in parts[1:]:
+        total.add_(part)
+    return total
+
+
+def received_bytes(method: str, trainers: int, rows: int, row_bytes: int) -> float:
+    """The bytes the busiest trainer receives in one sum, from the algorithm."""
+    n, t = rows * row_bytes, trainers
+    if method == "all_reduce" or t <= 2:  # sum_rows is gloo's all-reduce at T <= 2
+        return 2 * (t - 1) / t * n
+    if method == "gather_fold":
+        return (t - 1) * n
+    chunk = -(-rows * (row_bytes // 4) // t) * 4  # ordered_sum cuts the flat buffer of floats
+    return 2 * (t - 1) * chunk
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainers", type=int, help="trainer processes (default 4; 3 with --smoke)")
-    parser.add_argument("--rows", type=int, nargs="+", help="buffer rows (default 512 4096; 64 with --smoke)")
+    parser.add_argument("--trainers", type=int, nargs="+", help="trainer counts, one after another "
+                        "(default 3 4 8; 3 with --smoke)")
+    parser.add_argument("--rows", type=int, nargs="+", help="buffer rows (default 512 4096 32768; 64 with --smoke)")
     parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--rounds", type=int, help="alternating rounds (default 30; 2 with --smoke)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 20; 2 with --smoke)")
     add_result_options(parser, NAME, "3 trainers, 64 rows, 2 rounds")
     args = parser.parse_args()
-    t = args.trainers or (3 if args.smoke else 4)
-    sizes = args.rows or ([64] if args.smoke else [512, 4096])
-    rounds = args.rounds or (2 if args.smoke else 30)
-    out = mp.Manager().dict()
-    mp.spawn(_rank, args=(t, _free_port(), sizes, args.dim, rounds, out), nprocs=t)
-    rows_bytes = 4 * args.dim
-    print(f"{t} trainers, dim {args.dim}, median of {rounds} alternating rounds (ms)")
-    print(f"{'rows':>8} {'all_reduce':>11} {'sum_rows':>9} {'ratio':>6} {'recv all_reduce':>16} {'recv sum_rows':>14}")
+    counts = args.trainers or ([3] if args.smoke else [3, 4, 8])
+    sizes = args.rows or ([64] if args.smoke else [512, 4096, 32768])
+    rounds = args.rounds or (2 if args.smoke else 20)
+    row_bytes = 4 * args.dim
     result = []
-    for rows in sizes:
-        ms = out[rows]
-        ring = 2 * (t - 1) / t * rows * rows_bytes
-        gathered = (t - 1) * rows * rows_bytes if t > 2 else ring
-        print(f"{rows:>8} {ms['all_reduce']:>11.3f} {ms['sum_rows']:>9.3f} {ms['sum_rows'] / ms['all_reduce']:>5.2f}x "
-              f"{ring / 1024:>13.1f} KiB {gathered / 1024:>11.1f} KiB")
-        result.append({"rows": rows, **ms, "recv_bytes_all_reduce": ring, "recv_bytes_sum_rows": gathered})
-    config = config_of(args, trainers=t, rows=sizes, rounds=rounds)
-    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
-                  figures={"trainers": t, "dim": args.dim, "rounds": rounds, "sizes": result},
-                  headline=headline(t, result), smoke=args.smoke)
+    for t in counts:
+        out = mp.Manager().dict()
+        mp.spawn(_rank, args=(t, _free_port(), sizes, args.dim, rounds, out), nprocs=t)
+        print(f"{t} trainers, dim {args.dim}, median of {rounds} alternating rounds (ms); KiB received")
+        print(f"{'rows':>8} {'all_reduce':>11} {'sum_rows':>9} {'gather_fold':>12} {'ratio':>6} "
+              f"{'recv all_reduce':>16} {'recv sum_rows':>14} {'recv gather':>12}")
+        for rows in sizes:
+            ms = out[rows]
+            recv = {m: received_bytes(m, t, rows, row_bytes) for m in METHODS}
+            print(f"{rows:>8} {ms['all_reduce']:>11.3f} {ms['sum_rows']:>9.3f} {ms['gather_fold']:>12.3f} "
+                  f"{ms['sum_rows'] / ms['all_reduce']:>5.2f}x {recv['all_reduce'] / 1024:>16.1f} "
+                  f"{recv['sum_rows'] / 1024:>14.1f} {recv['gather_fold'] / 1024:>12.1f}")
+            result.append({"trainers": t, "rows": rows, **ms, **{f"recv_bytes_{m}": recv[m] for m in METHODS}})
+    config = config_of(args, trainers=counts, rows=sizes, rounds=rounds)
+    figures = {
+        "dim": args.dim, "rounds": rounds, "sizes": result,
+        # T -> bytes received by sum_rows / a ring all-reduce's, at the largest buffer
+        "sync_bytes_ratio": {str(r["trainers"]): r["recv_bytes_sum_rows"] / r["recv_bytes_all_reduce"]
+                             for r in result if r["rows"] == max(sizes)},
+        "sync_time_ratio": {str(r["trainers"]): r["sum_rows"] / r["all_reduce"]
+                            for r in result if r["rows"] == max(sizes)},
+    }
+    write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=figures,
+                  headline=headline(result), smoke=args.smoke)
 
 
-def headline(trainers: int, result: list[dict]) -> Table:
-    """Per buffer size: median ms of each (and their spread), the ratio, the bytes received."""
-    columns = ("trainers", "rows", "all_reduce ms", "spread", "sum_rows ms", "spread", "ratio",
-               "recv KiB all_reduce", "recv KiB sum_rows")
+def headline(result: list[dict]) -> Table:
+    """Per trainer count and buffer size: median ms of each (the spread of sum_rows), the
+    ratio to the all-reduce, the KiB each receives."""
+    columns = ("trainers", "rows", "all_reduce ms", "sum_rows ms", "spread", "gather_fold ms", "ratio",
+               "recv KiB all_reduce", "recv KiB sum_rows", "recv KiB gather_fold")
     return Table(columns, tuple(
-        (trainers, r["rows"], r["all_reduce"], _spread(r["all_reduce_range"]), r["sum_rows"],
-         _spread(r["sum_rows_range"]), r["sum_rows"] / r["all_reduce"], r["recv_bytes_all_reduce"] / 1024,
-         r["recv_bytes_sum_rows"] / 1024) for r in result))
+        (r["trainers"], r["rows"], r["all_reduce"], r["sum_rows"], _spread(r["sum_rows_range"]), r["gather_fold"],
+         r["sum_rows"] / r["all_reduce"], r["recv_bytes_all_reduce"] / 1024, r["recv_bytes_sum_rows"] / 1024,
+         r["recv_bytes_gather_fold"] / 1024) for r in result))
 
 
 def _spread(low_high: list[float]) -> str:

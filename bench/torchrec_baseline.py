@@ -58,9 +58,10 @@ from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
 from launcher.summary import RunSummary, summarise
 from oracle.main import build_workload
-from trainer.records import FinalRecord, IterationRecord, RecordWriter, read_run
+from trainer.records import FinalRecord, IterationRecord, RecordWriter, ThreadsRecord, read_run
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
+from trainer.threads import THREADS_EVERY, thread_cpu
 from trainer.timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -239,6 +240,8 @@ def _train(
         # No PS traffic, cache or sync: every counter but the samples and DDP's is zero (its
         # all-to-alls are not counted here: bench/cluster.py sees them on the links).
         phases = timer.end_iteration()
+        if (x + 1) % THREADS_EVERY == 0:  # the trainers' own sampling of their threads' CPU
+            records.write(ThreadsRecord(iteration=x + 1, time=time.time(), cpu=thread_cpu()))
         records.write(IterationRecord(
             iteration=x, time=time.time(), samples=len(labels), loss=float(loss.detach()), uses=0, hits=0,
             fetch_rows=0, fetch_bytes=0, write_back_rows=0, write_back_bytes=0, sync_rows=0, sync_bytes=0,

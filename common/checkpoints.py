@@ -86,11 +86,25 @@ def missing_parts(directory: Path, checkpoint_id: int, num_shards: int) -> list[
     """The files checkpoint `checkpoint_id` lacks to be complete (none when it is): the
     manifest and dense state, and the snapshot of every shard whose folder is here. The
     manifest is written only once every shard has saved its snapshot; a shard on another
-    machine keeps its snapshots there, and checks for its own when it resumes (`ps.main`)."""
-    parts = [manifest_path(directory, checkpoint_id), dense_path(directory, checkpoint_id)]
-    parts += [ps_dir(directory, s) / checkpoint_name(checkpoint_id) / "meta.json" for s in range(num_shards)
+    machine keeps its snapshots there, and checks for its own when it resumes (`ps.main`).
+    The shards are those that took it, as its manifest says (a run may resume with another
+    number of shards: `ps.checkpoint.resharded`); `num_shards` where it has none."""
+    manifest = manifest_path(directory, checkpoint_id)
+    shards = shards_of(directory, checkpoint_id, num_shards)
+    parts = [manifest, dense_path(directory, checkpoint_id)]
+    parts += [ps_dir(directory, s) / checkpoint_name(checkpoint_id) / "meta.json" for s in range(shards)
               if ps_dir(directory, s).is_dir()]
     return [p for p in parts if not p.is_file()]
+
+
+def shards_of(directory: Path, checkpoint_id: int, default: int) -> int:
+    """How many PS shards took checkpoint `checkpoint_id`: its manifest's count, `default`
+    without a readable manifest."""
+    try:
+        shards = orjson.loads(manifest_path(directory, checkpoint_id).read_bytes()).get("shards")
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return default
+    return shards if type(shards) is int and shards > 0 else default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +142,7 @@ def prune(directory: Path, num_shards: int, keep: int) -> list[int]:
     for c in gone:
         manifest_path(directory, c).unlink(missing_ok=True)
         dense_path(directory, c).unlink(missing_ok=True)
-        for shard in range(num_shards):
+        for shard in _shard_folders(directory, num_shards):
             shutil.rmtree(ps_dir(directory, shard) / checkpoint_name(c), ignore_errors=True)
     return gone
 
@@ -155,6 +169,13 @@ def _ids_on_disk(directory: Path, num_shards: int) -> set[int]:
     """Every checkpoint id that has any part on disk (leftovers of failed saves included)."""
     names = [p.stem for p in directory.glob(f"{CHECKPOINT_GLOB}.json")]
     names += [p.stem.removeprefix("dense-") for p in (directory / "trainer").glob("dense-*.pt")]
-    for shard in range(num_shards):
+    for shard in _shard_folders(directory, num_shards):
         names += [p.name for p in ps_dir(directory, shard).glob(CHECKPOINT_GLOB)]
     return {parse_checkpoint_name(name) for name in names}
+
+
+def _shard_folders(directory: Path, num_shards: int) -> range:
+    """Shard folders that may hold snapshots: this run's, and those of a run with more
+    shards that it resumed from."""
+    on_disk = [int(p.name.removeprefix("ps-")) for p in directory.glob("ps-*") if p.name[3:].isdigit()]
+    return range(max([num_shards, *(s + 1 for s in on_disk)]))

@@ -7,7 +7,29 @@ back into the same class.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, ClassVar
+
+#: The most of a peer's value an error message quotes: enough to recognise it, never a body's
+#: worth (the message travels back in the answer and into the logs of both ends).
+QUOTE_LIMIT = 200
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = QUOTE_LIMIT
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 10
+_REPR.maxlevel = 3
+
+
+def quoted(value: object) -> str:
+    """`repr(value)` for an error message, at most about `QUOTE_LIMIT` characters whatever
+    the value's size (reprlib: a long string or list is cut without being formatted whole)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= QUOTE_LIMIT + 10 else text[:QUOTE_LIMIT] + "...'"
+
+
+def clipped(text: str) -> str:
+    """`text` (a peer's, for an error's structured field) cut to `QUOTE_LIMIT` characters."""
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT] + "..."
 
 
 class BagpipeError(Exception):
@@ -94,6 +116,15 @@ class Unavailable(BagpipeError):
     code = "unavailable"
 
 
+class TlsError(BagpipeError):
+    """TLS could not be agreed with a peer: one end speaks TLS and the other does not, a
+    certificate does not verify, a client certificate is missing. Not retried: only a change
+    of configuration mends it (DESIGN, "Authentication and limits")."""
+
+    status = 400
+    code = "tls"
+
+
 class TimedOut(BagpipeError):
     """A wait (for a version, a peer, a response) ran past its limit."""
 
@@ -115,6 +146,7 @@ _BY_CODE: dict[str, type[BagpipeError]] = {
         PayloadTooLarge,
         StorageFailed,
         Unavailable,
+        TlsError,
         TimedOut,
     )
 }

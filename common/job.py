@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from common.data.spec import DataSpec, parse_data_spec
 from common.keys import TableLayout
 from common.model_spec import ModelSpec, parse_model_spec
 from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
 from common.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from common.data.dataset import Dataset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,10 +31,6 @@ class DataFacts:
     table_sizes: tuple[int, ...]
     num_dense: int
     iterations: int  # N: the run's length; its final snapshot is checkpoint N
-
-    def to_json(self) -> dict[str, object]:
-        return {"table_sizes": list(self.table_sizes), "num_dense": self.num_dense,
-                "iterations": self.iterations}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +68,20 @@ class Job:
         """The optimizer state of a row never updated (Adagrad's initial accumulator)."""
         return self.optimizer.state_init
 
+    @property
+    def state_min(self) -> float | None:
+        """The least value a row's optimizer state may hold (None: any finite value)."""
+        return self.optimizer.state_min
 
-def build_job(spec: ClusterSpec) -> Job:
+
+def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
     """Parse the role-owned sections and read the data's facts (table sizes the spec leaves
-    to the data, the run's length) from the data itself."""
+    to the data, the run's length) from the data itself: `dataset`, when the caller has
+    opened it already (the launcher, converting in the background)."""
     from common.data import open_dataset
 
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
-    dataset = open_dataset(data)
+    dataset = dataset or open_dataset(data)
     train = spec.train
     total = dataset.num_batches(train.batch_size, train.epochs)
     facts = DataFacts(

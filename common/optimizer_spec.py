@@ -49,6 +49,12 @@ class OptimizerSpec:
         """The optimizer state of a row never updated (Adagrad's initial accumulator)."""
         return self.initial_accumulator if self.state_width else 0.0
 
+    @property
+    def state_min(self) -> float | None:
+        """The least value a row's state may hold: row-wise Adagrad's accumulator is a sum of
+        squares (the trainer takes its square root), so 0; None without state."""
+        return 0.0 if self.state_width else None
+
 
 def parse_optimizer_spec(section: dict[str, Any]) -> OptimizerSpec:
     """Build an `OptimizerSpec` from a parsed TOML `[optimizer]` table (every key optional).

@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 from pathlib import Path
 from collections.abc import Awaitable, Iterable
@@ -22,7 +23,7 @@ import orjson
 
 from common.files import write_atomically
 from common.spec import ClusterSection, Endpoint, TrainersSection
-from common.transport import ConnectionLimits, H2Server, Http1Server, Router
+from common.transport import ConnectionLimits, H2Server, Http1Server, Router, Tls
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ def connection_limits(cluster: ClusterSection) -> ConnectionLimits:
         reset_window_s=cluster.reset_window_s,
         unauthenticated_rate=cluster.unauthenticated_rate,
         unauthenticated_burst=cluster.unauthenticated_burst,
+        auth_timeout_s=cluster.auth_timeout_s,
+        max_unauthenticated_connections=cluster.max_unauthenticated_connections,
     )
 
 
@@ -129,30 +132,35 @@ def make_server(
     token: str,
     max_body_bytes: int,
     limits: ConnectionLimits = ConnectionLimits(),
+    sock: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> H2Server | Http1Server:
     cls = H2Server if transport == "h2" else Http1Server
     return cls(
-        router, host=host, port=port, token=token, max_body_bytes=max_body_bytes, limits=limits
+        router, host=host, port=port, token=token, max_body_bytes=max_body_bytes, limits=limits,
+        sock=sock, tls=tls,
     )
 
 
 def make_servers(
-    cluster: ClusterSection, router: Router, address: Endpoint, *, token: str, admin_port: int | None
+    cluster: ClusterSection, router: Router, address: Endpoint, *, token: str, admin_port: int | None,
+    sock: socket.socket | None = None, tls: Tls | None = None,
 ) -> list[H2Server | Http1Server]:
     """A service's servers (not started): `router` on `address` in the spec's transport
-    and, when that is h2, the same routes over HTTP/1.1 for tools that speak only that
-    (Prometheus, browsers) on `admin_port`: by default the address's port + 1, or any free
-    port when that is 0. The last server is the HTTP/1.1 one."""
+    (on `sock`, when it already listens there) and, when that is h2, the same routes over
+    HTTP/1.1 for tools that speak only that (Prometheus, browsers) on `admin_port`: by
+    default the address's port + 1, or any free port when that is 0. The last server is the
+    HTTP/1.1 one. With `tls` (the process's, `common.transport.tls`) both speak TLS only."""
     limits = connection_limits(cluster)
     servers = [
         make_server(cluster.transport, router, host=address.host, port=address.port,
-                    token=token, max_body_bytes=cluster.max_body_bytes, limits=limits)
+                    token=token, max_body_bytes=cluster.max_body_bytes, limits=limits, sock=sock, tls=tls)
     ]
     if cluster.transport == "h2":
         if admin_port is None:
             admin_port = address.port + 1 if address.port else 0
         servers.append(make_server("http1", router, host=address.host, port=admin_port,
-                                   token=token, max_body_bytes=cluster.max_body_bytes, limits=limits))
+                                   token=token, max_body_bytes=cluster.max_body_bytes, limits=limits, tls=tls))
     return servers
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
-from common.errors import ConfigError
+from common.errors import ConfigError, quoted
 
 T = TypeVar("T")
 Transport = Literal["h2", "http1"]
@@ -37,14 +37,39 @@ class Endpoint:
     @classmethod
     def parse(cls, text: Any, field: str) -> Endpoint:
         if not isinstance(text, str) or ":" not in text:
-            raise ConfigError(field, f"must be 'host:port', got {text!r}")
+            raise ConfigError(field, f"must be 'host:port', got {quoted(text)}")
         host, _, port = text.rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(field, f"must be 'host:port' with a port in 0..65535, got {text!r}")
+        # isascii: str.isdigit accepts digits int() refuses; 253: the longest DNS name.
+        digits = port.isascii() and port.isdigit() and len(port) <= 5
+        if not host or len(host) > 253 or not digits or not 0 <= int(port) <= 65535:
+            raise ConfigError(field, f"must be 'host:port', a host name of at most 253 characters and "
+                                     f"a port in 0..65535, got {quoted(text)}")
         return cls(host=host.strip("[]"), port=int(port))
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsSection:
+    """`[cluster.tls]`: every server of every role speaks TLS with `cert` and `key`, and every
+    client checks the server's certificate against `ca` (and presents its own). With `mutual`,
+    servers accept only clients whose certificate `ca` signed. The files are read at start-up
+    (`common.transport.tls.Tls.load`), not here: a role joined through the coordinator gets the
+    oracle's spec, whose paths name files on the oracle's machine, and uses its own instead.
+
+    `origin` says how errors name the fields: `cluster.tls.cert`, or `--tls-cert` for files
+    given on the command line."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    mutual: bool = False
+    origin: str = field(default="cluster.tls", compare=False)
+
+    def field_name(self, name: str) -> str:
+        """How an error names field `name` (cert, key, ca) where it was given."""
+        return f"{self.origin}-{name}" if self.origin.startswith("--") else f"{self.origin}.{name}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,17 +89,21 @@ class ClusterSection:
     reset_window_s: float = 10.0
     unauthenticated_rate: float = 200.0
     unauthenticated_burst: int = 200
+    auth_timeout_s: float = 10.0
+    max_unauthenticated_connections: int = 256
     # A finished role serves until a scrape has read its final metrics, at most this long.
     metrics_linger_s: float = 0.0
+    tls: TlsSection | None = None
 
     def __post_init__(self) -> None:
         if not self.metrics_linger_s >= 0:
             raise ConfigError("cluster.metrics_linger_s", f"must be >= 0, got {self.metrics_linger_s}")
-        counts = ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst")
+        counts = ("max_connections", "max_concurrent_streams", "max_resets", "unauthenticated_burst",
+                  "max_unauthenticated_connections")
         for name in counts:
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "reset_window_s", "unauthenticated_rate"):
+        for name in ("idle_timeout_s", "reset_window_s", "unauthenticated_rate", "auth_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cluster.{name}", f"must be > 0, got {getattr(self, name)}")
 
@@ -157,7 +186,7 @@ class ClusterSpec:
     """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
     document: dict[str, Any] = field(default_factory=dict, compare=False)
     """The whole TOML document as read: the coordinator sends it to roles that have no spec
-    file, and a role that has one must agree with it (`common.coordinator`)."""
+    file, and a role that has one must agree with it (`oracle.coordinator_client`)."""
 
     def token(self) -> str:
         """The bearer token: the spec's, else $BAGPIPE_TOKEN; ConfigError if neither is set."""
@@ -213,14 +242,15 @@ class _Section:
             raise ConfigError(f"{self.path}.{unknown}", "unknown field")
 
 
-def _parse(raw: dict[str, Any], key: str, build: Callable[[_Section], T]) -> T:
-    section = _Section(raw.pop(key, {}), key)
+def _parse(raw: dict[str, Any], key: str, build: Callable[[_Section], T], path: str | None = None) -> T:
+    section = _Section(raw.pop(key, {}), path or key)
     value = build(section)
     section.done()
     return value
 
 
-def _cluster(s: _Section) -> ClusterSection:
+def _cluster(s: _Section, folder: Path) -> ClusterSection:
+    tls = s.raw.pop("tls", None)
     return ClusterSection(
         transport=s.choice("transport", ("h2", "http1"), "h2"),
         token=s.get("token", str, ""),
@@ -236,8 +266,24 @@ def _cluster(s: _Section) -> ClusterSection:
         reset_window_s=s.get("reset_window_s", float, 10.0),
         unauthenticated_rate=s.get("unauthenticated_rate", float, 200.0),
         unauthenticated_burst=s.get("unauthenticated_burst", int, 200),
+        auth_timeout_s=s.get("auth_timeout_s", float, 10.0),
+        max_unauthenticated_connections=s.get("max_unauthenticated_connections", int, 256),
         metrics_linger_s=s.float("metrics_linger_s", 0.0, positive=False),
+        tls=None if tls is None else _parse({"tls": tls}, "tls", lambda t: _tls(t, folder), "cluster.tls"),
     )
+
+
+def _tls(s: _Section, folder: Path) -> TlsSection:
+    """`[cluster.tls]`: the three files are required, relative to the spec's folder."""
+    paths = {}
+    for name in ("cert", "key", "ca"):
+        if name not in s.raw:
+            raise ConfigError(f"{s.path}.{name}", "required: a PEM file (relative to the spec's folder)")
+        value = s.get(name, str, "")
+        if not value:
+            raise ConfigError(f"{s.path}.{name}", "must name a file, got an empty string")
+        paths[name] = folder / Path(value).expanduser()
+    return TlsSection(**paths, mutual=s.get("mutual", bool, False))
 
 
 def _oracle(s: _Section) -> OracleSection:
@@ -308,7 +354,7 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
         name=name,
         seed=seed,
         source=source,
-        cluster=_parse(raw, "cluster", _cluster),
+        cluster=_parse(raw, "cluster", lambda s: _cluster(s, source.parent)),
         oracle=_parse(raw, "oracle", _oracle),
         ps=_parse(raw, "ps", _ps),
         trainers=_parse(raw, "trainers", _trainers),
@@ -339,10 +385,14 @@ def spec_toml(name: str, seed: int, sections: dict[str, dict[str, Any]]) -> str:
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, Path):
+        value = str(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: [cluster] tls = {cert = "...", ...}
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (int, float)):
         return repr(value)
     raise TypeError(f"cannot write {value!r} to TOML")

@@ -15,6 +15,7 @@ object array or read past the body.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import struct
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from common.errors import WireError
+from common.errors import WireError, clipped, quoted
 
 ALIGN = 8
 _LEN = struct.Struct("<I")
@@ -79,7 +80,7 @@ def _as_sent(name: str, arr: np.ndarray) -> np.ndarray:
     dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
     wire_dtype = DTYPES.get(dtype.str)
     if wire_dtype is None:
-        raise WireError(f"array {name!r}: dtype {arr.dtype} cannot travel", array=name)
+        raise WireError(f"array {quoted(name)}: dtype {arr.dtype} cannot travel", array=clipped(name))
     if arr.dtype == wire_dtype and arr.flags.c_contiguous:
         return arr
     return np.require(arr, dtype=wire_dtype, requirements="C")
@@ -104,7 +105,7 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
     arrays: dict[str, np.ndarray] = {}
     for name, dtype, shape, count, nbytes in slots:
         if pos + nbytes > len(view):
-            raise WireError(f"array {name!r} runs past the end of the body", array=name)
+            raise WireError(f"array {quoted(name)} runs past the end of the body", array=clipped(name))
         flat = np.frombuffer(view, dtype=dtype, count=count, offset=pos)
         arrays[name] = flat if len(shape) == 1 else flat.reshape(shape)
         pos += nbytes + _pad(nbytes)
@@ -117,16 +118,46 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
 _Slot = tuple[str, np.dtype, tuple[int, ...], int, int]
 
 
+def peer_json(raw: bytes | bytearray | memoryview, what: str = "body") -> Any:
+    """A peer's JSON, WireError if it is not JSON or an object in it names a key twice
+    (where orjson would quietly keep the last: {"version": 3, "version": 9} is ambiguous).
+    orjson parses it; the standard library then looks for repeats, only where orjson
+    found fewer keys than the text could hold (a cheap count of its colons says so)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"{what} is not valid JSON: {exc}") from None  # "header is not valid JSON: ..."
+    if _keys_in(value) < bytes(raw).count(b":"):  # a colon inside a string also counts
+        json.loads(bytes(raw), object_pairs_hook=lambda pairs: _unique(pairs, what))
+    return value
+
+
+def _keys_in(value: Any) -> int:
+    if isinstance(value, dict):
+        return len(value) + sum(_keys_in(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_keys_in(v) for v in value)
+    return 0
+
+
+def _unique(pairs: list[tuple[str, Any]], what: str) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise WireError(f"{what} names the key {quoted(key)} twice", field=clipped(key))
+        seen.add(key)
+    return dict(pairs)
+
+
 def _header(raw: bytes) -> tuple[dict[str, Any], tuple[_Slot, ...]]:
     """The meta and the array slots a header gives; WireError if it is malformed."""
-    try:
-        header = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
+    header = peer_json(raw, "header")
     if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict):
         raise WireError("header must be an object with an object 'meta'")
     slots = []
     for name, dtype, shape in _array_specs(header.get("arrays", [])):
+        if any(slot[0] == name for slot in slots):  # a handful of arrays: no set needed
+            raise WireError(f"array {quoted(name)} is declared twice", array=clipped(name))
         count = math.prod(shape)
         slots.append((name, dtype, shape, count, count * dtype.itemsize))
     return header.get("meta", {}), tuple(slots)
@@ -144,10 +175,10 @@ def _array_specs(raw: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     specs = []
     for item in raw:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
-            raise WireError(f"array spec {item!r} must be [name, dtype, shape]")
+            raise WireError(f"array spec {quoted(item)} must be [name, dtype, shape]")
         name, dtype, shape = item
         if dtype not in DTYPES:
-            raise WireError(f"array {name!r}: dtype {dtype!r} is not allowed", array=name)
+            raise WireError(f"array {quoted(name)}: dtype {quoted(dtype)} is not allowed", array=clipped(name))
         specs.append((name, DTYPES[dtype], _shape(name, shape, DTYPES[dtype])))
     return specs
 
@@ -157,12 +188,12 @@ def _shape(name: str, shape: Any, dtype: np.dtype) -> tuple[int, ...]:
     (Whether the body holds that many bytes is checked by `decode`.)"""
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(n) is int and n >= 0 for n in shape)):
         raise WireError(
-            f"array {name!r}: shape {shape!r} is invalid (at most {MAX_NDIM} non-negative integers)",
-            array=name,
+            f"array {quoted(name)}: shape {quoted(shape)} is invalid (at most {MAX_NDIM} non-negative "
+            "integers)", array=clipped(name),
         )
     size = math.prod(n or 1 for n in shape) if 0 in shape else math.prod(shape)  # 0 counts as 1
     if size * dtype.itemsize > _MAX_SHAPE_BYTES:
-        raise WireError(f"array {name!r}: shape {shape!r} is too large", array=name)
+        raise WireError(f"array {quoted(name)}: shape {quoted(shape)} is too large", array=clipped(name))
     return tuple(shape)
 
 

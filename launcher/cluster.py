@@ -11,11 +11,16 @@ With ``checkpoint.restart``, a dead role is brought back: a PS shard (when check
 taken) or the oracle alone, on its old port, while the trainers wait and reconnect
 (``restart_alone``, the default); a trainer, or anything when several roles died, by
 restarting every role from the latest complete checkpoint.
+
+Over TLS (`TlsChoice`: the spec's ``[cluster.tls]``, files given to the launcher, or a
+throw-away CA and certificate made in the run folder), every role is given the same files
+on its command line, checked here before any role starts.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -28,20 +33,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from common.checkpoints import latest_complete, remove_all
-from common.coordinator import free_port
-from common.errors import BagpipeError
+from common.addresses import free_port
+from common.errors import BagpipeError, ConfigError
 from common.job import Job, build_job
 from common.runtime import pinned_cpus
-from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, load_spec
+from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, TlsSection, load_spec
+from common.transport import load_tls
 from launcher.memory import RSS_FILE, RssRecorder
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
 from oracle.main import check_capacity
+
+if TYPE_CHECKING:
+    from common.data.dataset import BackgroundConversion, Dataset
 
 log = logging.getLogger(__name__)
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -88,6 +97,41 @@ class PsHost:
     address: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class TlsChoice:
+    """How `launch.py SPEC` speaks TLS: `generate` a throw-away CA and certificate, or use
+    `files` given on its command line, or (neither) the spec's own ``[cluster.tls]``;
+    `mutual` makes any of them mutual."""
+
+    generate: bool = False
+    mutual: bool = False
+    files: TlsSection | None = None
+
+    def section(self, spec: ClusterSpec, run_dir: Path) -> TlsSection | None:
+        """The files every role is given (made now when generated), or None: no TLS."""
+        from launcher.certs import make_certificates, spec_hosts
+
+        own = spec.cluster.tls
+        mutual = self.mutual or (own is not None and own.mutual) or (self.files is not None and self.files.mutual)
+        if self.generate:
+            return make_certificates(run_dir / "tls", spec_hosts(spec), mutual=mutual)
+        section = self.files or own
+        if section is None:
+            if self.mutual:
+                raise ConfigError("--tls-mutual", "needs TLS: --tls, [cluster.tls] in the spec, or --tls-ca, "
+                                                  "--tls-cert and --tls-key")
+            return None
+        return dataclasses.replace(section, mutual=mutual)
+
+
+def tls_arguments(section: TlsSection | None) -> list[str]:
+    """The command-line arguments that give a role `section`'s files."""
+    if section is None:
+        return []
+    argv = ["--tls-ca", str(section.ca), "--tls-cert", str(section.cert), "--tls-key", str(section.key)]
+    return argv + (["--tls-mutual"] if section.mutual else [])
+
+
 @dataclass(frozen=True)
 class ClusterResult:
     run_dir: Path
@@ -99,10 +143,14 @@ class ClusterResult:
 class LocalCluster:
     """Starts, watches and stops the roles of one local run."""
 
-    def __init__(self, job: Job, run_dir: Path, *, token: str, resume: bool = False, ps_host: PsHost | None = None) -> None:
+    def __init__(
+        self, job: Job, run_dir: Path, *, token: str, resume: bool = False, ps_host: PsHost | None = None,
+        tls: TlsSection | None = None,
+    ) -> None:
         self.job = job
         self.run_dir = run_dir
         self.token = token
+        self.tls = tls
         self.resume = resume
         self.ps_host = ps_host
         self.roles: list[Role] = []
@@ -215,7 +263,7 @@ class LocalCluster:
         ready_file = self.run_dir / f".{name}.ready" if ready else None
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
-        argv = [*prefix, sys.executable, str(LAUNCH), str(self.job.spec.source), *args]
+        argv = [*prefix, sys.executable, str(LAUNCH), str(self.job.spec.source), *args, *tls_arguments(self.tls)]
         if ready_file is not None:
             argv += ["--ready-file", str(ready_file)]
         if self.resume if resume is None else resume:
@@ -257,9 +305,11 @@ def run_cluster(
     resume: bool = False,
     on_poll: Callable[[LocalCluster], None] | None = None,
     ps_host: PsHost | None = None,
+    tls: TlsSection | None = None,
 ) -> ClusterResult:
     """Run a local cluster to the end; `on_poll(cluster)` is called every 0.2 s while it runs.
     Every role's RSS is recorded in ``run_dir/rss.jsonl`` about once a second (`launcher.memory`).
+    With `tls` every role is given its files (instead of the spec's ``[cluster.tls]``).
 
     With ``checkpoint.restart = true`` in the spec, a role that dies is restarted (at most
     MAX_RESTARTS times): alone where `LocalCluster.can_restart_alone` allows, else with
@@ -268,6 +318,7 @@ def run_cluster(
     # A spec the data cannot run fails here: before any role starts, and before a fresh
     # run removes the outputs of the previous one.
     check_capacity(job)
+    load_tls(tls or job.spec.cluster.tls)  # a missing or bad file fails here, naming it
     if not resume:
         for stale in [*run_dir.glob("trainer-*.jsonl"), run_dir / RSS_FILE]:
             stale.unlink(missing_ok=True)
@@ -282,7 +333,7 @@ def run_cluster(
     restarts: list[Restart] = []
     rss = RssRecorder(run_dir / RSS_FILE)
     while True:
-        cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host)
+        cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host, tls=tls)
         try:
             cluster.start()
             _watch(cluster, on_poll, restarts, rss)
@@ -325,10 +376,31 @@ def _watch(
         on_poll(cluster)
 
 
-def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False) -> int:
+def run_local_cluster(
+    spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False,
+    tls: TlsChoice = TlsChoice(),
+) -> int:
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
+    from common.data.spec import parse_data_spec
     from common.runtime import configure_logging
+
+    configure_logging("launch")
+    spec = load_spec(spec_path)
+    # A source to convert is converted here, before the roles start, as far as training
+    # needs to start (its first file); the rest converts while it runs, the roles reading along.
+    data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
+    dataset = open_dataset(data, progress=not quiet, background=True)
+    conversion = getattr(dataset, "conversion", None)
+    try:
+        return _run_local(spec, dataset, conversion, resume=resume, run_dir=run_dir, quiet=quiet, tls=tls)
+    finally:
+        if conversion is not None and not conversion.done:
+            conversion.stop()  # what it converted is kept: the next run resumes it
+
+
+def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConversion | None, *, resume: bool,
+               run_dir: Path | None, quiet: bool, tls: TlsChoice) -> int:  # fmt: skip
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
     from launcher.plots import plot_rss, plot_run
     from launcher.progress import ProgressBar
@@ -336,26 +408,34 @@ def run_local_cluster(spec_path: Path, *, resume: bool = False, run_dir: Path | 
     from launcher.text import format_summary
     from trainer.records import RunTail, read_run
 
-    configure_logging("launch")
-    spec = load_spec(spec_path)
-    job = build_job(spec)
+    job = build_job(spec, dataset=dataset)
     if job.model.factory is not None:  # a bad model of one's own fails here, not in every trainer
         from trainer.models import build_model
 
         build_model(job.model, job.num_dense, job.layout.num_tables)
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
-    open_dataset(job.data, progress=True)  # convert raw data once, before the roles start
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    section = tls.section(spec, run_dir)
     total = job.iterations
     tail = RunTail(run_dir, spec.trainers.count)
+    over = "" if section is None else f", over {'mutual ' if section.mutual else ''}TLS"
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
-          f"{total} iterations; logs in {run_dir / 'logs'}", file=sys.stderr)
+          f"{total} iterations{over}; logs in {run_dir / 'logs'}", file=sys.stderr)
+    if tls.generate and section is not None:
+        print(f"bagpipe: a throw-away CA and certificate in {section.ca.parent} (curl --cacert {section.ca} "
+              f"--cert {section.cert} --key {section.key} https://…)", file=sys.stderr)
     if not is_compiled(spec.oracle.mode):  # the oracle compiles it before the trainers start
         print(f"bagpipe: compiling the planner (first run only; cached in {os.environ[NUMBA_CACHE_ENV]})",
               file=sys.stderr)
+
+    def poll(_: LocalCluster) -> None:
+        if conversion is not None and conversion.done and conversion.error is not None:
+            raise conversion.error  # bad data further on: stop now, not when training gets there
+        bar.update(tail.poll())
+
     try:  # the bar closes (and logs its last line) before an error is shown
         with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
-            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=lambda _: bar.update(tail.poll()))
+            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=poll, tls=section)
     except KeyboardInterrupt:
         print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
         return 130

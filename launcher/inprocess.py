@@ -117,7 +117,9 @@ def process_groups(world_size: int, name: str = "main") -> list[Any]:
         prefixed = dist.PrefixStore(f"in-process-{world_size}-{name}", store)
         backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=TIMEOUT_S))
         group = dist.ProcessGroup(prefixed, rank, world_size)
-        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        # CUDA too: DDP's constructor broadcasts the parameters on their device, even at T = 1
+        for device in ("cpu", "cuda"):
+            group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
         group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         groups[rank] = group
 

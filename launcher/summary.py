@@ -30,7 +30,9 @@ from trainer.records import (
     FinalRecord,
     IterationRecord,
     Record,
+    ThreadsRecord,
 )
+from trainer.threads import TRAINING
 from trainer.timing import COMPUTE_PHASES, PHASES
 
 logger = logging.getLogger(__name__)
@@ -230,6 +232,9 @@ class RunSummary:
     bytes_per_iter: dict[str, float] = field(default_factory=dict, hash=False)
     # Mean CPU seconds per iteration and trainer of each of `COMPUTE_PHASES` (NaN: unknown).
     compute_cpu_s: dict[str, float] = field(default_factory=dict, hash=False)
+    # A trainer process's CPU microseconds per sample of its slice, mean over trainers
+    # (`cpu_per_sample`): THREAD_GROUPS, then each thread by name; empty where unknown.
+    cpu_us_per_sample: dict[str, float] = field(default_factory=dict, hash=False)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (NaN stays a float; `write_report` writes it as null)."""
@@ -237,6 +242,7 @@ class RunSummary:
         out["phase_s"] = dict(self.phase_s)
         out["bytes_per_iter"] = dict(self.bytes_per_iter)
         out["compute_cpu_s"] = dict(self.compute_cpu_s)
+        out["cpu_us_per_sample"] = dict(self.cpu_us_per_sample)
         out["eval"] = None if self.eval is None else {
             f.name: getattr(self.eval, f.name) for f in fields(self.eval)
         }
@@ -255,7 +261,7 @@ class RunSummary:
                     **{k: _float(v) if k in ("auc", "log_loss", "time") else v
                        for k, v in value.items()}
                 )
-            elif f.name in ("phase_s", "bytes_per_iter", "compute_cpu_s"):
+            elif f.name in ("phase_s", "bytes_per_iter", "compute_cpu_s", "cpu_us_per_sample"):
                 value = {k: _float(v) for k, v in (value or {}).items()}
             elif f.type == "float":
                 value = _float(value)
@@ -338,10 +344,45 @@ def summarise(
         machinery_s=float(machinery(s)[:, measured].mean()),
         bytes_per_iter={kind: per_iter(kind) for kind in BYTE_KINDS},
         compute_cpu_s={p: _mean(v[:, measured]) for p, v in s.compute_cpu.items()},
+        cpu_us_per_sample=cpu_per_sample(records_by_trainer, int(s.iterations[warmup]), int(s.iterations[n - 1]) + 1),
         eval=s.evals[-1] if s.evals else None,
         finished=s.finished,
         **_checkpoint_figures(records_by_trainer),
     )
+
+
+#: How `cpu_per_sample` groups a trainer process's CPU time: the training thread inside the
+#: model's compute (forward, backward, the dense step), the training thread outside it (the
+#: boundary, the sums, copies, records), and every other thread of the process.
+THREAD_GROUPS: tuple[str, ...] = ("training_thread_compute", "training_thread_other", "other_threads")
+
+
+def cpu_per_sample(records_by_trainer: Mapping[int, Sequence[Record]], first: int, stop: int) -> dict[str, float]:
+    """CPU microseconds per sample of its own slice, mean over trainers: `THREAD_GROUPS`,
+    then each thread by name (``thread <name>``), over the widest span between two of a
+    trainer's `ThreadsRecord`s inside iterations [first, stop). Empty where no trainer has
+    two such samples (records of an older trainer, a run too short)."""
+    per_trainer = []
+    for records in records_by_trainer.values():
+        samples = [r for r in records if isinstance(r, ThreadsRecord) and first <= r.iteration <= stop]
+        if len(samples) < 2:
+            continue
+        a, b = samples[0], samples[-1]
+        inside = [r for r in records if isinstance(r, IterationRecord) and a.iteration <= r.iteration < b.iteration]
+        count = sum(r.samples for r in inside)
+        if not count or any(not r.compute_cpu for r in inside):
+            continue
+        used = {name: b.cpu[name] - a.cpu.get(name, 0.0) for name in b.cpu}
+        compute = sum(sum(r.compute_cpu.values()) for r in inside)
+        training = used.pop(TRAINING, math.nan)
+        groups = {"training_thread_compute": compute, "training_thread_other": training - compute,
+                  "other_threads": sum(used.values())}
+        per_trainer.append({name: 1e6 * v / count for name, v in
+                            {**groups, **{f"thread {k}": v for k, v in sorted(used.items())}}.items()})
+    if not per_trainer:
+        return {}
+    names = dict.fromkeys(name for figures in per_trainer for name in figures)
+    return {name: float(np.mean([f.get(name, 0.0) for f in per_trainer])) for name in names}
 
 
 def machinery(s: IterationSeries) -> np.ndarray:

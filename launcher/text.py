@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from common.spec import MODES
-from launcher.summary import RunSummary
+from launcher.summary import THREAD_GROUPS, RunSummary
 from trainer.records import BYTE_KINDS
 
 MB = 1e6
@@ -64,6 +64,12 @@ def format_summary(summary: RunSummary) -> str:
          "ms/iter of CPU in forward, backward and the dense step"),
         ("final loss", format_number(s.final_loss, ".4f"), f"(mean of last {s.loss_window} iterations)"),
     ]
+    if s.cpu_us_per_sample:  # the records of an older trainer have no thread samples
+        cpu = s.cpu_us_per_sample
+        rows.insert(rows.index(next(r for r in rows if r[0] == "final loss")), (
+            "trainer CPU", format_number(sum(cpu.get(g, 0.0) for g in THREAD_GROUPS), ",.1f"),
+            f"µs/sample: {cpu['training_thread_compute']:,.1f} compute, {cpu['training_thread_other']:,.1f} "
+            f"else on the training thread, {cpu['other_threads']:,.1f} other threads"))
     if s.checkpoints:
         rows.append(("checkpoints", f"{s.checkpoints:,}",
                      f"taken: {format_number(s.checkpoint_bytes / MB, ',.2f')} MB and "

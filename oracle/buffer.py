@@ -2,29 +2,30 @@
 
 The planner runs in its own thread (it is CPU work) and `put`s each final iteration; stream
 handlers on the event loop `get` them. The buffer keeps the planner at most `max_ahead`
-iterations ahead of the slowest trainer (so HTTP/2 flow control on a slow trainer's stream
-stops the planner too), and keeps already sent steps from `retain_from` on, never one a
-trainer may still need, so a trainer that reconnects can resume from any iteration it has
-not finished.
+iterations ahead of the slowest trainer (so a trainer that stops reading stops the planner
+too), and keeps already sent steps from `retain_from` on, never one a trainer may still
+need, so a trainer that reconnects can resume from any iteration it has not received.
 
-What a trainer may still need is its *position*: the minimum, over its open streams that
-count, of the next step each has not sent, and while none is open, where the last one
-stopped. A stream counts only if it starts at or before its trainer's position, as a
-trainer that resumes does (it asks for the first step it did not receive); one that starts
-past it (a stray reader, say) neither moves the position nor holds the planner, and gets
-its steps once the planner is there. So a second reader of a trainer cannot make the
-buffer drop steps an open stream of that trainer still needs. The exception is an oracle
-restarted alone: the trainers come back wherever they were, so each one's first stream
-counts from its start.
+What a trainer may still need is everything from its *position* on: the first step it has
+not shown it received. Steps written to a stream prove nothing (a reader may take a window
+of them into its socket and go away), so a trainer shows it with its own requests: an
+acknowledgement (`acknowledge`, ``POST /v1/stream/ack``) once it has received a step, and
+the start of each stream it opens (a trainer that resumes asks for the first step it did
+not receive). Neither counts past the steps streams have actually been handed for that
+trainer. So a stray reader of a trainer's stream that does not acknowledge moves nothing,
+whatever it reads; one that starts past the position waits for the planner like any other.
+The exception is an oracle restarted alone: the trainers come back wherever they were, so
+each one's first stream sets its position to where it starts.
 
 Iterations are global: a run resumed from a checkpoint starts at `first` (DESIGN §9), and
-steps before it were never held here (asking for them answers 409).
+steps before it were never held here (asking for them answers 409); the run ends at `end`,
+known from the start, so a stream from there on is answered at once, whatever the planner
+is doing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ class Depths:
     """How full the buffer is, at one moment (for the oracle's metrics)."""
 
     produced: int  # the next iteration the planner will put
-    positions: tuple[int, ...]  # each trainer's position (module docstring)
+    positions: tuple[int, ...]  # each trainer's position: the first step it has not acknowledged
     held: int  # steps kept: not yet sent to every trainer, or kept for a resume
 
 
@@ -48,19 +49,19 @@ class StepBuffer:
         loop: asyncio.AbstractEventLoop,
         *,
         first: int = 0,
+        end: int,
         restarted_alone: bool = False,
     ) -> None:
         self.num_trainers = num_trainers
         self.max_ahead = max_ahead
-        self.total: int | None = None
+        self.end = end
         self._loop = loop
         self._steps: dict[int, list[bytes]] = {}
         self._first_kept = first
         self._produced = first  # the next iteration to put
-        self._open: list[dict[int, int]] = [{} for _ in range(num_trainers)]  # counted stream -> position
-        self._idle_at = [first] * num_trainers  # a trainer's position while none of its streams is open
-        self._trust_first = [restarted_alone] * num_trainers  # its next stream counts from any start
-        self._stream_ids = itertools.count()
+        self._position = [first] * num_trainers  # the first step each has not acknowledged
+        self._handed = [first] * num_trainers  # past the last step handed to a stream of each
+        self._trust_first = [restarted_alone] * num_trainers  # its next stream sets its position
         self._error: BaseException | None = None
         self._lock = threading.Condition()  # guards everything above; the planner waits on it
         self._changed = asyncio.Event()
@@ -77,12 +78,6 @@ class StepBuffer:
             self._produced += 1
         self._notify()
 
-    def finish(self, total: int) -> None:
-        """No step after `total` - 1 (the run's last global iteration) will come."""
-        with self._lock:
-            self.total = total
-        self._notify()
-
     def fail(self, error: BaseException) -> None:
         with self._lock:
             self._error = error
@@ -92,46 +87,47 @@ class StepBuffer:
     # -- stream side (event loop) --------------------------------------------------------
 
     async def get(self, trainer: int, iteration: int) -> bytes | None:
-        """Trainer's message for `iteration`, waiting for the planner; None after the end."""
+        """Trainer's message for `iteration`, waiting for the planner; None from the end on."""
         while True:
             with self._lock:
                 self._check_streamable(iteration)
+                if iteration >= self.end:
+                    return None
                 if iteration in self._steps:
                     return self._steps[iteration][trainer]
-                if self.total is not None and iteration >= self.total:
-                    return None
                 self._changed.clear()
             await self._changed.wait()
 
-    def open_stream(self, trainer: int, start: int) -> int | None:
-        """A stream of `trainer` from `start` on: its id if it counts toward the trainer's
-        position (see the module docstring), else None."""
+    def open_stream(self, trainer: int, start: int) -> None:
+        """A stream of `trainer` from `start` on: its start acknowledges the steps before it
+        (see the module docstring)."""
         with self._lock:
             self._check_streamable(start)
-            if not (self._trust_first[trainer] or start <= self._position(trainer)):
-                return None
-            self._trust_first[trainer] = False
-            stream = next(self._stream_ids)
-            self._open[trainer][stream] = start
-            self._lock.notify_all()
-        return stream
+            if self._trust_first[trainer]:
+                self._trust_first[trainer] = False
+                self._handed[trainer] = max(self._handed[trainer], start)
+                self._position[trainer] = start
+                self._lock.notify_all()
+            else:
+                self._advance(trainer, start)
 
-    def mark_sent(self, trainer: int, stream: int | None, iteration: int) -> None:
-        """Stream `stream` of `trainer` (from `open_stream`) handed `iteration` to the transport."""
-        if stream is None:
-            return
+    def handing(self, trainer: int, iteration: int) -> None:
+        """A stream of `trainer` is handing `iteration` to the transport: the trainer may
+        acknowledge it from now on (not before: its acknowledgement may come first)."""
         with self._lock:
-            self._open[trainer][stream] = iteration + 1
-            self._lock.notify_all()
+            self._handed[trainer] = max(self._handed[trainer], iteration + 1)
 
-    def close_stream(self, trainer: int, stream: int | None) -> None:
-        """Stream `stream` of `trainer` ended or broke."""
-        if stream is None:
-            return
+    def acknowledge(self, trainer: int, received: int) -> int:
+        """`trainer` has received every step before `received`; its position after."""
         with self._lock:
-            position = self._open[trainer].pop(stream)
-            if not self._open[trainer]:
-                self._idle_at[trainer] = position
+            self._advance(trainer, received)
+            return self._position[trainer]
+
+    def _advance(self, trainer: int, received: int) -> None:
+        # caller holds self._lock
+        position = max(self._position[trainer], min(received, self._handed[trainer]))
+        if position != self._position[trainer]:
+            self._position[trainer] = position
             self._lock.notify_all()
 
     def retain_from(self, iteration: int) -> None:
@@ -149,17 +145,12 @@ class StepBuffer:
 
     def depths(self) -> Depths:
         with self._lock:
-            positions = tuple(self._position(j) for j in range(self.num_trainers))
+            positions = tuple(self._position)
             return Depths(produced=self._produced, positions=positions, held=len(self._steps))
-
-    def _position(self, trainer: int) -> int:
-        # caller holds self._lock
-        streams = self._open[trainer]
-        return min(streams.values()) if streams else self._idle_at[trainer]
 
     def _slowest(self) -> int:
         # caller holds self._lock
-        return min(self._position(j) for j in range(self.num_trainers))
+        return min(self._position)
 
     def _check_streamable(self, iteration: int) -> None:
         # caller holds self._lock

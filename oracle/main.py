@@ -16,9 +16,10 @@ from common.errors import ConfigError
 from common.job import Job
 from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
+from common.transport import Tls
 from oracle.compiled import compile_planner
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
-from oracle.coordinator import Coordinator
+from oracle.coordinator_service import Coordinator
 from oracle.service import OracleService, Workload
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,13 @@ def _planner_fields(job: Job, first_iteration: int) -> dict[str, Any]:
 
 async def run_oracle(
     job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None,
-    admin_port: int | None = None,
+    admin_port: int | None = None, tls: Tls | None = None,
 ) -> None:
-    """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator`),
+    """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator_service`),
     until every trainer has finished (then it exits by itself, so a batch job completes) or
     SIGTERM; with `resume`, from the iteration after the latest complete checkpoint. Over
     h2, the routes are also served over HTTP/1.1 on `admin_port`
-    (`common.runtime.make_servers`), for Prometheus.
+    (`common.runtime.make_servers`), for Prometheus; with `tls`, both speak TLS only.
 
     An oracle restarted alone is given `first_iteration`, where the running trainers started:
     the plan is a pure function of the data from there, so replanning from it gives the
@@ -129,13 +130,13 @@ async def run_oracle(
                               resumed_from=first_iteration - 1 if first_iteration else None)
     router = service.router()
     coordinator.add_routes(router)
-    servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port)
+    servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port, tls=tls)
     for server in servers:
         await server.start()
     service.start()
-    log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d (HTTP/1.1 on port %d)",
+    log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d (HTTP/1.1 on port %d)%s",
              config.mode, config.lookahead, config.prefetch_lead, config.capacity,
-             workload.num_iterations, address.host, servers[0].port, servers[-1].port)
+             workload.num_iterations, address.host, servers[0].port, servers[-1].port, " over TLS" if tls else "")
     write_ready_file(ready_file, {"role": "oracle", "host": address.host, "port": servers[0].port,
                                   "http1_port": servers[-1].port, "iterations": workload.num_iterations})
     try:

@@ -1,21 +1,18 @@
 """The oracle process: reads the data, runs the planner ahead, streams one directive stream
 per trainer (DESIGN §2, §4, §7).
 
-Routes:
+Routes (their messages are in `oracle.protocol`):
 
 * ``GET /v1/stream?trainer=J&start=X``: trainer J's steps from global iteration X on, as
   framed messages (`common.steps`): a batch and a directive per iteration, then an end
-  message. J must be a trainer of the run and X within the workload's `start` ..
-  `num_iterations` (the end alone), else 400 naming the parameter; steps before the oldest
-  kept iteration answer 409; once the planner has failed, its error.
-
-  A second reader of a trainer's stream (a stray client, or a reconnecting trainer's new
-  stream before the server has seen the old one break) cannot make the oracle drop steps
-  the trainer still needs: steps are kept, and the planner held, by each trainer's
-  position, the minimum over its open streams that count, and a stream counts only if it
-  starts at or before that position (`oracle.buffer`). What the oracle cannot tell apart it
-  cannot protect: a reader that starts at or before a trainer's position while the
-  trainer itself has no stream open reads in its stead.
+  message (at once for X = `num_iterations`). J must be a trainer of the run and X within
+  the workload's `start` .. `num_iterations`, else 400 naming the parameter; steps before
+  the oldest kept iteration answer 409; once the planner has failed, its error.
+* ``POST /v1/stream/ack?trainer=J&next=X``: trainer J has received every step before X
+  (204). Steps are kept, and the planner held, by each trainer's *position*, which only
+  these acknowledgements and the starts of J's streams move, never by more than was sent
+  for J (`oracle.buffer`): a stray reader of a trainer's stream, however much of it it
+  reads, makes the oracle drop no step the trainer still needs.
 * ``GET /v1/health``, ``GET /metrics`` (public): Prometheus text of the planner's progress
   and rate, each trainer's position and the steps held ahead of it, and the open streams.
 """
@@ -34,14 +31,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.data.dataset import Dataset
-from common.errors import BadRequest, ConfigError
+from common.errors import ConfigError
 from common.keys import TableLayout
 from common.metrics import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
-from common.transport import Request, Response, Router, StreamResponse, encode_message
+from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
 from oracle.planner import Planner
+from oracle.protocol import ACKNOWLEDGE, HEALTH, METRICS, STREAM, OracleHealth, StreamAck, StreamRequest, add_handlers
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +137,8 @@ class OracleService:
 
     def router(self) -> Router:
         router = Router()
-        router.add("GET", "/v1/stream", self.stream)
-        router.add("GET", "/v1/health", self.health, public=True)
-        router.add("GET", "/metrics", self.render_metrics, public=True)
+        add_handlers(router, {STREAM: self.stream, ACKNOWLEDGE: self.acknowledge, HEALTH: self.health,
+                              METRICS: self.render_metrics})
         return router
 
     def start(self) -> None:
@@ -149,7 +146,8 @@ class OracleService:
         loop = asyncio.get_running_loop()
         first = self.workload.start
         self.buffer = StepBuffer(
-            self.config.num_trainers, self.max_ahead, loop, first=first, restarted_alone=self.restarted_alone
+            self.config.num_trainers, self.max_ahead, loop, first=first,
+            end=self.workload.num_iterations, restarted_alone=self.restarted_alone,
         )
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
@@ -176,7 +174,6 @@ class OracleService:
                 batches[x] = (labels, dense)
                 self._publish(self._timed(lambda: planner.push(keys), keys.size), batches)
             self._publish(self._timed(planner.finish, 0), batches)
-            self.buffer.finish(self.workload.num_iterations)
             log.info("planned all %d iterations", self.workload.num_iterations)
         except Exception as exc:
             log.exception("planner failed")
@@ -198,7 +195,7 @@ class OracleService:
         for directives in final:
             x = directives[0].iteration
             steps = trainer_steps(directives, *batches.pop(x))
-            messages = [encode_message(s.encode_batch()) + encode_message(s.directive.to_wire()) for s in steps]
+            messages = [encode_message(s.batch.to_wire()) + encode_message(s.directive.to_wire()) for s in steps]
             self.progress = dataclasses.replace(self.progress, waiting_since=time.perf_counter())
             self.buffer.put(x, messages)
             p = self.progress
@@ -208,45 +205,45 @@ class OracleService:
 
     # -- routes --------------------------------------------------------------------------
 
-    async def stream(self, request: Request) -> StreamResponse:
+    async def stream(self, ask: StreamRequest) -> StreamResponse:
         assert self.buffer is not None
-        trainer = int_param(request, "trainer", 0, self.config.num_trainers - 1)
-        start = int_param(request, "start", self.workload.start, self.workload.num_iterations)
+        ask.within(trainer=(0, self.config.num_trainers - 1), start=(self.workload.start, self.workload.num_iterations))
+        trainer, start = ask.trainer, ask.start
         self.buffer.check_resumable(start)
         log.info("trainer %d streams from iteration %d", trainer, start)
         return StreamResponse(chunks=self._chunks(trainer, start))
 
     async def _chunks(self, trainer: int, start: int) -> AsyncIterator[bytes]:
         assert self.buffer is not None
-        # Opened here, not in `stream`: the server closes this generator however the stream
+        # Counted here, not in `stream`: the server closes this generator however the stream
         # ends, but only once it has started.
-        stream = self.buffer.open_stream(trainer, start)
+        self.buffer.open_stream(trainer, start)
         self.streams_open[trainer] += 1
         try:
             x = start
             while (message := await self.buffer.get(trainer, x)) is not None:
+                self.buffer.handing(trainer, x)
                 yield message
-                self.buffer.mark_sent(trainer, stream, x)
                 self.buffer.retain_from(x + 1 - self.max_ahead)
                 self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
                 x += 1
-            yield encode_message(EndOfStream(iterations=x).encode())
+            yield encode_message(EndOfStream(iterations=x).to_wire())
         finally:
             self.streams_open[trainer] -= 1
-            self.buffer.close_stream(trainer, stream)
 
-    async def health(self, request: Request) -> Response:
-        return Response.json(
-            {
-                "role": "oracle",
-                "mode": self.config.mode,
-                "trainers": self.config.num_trainers,
-                "iterations": self.workload.num_iterations,
-                "planned": self.progress.iterations,
-            }
-        )
+    def acknowledge(self, ack: StreamAck) -> Response:
+        """Trainer J has received every step before `next` (answered at once, without a
+        body: an answer must not wait for flow-control credit the stream holds)."""
+        assert self.buffer is not None
+        ack.within(trainer=(0, self.config.num_trainers - 1), next=(self.workload.start, self.workload.num_iterations))
+        self.buffer.acknowledge(ack.trainer, ack.next)
+        return Response(status=204)
 
-    async def render_metrics(self, request: Request) -> Response:
+    async def health(self, _: None) -> OracleHealth:
+        return OracleHealth(role="oracle", mode=self.config.mode, trainers=self.config.num_trainers,
+                            iterations=self.workload.num_iterations, planned=self.progress.iterations)
+
+    async def render_metrics(self, _: None) -> Response:
         self._copy_progress()
         body = self.metrics.render().encode()
         self.final_scrape.scraped()
@@ -272,7 +269,8 @@ class OracleService:
         m.set("steps_held", depths.held, help="Steps kept in memory (not yet sent, or kept for a resume)")
         for trainer, position in enumerate(depths.positions):
             labels = {"trainer": str(trainer)}
-            m.set("trainer_position", position, labels, help="The next iteration trainer J's stream sends")
+            m.set("trainer_position", position, labels,
+                  help="The first step trainer J has not acknowledged receiving")
             m.set("steps_ahead", depths.produced - position, labels,
                   help="Final steps planned beyond trainer J's position, not yet sent")
             m.set("streams_open", self.streams_open[trainer], labels, help="Open directive streams of trainer J")
@@ -282,16 +280,3 @@ def _set_once(future: asyncio.Future[BaseException], exc: BaseException) -> None
     if not future.done():
         future.set_result(exc)
 
-
-def int_param(request: Request, name: str, low: int, high: int) -> int:
-    """A required integer query parameter in low..high; BadRequest (400) naming it otherwise."""
-    raw = request.query.get(name)
-    if raw is None:
-        raise BadRequest(f"query parameter {name!r} is required", parameter=name)
-    # isascii: str.isdigit accepts digits such as '²' that int() refuses; the length bound
-    # keeps int() off strings long enough to hit Python's digit limit (or to cost time).
-    digits = raw.isascii() and raw.isdigit() and len(raw) <= len(str(high))
-    if not digits or not low <= int(raw) <= high:
-        message = f"query parameter {name!r} must be an integer in {low}..{high}, got {raw[:40]!r}"
-        raise BadRequest(message, parameter=name)
-    return int(raw)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from common.checkpoints import CHECKPOINT_GLOB, checkpoint_name, parse_checkpoint_name
+from common.checkpoints import CHECKPOINT_GLOB, checkpoint_name, parse_checkpoint_name, ps_dir
 from common.errors import NotFound
 from ps.store import Snapshot
 
@@ -55,6 +56,46 @@ def load_snapshot(directory: Path, checkpoint_id: int) -> tuple[Snapshot, dict]:
     meta = orjson.loads(files["meta"].read_bytes())
     arrays = {name: np.load(files[name], allow_pickle=False) for name in _ARRAYS}
     return Snapshot(**arrays), meta
+
+
+#: Rows read at a time when a snapshot is resharded: bounded memory whatever its size.
+RESHARD_CHUNK_ROWS = 1 << 20
+
+
+def snapshot_shards(root: Path, checkpoint_id: int) -> int | None:
+    """How many shards took checkpoint `checkpoint_id`, from the snapshots under the
+    checkpoint folder `root` (each says so in its meta); None if no snapshot of it is here."""
+    for folder in sorted(root.glob("ps-*")):
+        meta = snapshot_files(folder, checkpoint_id)["meta"]
+        if meta.is_file():
+            return int(orjson.loads(meta.read_bytes())["num_shards"])
+    return None
+
+
+def resharded(
+    root: Path, checkpoint_id: int, shard: int, num_shards: int, chunk_rows: int = RESHARD_CHUNK_ROWS
+) -> Iterator[Snapshot]:
+    """The rows of checkpoint `checkpoint_id` that shard `shard` of `num_shards` owns (key %
+    num_shards), read from the snapshots of the shards that took it, however many they were,
+    `chunk_rows` at a time (memory-mapped: never a whole snapshot in memory). NotFound naming
+    the first snapshot missing: each of them must be under `root`."""
+    old = snapshot_shards(root, checkpoint_id)
+    if old is None:
+        raise NotFound(f"no snapshot of checkpoint {checkpoint_id} under {root}")
+    folders = [ps_dir(root, s) for s in range(old)]
+    absent = [f for f in folders if not snapshot_files(f, checkpoint_id)["meta"].is_file()]
+    if absent:
+        raise NotFound(f"checkpoint {checkpoint_id} was taken by {old} shards; moving its rows to "
+                       f"{num_shards} needs every snapshot of it, and {absent[0]} has none")
+    for s, folder in enumerate(folders):
+        files = snapshot_files(folder, checkpoint_id)
+        arrays = {name: np.load(files[name], mmap_mode="r", allow_pickle=False) for name in _ARRAYS}
+        for start in range(0, len(arrays["local"]), chunk_rows):
+            part = {name: np.asarray(a[start : start + chunk_rows]) for name, a in arrays.items()}
+            keys = part["local"] * old + s
+            mine = keys % num_shards == shard
+            yield Snapshot(local=keys[mine] // num_shards, rows=part["rows"][mine], state=part["state"][mine],
+                           versions=part["versions"][mine])
 
 
 def snapshot_files(directory: Path, checkpoint_id: int) -> dict[str, Path]:

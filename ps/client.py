@@ -36,7 +36,7 @@ import numpy as np
 from common.errors import BagpipeError, Conflict, Restarted, TimedOut, Unavailable, WireError
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
-from common.transport import connect_client
+from common.transport import Tls, connect_client
 from common.transport.retry import RetryBudget
 from ps.journal import WriteJournal
 from ps.protocol import (
@@ -85,6 +85,7 @@ class PsClient:
         resumed_from: int = -1,
         trainer: int | None = None,
         trainers: int = 0,
+        tls: Tls | None = None,
     ) -> None:
         """`resumed_from`: the checkpoint this client's run resumed from (-1: none), which
         every shard must hold. `trainer` (of `trainers`): the trainer this client writes for,
@@ -108,7 +109,7 @@ class PsClient:
         )
         self.replayed_rows = 0
         self._clients = [
-            connect_client(transport, e.host, e.port, token=token, timeout=timeout_s) for e in endpoints
+            connect_client(transport, e.host, e.port, token=token, timeout=timeout_s, tls=tls) for e in endpoints
         ]
         self._incarnations: list[str | None] = [None] * len(self.endpoints)
         self._rejoining = [asyncio.Lock() for _ in endpoints]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
+from common.addresses import listen_on, serve_address
 from common.checkpoints import latest_complete, ps_dir
 from common.errors import ConfigError, Conflict
-from common.coordinator import CoordinatorClient, free_port, serve_address
 from common.job import Job
 from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
 from common.spec import Endpoint
-from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers
+from common.transport import Tls
+from oracle.coordinator_client import CoordinatorClient
+from ps.checkpoint import list_checkpoints, load_snapshot, remove_after, remove_leftovers, resharded, snapshot_shards
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 
@@ -27,6 +30,7 @@ def shard_config(job: Job, index: int) -> ShardConfig:
         dim=job.dim,
         state_width=job.state_width,
         state_init=job.state_init,
+        state_min=job.state_min,
         seed=spec.seed,
         checkpoint_every=spec.checkpoint.every,
         version_limit=job.iterations,
@@ -43,6 +47,7 @@ def build_service(job: Job, index: int, *, rejoin: bool = False) -> PsService:
         checkpoint_dir=ps_dir(spec.checkpoint.dir, index),
         fetch_timeout_s=spec.cluster.fetch_timeout_s,
         rejoin_trainers=spec.trainers.count if rejoin else 0,
+        num_trainers=spec.trainers.count,
     )
 
 
@@ -59,6 +64,8 @@ async def run_ps(
     address: Endpoint | None = None,
     coordinator: CoordinatorClient | None = None,
     resumed_from: int | None = None,
+    listener: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> None:
     """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
     is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
@@ -72,7 +79,9 @@ async def run_ps(
     the snapshot's older copy of a row whose newest write-back is still in a journal could be
     served to a fetch that asks for any version. Otherwise it starts empty, which is right
     only for a new run: with snapshots on its disk (a run that may still be going on) it
-    refuses to start unless `fresh` says to delete them (`start_fresh`).
+    refuses to start unless `fresh` says to delete them (`start_fresh`). `listener`: a
+    socket already listening on `address`, which the shard then serves. `tls`: both its
+    servers speak TLS only.
     """
     spec = job.spec
     if not 0 <= index < spec.ps.num_shards:
@@ -91,11 +100,13 @@ async def run_ps(
         gone = remove_after(service.checkpoint_dir, -1 if start is None else start)
         if gone:
             log.warning("removed snapshots %s, newer than the latest complete checkpoint %s", gone, start)
-        _restore(service, start)
+        _restore(service, start, reshard=True)
     else:
-        start_fresh(service, index, delete=fresh)
+        joined_at = None if coordinator is None else coordinator.endpoint
+        start_fresh(service, index, delete=fresh, command=launch_command(index, joined_at, address))
     address = address or spec.ps.addresses[index]
-    servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port)
+    servers = make_servers(spec.cluster, service.router(), address, token=token, admin_port=admin_port,
+                           sock=listener, tls=tls)
     for server in servers:
         await server.start()
     info = {
@@ -106,8 +117,8 @@ async def run_ps(
         "http1_port": servers[-1].port,
         "rows": service.store.num_rows,
     }
-    log.info("PS shard %d/%d serving %s on %s:%d (HTTP/1.1 on port %d), %d rows of dim %d",
-             index, spec.ps.num_shards, spec.cluster.transport, address.host, info["port"],
+    log.info("PS shard %d/%d serving %s%s on %s:%d (HTTP/1.1 on port %d), %d rows of dim %d",
+             index, spec.ps.num_shards, spec.cluster.transport, " over TLS" if tls else "", address.host, info["port"],
              info["http1_port"], service.store.num_rows, job.dim)
     write_ready_file(ready_file, info)
     try:
@@ -130,37 +141,57 @@ async def join_and_run_ps(
     ready_file: Path | None, resume: bool = False, rejoin: bool = False, fresh: bool = False,
     admin_port: int | None = None,
 ) -> None:
-    """A shard that knows only the coordinator: bind, register, learn the job, serve."""
+    """A shard that knows only the coordinator: listen, register, learn the job, serve (over
+    TLS when the coordinator's client speaks it: with the same files, mutual if the job is).
+
+    It listens before it registers: the coordinator checks that the address it registers
+    answers, and the port is its own from then on (none other can take it meanwhile)."""
     address = await serve_address(bind, coordinator.endpoint)
-    if address.port == 0:  # the coordinator must know the port before the job says how to serve
-        address = Endpoint(host=address.host, port=free_port(address.host))
-        if admin_port is None:  # nobody asked for port + 1, and it may be taken: any free one
+    listener = listen_on(address)
+    try:
+        if address.port == 0 and admin_port is None:  # port + 1 may be taken: any free one
             admin_port = 0
-    joined = await coordinator.join("ps", index, address)
-    configure_logging(f"ps[{joined.index}]")
-    job = joined.job(coordinator.endpoint)
-    # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
-    resume = resume or (joined.resumed_from is not None and not rejoin)
-    await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
-                 fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
-                 resumed_from=joined.resumed_from)
+        address = Endpoint(host=address.host, port=listener.getsockname()[1])
+        joined = await coordinator.join("ps", index, address)
+        configure_logging(f"ps[{joined.index}]")
+        job = joined.job(coordinator.endpoint)
+        # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
+        resume = resume or (joined.resumed_from is not None and not rejoin)
+        tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
+        await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
+                     fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
+                     resumed_from=joined.resumed_from, listener=listener, tls=tls)
+    finally:
+        listener.close()  # closed by its server already, when one served it
 
 
-def start_fresh(service: PsService, index: int, *, delete: bool) -> None:
+def launch_command(index: int, coordinator: Endpoint | None, address: Endpoint | None) -> str:
+    """The command that starts shard `index` again the way it was started: from the spec, or
+    through the coordinator at `coordinator` (on the address it serves, where the trainers
+    look for it)."""
+    if coordinator is None:
+        return f"python launch.py SPEC --role ps --index {index}"
+    bind = "" if address is None else f" --bind {address}"
+    return f"python launch.py --role ps --coordinator {coordinator} --index {index}{bind}"
+
+
+def start_fresh(service: PsService, index: int, *, delete: bool, command: str | None = None) -> None:
     """Shard `index` starts empty, as at iteration 0 of a new run.
 
     Its snapshots on disk mean a run that may still be going on: the trainers hold rows
     newer than any of them, and an empty shard would lose those (and, once it snapshots,
     make a checkpoint that lost them). So they are deleted only when `delete` (``--fresh``)
-    says this is a new run; otherwise Conflict names the commands that recover.
+    says this is a new run; otherwise Conflict names the commands that recover, starting
+    with `command` (`launch_command`; default: the spec's form).
     """
     own = list_checkpoints(service.checkpoint_dir)
+    command = command or launch_command(index, None, None)
     if own and not delete:
         raise Conflict(
             f"PS shard {index} has snapshots {own} in {service.checkpoint_dir}: they may belong to a run "
             "that is still going on, whose rows an empty shard would lose. Restart it alone while the "
-            f"trainers wait with `python launch.py SPEC --role ps --index {index} --rejoin`, or stop "
-            "every role and start each with --resume; to begin a new run and delete them, pass --fresh",
+            f"trainers wait with `{command} --rejoin`, or stop every role and start each with --resume; "
+            "to begin a new run and delete them, pass --fresh",
             shard=index,
             checkpoints=own,
         )
@@ -176,9 +207,24 @@ def restore_own_latest(service: PsService) -> None:
     _restore(service, own[-1] if own else None)
 
 
-def _restore(service: PsService, checkpoint_id: int | None) -> None:
+def _restore(service: PsService, checkpoint_id: int | None, *, reshard: bool = False) -> None:
+    """Load checkpoint `checkpoint_id` (None: start empty). With `reshard`, a checkpoint taken
+    by another number of shards is read from all of theirs, each row to the shard that now
+    owns it (`ps.checkpoint.resharded`): a run may resume with more or fewer shards."""
     if checkpoint_id is None:
         log.info("no complete checkpoint in %s: starting empty", service.checkpoint_dir.parent)
+        return
+    cfg, root = service.store.config, service.checkpoint_dir.parent
+    took = snapshot_shards(root, checkpoint_id)
+    if took is not None and took != cfg.num_shards:
+        if not reshard:
+            raise Conflict(
+                f"checkpoint {checkpoint_id} was taken by {took} PS shards and this run has {cfg.num_shards}: "
+                "only a resume of every role (--resume) moves its rows to the new shards", checkpoint=checkpoint_id,
+            )
+        service.restore_snapshot(resharded(root, checkpoint_id, cfg.shard, cfg.num_shards), checkpoint_id)
+        log.info("restored checkpoint %d, taken by %d shards: %d rows are this shard's of %d",
+                 checkpoint_id, took, service.store.rows_held, cfg.num_shards)
         return
     if checkpoint_id not in list_checkpoints(service.checkpoint_dir):
         raise Conflict(

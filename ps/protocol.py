@@ -27,8 +27,8 @@ from typing import Any, ClassVar, Protocol, Self
 import numpy as np
 import orjson
 
-from common.errors import WireError
-from common.wire import DTYPES, decode, encode_parts, require
+from common.errors import WireError, clipped, quoted
+from common.wire import DTYPES, decode, encode_parts, peer_json, require
 
 INCARNATION_HEADER = "bagpipe-incarnation"
 BINARY = "application/octet-stream"
@@ -219,8 +219,10 @@ class WriteBack(_BinaryMessage):
         _present(meta, ("write", "version", "replay"), "write-back meta")
         kinds = {k.value: k for k in WriteKind}
         write = meta["write"]
-        if write not in kinds:
-            raise WireError(f"invalid write-back: write must be one of {sorted(kinds)}, not {write!r}")
+        # A str first: a list or an object (JSON gives both) cannot even be looked up.
+        if not isinstance(write, str) or write not in kinds:
+            raise WireError(f"invalid write-back: write must be one of {sorted(kinds)}, not "
+                            f"{quoted(write)}", field="write")
         return cls(kind=kinds[write], version=meta["version"], replay=meta["replay"], **arrays)
 
 
@@ -240,10 +242,7 @@ class _JsonMessage:
 
     @classmethod
     def from_wire(cls, body: bytes | bytearray | memoryview) -> Self:
-        try:
-            payload: Any = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise WireError(f"body must be a JSON object: {exc}") from None
+        payload: Any = peer_json(body)
         if not isinstance(payload, dict):
             raise WireError("body must be a JSON object")
         names = [f.name for f in fields(cls)]
@@ -484,7 +483,21 @@ def _check(message: _BinaryMessage | _JsonMessage, ok: bool, problem: str, *args
     """WireError naming `message` unless `ok`; `problem % args` is formatted only then (the
     checks run on every message built, the formatting would cost more than they do)."""
     if not ok:
-        raise WireError(f"invalid {message.NAME}: {problem % args if args else problem}")
+        shown = tuple(a if type(a) in (int, float) else _Quoted(a) for a in args)
+        raise WireError(f"invalid {message.NAME}: {problem % shown if args else problem}")
+
+
+class _Quoted:
+    """A value in a `_check` message: at most a few hundred characters of it (`quoted`)."""
+
+    def __init__(self, value: object) -> None:
+        self._value = value
+
+    def __repr__(self) -> str:
+        return quoted(self._value)
+
+    def __str__(self) -> str:
+        return clipped(self._value) if isinstance(self._value, str) else str(self._value)
 
 
 _TYPE_NAMES = {int: "an integer", bool: "a boolean", str: "a string"}
@@ -530,7 +543,7 @@ def _check_same_length(message: _BinaryMessage, names: tuple[str, ...]) -> None:
 def _only(given: Mapping[str, Any], allowed: set[str], what: str) -> None:
     extra = set(given) - allowed
     if extra:
-        raise WireError(f"unexpected {what} {sorted(extra)}")
+        raise WireError(f"unexpected {what} {quoted(sorted(extra))}")
 
 
 def _present(given: Mapping[str, Any], names: Sequence[str], what: str) -> None:

@@ -21,14 +21,14 @@ import inspect
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut
+from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut, quoted
 from common.metrics import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
@@ -82,17 +82,24 @@ class PsService:
         fetch_timeout_s: float,
         registry: Registry | None = None,
         rejoin_trainers: int = 0,
+        num_trainers: int | None = None,
     ) -> None:
         """`rejoin_trainers`: for a shard restarted alone, the job's trainer count T; it
         serves no fetch until trainers 0..T-1 have all reported their replay. 0: a shard
-        started fresh or resumed, which never holds fetches."""
+        started fresh or resumed, which never holds fetches.
+
+        `num_trainers`: the job's trainer count, which every checkpoint report and rejoin
+        report must name (a report naming more would wait for ever, one naming fewer would
+        snapshot early). None (tools, tests; `rejoin_trainers` when given): the first report
+        of a checkpoint sets it, and the others must agree."""
         self.store = store
         self.checkpoint_dir = checkpoint_dir
         self.fetch_timeout_s = fetch_timeout_s
         self.metrics = registry or Registry()
         self._waiting = WaitingFetches(store.num_rows)
         self._woken: dict[int, asyncio.Event] = {}  # a waiting fetch's ticket → its wake-up
-        self._reports: dict[int, tuple[set[int], asyncio.Future[CheckpointSaved]]] = {}
+        # checkpoint → (the trainer count its reports name, who reported, its snapshot)
+        self._reports: dict[int, tuple[int, set[int], asyncio.Future[CheckpointSaved]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._counters: dict[str, _OpCounters] = {}  # per op ("fetch", ...), made on first use
         self.incarnation = secrets.token_hex(8)
@@ -100,6 +107,7 @@ class PsService:
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
         self.final_scrape = FinalScrape()
         self.rejoin_trainers = rejoin_trainers
+        self.num_trainers = num_trainers or rejoin_trainers or None
         self._rejoin_unreported = set(range(rejoin_trainers))
         self._rejoin_open = asyncio.Event()  # set: fetches are served
         if not rejoin_trainers:
@@ -147,7 +155,7 @@ class PsService:
             # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
             # unbounded, it would also hold the request (and its rows) for ever.
             raise BadRequest(
-                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {wait_s!r}", field="wait_s"
+                f"wait_s must be at most {self.fetch_timeout_s:g} s, got {quoted(wait_s)}", field="wait_s"
             )
         local = self.store.check_fetch(message.keys, message.min_versions)
         if not self._rejoin_open.is_set():
@@ -224,16 +232,27 @@ class PsService:
                 raise Conflict(f"checkpoint {c} was already taken", checkpoint=c)
             path, nbytes = saved
             return CheckpointSaved(checkpoint=c, path=str(path), nbytes=nbytes, seconds=0.0)
-        pending: tuple[set[int], asyncio.Future[CheckpointSaved]]
-        pending = (set(), asyncio.get_running_loop().create_future())
-        reported, done = self._reports.setdefault(c, pending)
+        known = self._reports.get(c)
+        self._check_trainers(message.trainers, None if known is None else known[0])
+        if known is None:
+            known = self._reports[c] = (message.trainers, set(), asyncio.get_running_loop().create_future())
+        trainers, reported, done = known
         reported.add(message.trainer)
-        if len(reported) == message.trainers and not done.done():
+        if len(reported) == trainers and not done.done():
             self._finish_checkpoint(c, done)
         saved = await asyncio.shield(done)
         if message.prune_before > 0:
             await asyncio.to_thread(self._prune, min(message.prune_before, c))
         return saved
+
+    def _check_trainers(self, given: int, reported: int | None) -> None:
+        """BadRequest naming `trainers` unless a report's count is the job's (`num_trainers`)
+        or, not told it, the one this checkpoint's earlier reports named."""
+        expected = self.num_trainers if self.num_trainers is not None else reported
+        if expected is not None and given != expected:
+            whose = (f"PS shard {self.store.config.shard}'s job has" if self.num_trainers is not None
+                     else "the earlier reports of this checkpoint name")
+            raise BadRequest(f"trainers = {given}, but {whose} {expected} trainers", field="trainers")
 
     def rejoined(self, message: Rejoined, request: Request) -> RejoinProgress:
         """Trainer `message.trainer` has replayed its journal to this process; the last of
@@ -241,12 +260,7 @@ class PsService:
         expected = self.rejoin_trainers
         if not expected:  # not restarted alone: nothing to open
             return RejoinProgress(reported=0, waiting=0)
-        if message.trainers != expected:
-            raise BadRequest(
-                f"trainers = {message.trainers}, but PS shard {self.store.config.shard}'s job has "
-                f"{expected} trainers",
-                field="trainers",
-            )
+        self._check_trainers(message.trainers, expected)
         unreported = self._rejoin_unreported
         unreported.discard(message.trainer)
         if not unreported and not self._rejoin_open.is_set():
@@ -320,8 +334,9 @@ class PsService:
         self.restore_snapshot(snap, c)
         return Restored(checkpoint=c, rows=int(len(snap.local)))
 
-    def restore_snapshot(self, snap: Snapshot, checkpoint_id: int) -> None:
-        """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot."""
+    def restore_snapshot(self, snap: Snapshot | Iterable[Snapshot], checkpoint_id: int) -> None:
+        """Replace the shard's rows with checkpoint `checkpoint_id`'s snapshot (whole, or in
+        parts: `ShardStore.restore`)."""
         self.store.restore(snap, checkpoint_id)
         self.restored = checkpoint_id
         self._wake(self._waiting.recheck(self.store.versions))

@@ -15,13 +15,14 @@ lazily) and its values never depend on the number of shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from common.arrays import bounds, has_duplicates, rows_where
 from common.checkpoints import first_checkpoint_from, is_checkpoint
-from common.errors import BadRequest, ConfigError, Conflict
+from common.errors import BadRequest, ConfigError, Conflict, quoted
 from common.init import initial_rows
 from common.keys import TableLayout, global_key, local_index, shard_of, shard_size
 
@@ -42,6 +43,9 @@ class ShardConfig:
     dim: int
     state_width: int
     state_init: float = 0.0
+    #: The least value a row's optimizer state may hold (`OptimizerSpec.state_min`: 0 for
+    #: row-wise Adagrad's accumulator); None: any finite value. A write-back below it is refused.
+    state_min: float | None = None
     seed: int = 0
     checkpoint_every: int = 0  # 0: none; which iterations: common.checkpoints.is_checkpoint
     #: The highest version (iteration) and checkpoint id a request may name: what the run
@@ -53,6 +57,8 @@ class ShardConfig:
             value = getattr(self, name)
             if not 0 <= value <= _MAX_BOUND:
                 raise ConfigError(name, f"must be in 0..{_MAX_BOUND}, got {value}")
+        if self.state_min is not None and not self.state_init >= self.state_min:
+            raise ConfigError("state_init", f"must be >= state_min = {self.state_min}, got {self.state_init}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +118,11 @@ class ShardStore:
         self.max_version = -1  # the highest version in the table, kept on each write
 
     @property
+    def rows_held(self) -> int:
+        """Rows ever touched (fetched or written): the rows a snapshot holds."""
+        return int(np.count_nonzero(self._touched))
+
+    @property
     def versions(self) -> np.ndarray:
         """Every row's version (-1: never written), read-only: rows change through the store."""
         view = self._versions.view()
@@ -125,7 +136,7 @@ class ShardStore:
         naming `name` otherwise."""
         bound = self.config.version_limit
         if type(value) is not int or not 0 <= value <= bound:
-            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {value!r}", field=name)
+            raise BadRequest(f"{name} must be an integer in 0..{bound}, got {quoted(value)}", field=name)
         return value
 
     def check_fetch(self, keys: np.ndarray, min_versions: np.ndarray) -> np.ndarray:
@@ -180,6 +191,11 @@ class ShardStore:
             )
         if not (np.isfinite(rows).all() and np.isfinite(state).all()):
             raise BadRequest("rows and state must be finite")
+        if cfg.state_min is not None and state.size and state.min() < cfg.state_min:
+            raise BadRequest(
+                f"state must be >= {cfg.state_min:g} (the optimizer's accumulator), got "
+                f"{float(state.min()):g}", field="state",
+            )
         self.check_version(version)
         if has_duplicates(local):
             raise BadRequest("a write-back names the same key twice")
@@ -305,9 +321,27 @@ class ShardStore:
         self._saved = [s for s in kept if len(s.until)]
         return _overlay(parts)
 
-    def restore(self, snap: Snapshot, checkpoint: int = -1) -> None:
-        """Replace the shard's contents with checkpoint `checkpoint`'s snapshot; BadRequest if
-        the snapshot does not fit this shard."""
+    def restore(self, snap: Snapshot | Iterable[Snapshot], checkpoint: int = -1) -> None:
+        """Replace the shard's contents with checkpoint `checkpoint`'s snapshot, given whole or
+        in parts (a resharded one comes chunk by chunk: `ps.checkpoint.resharded`); BadRequest
+        if a part does not fit this shard (the shard is then empty)."""
+        cfg = self.config
+        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
+            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
+            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
+            self._versions = np.full(self.num_rows, -1, dtype=np.int64)
+            self._touched = np.zeros(self.num_rows, dtype=bool)
+        self._saved = []
+        self.max_version = -1
+        try:
+            for part in [snap] if isinstance(snap, Snapshot) else snap:
+                self._restore_part(part)
+        except BadRequest:
+            self.restore([], -1)
+            raise
+        self.last_checkpoint = checkpoint
+
+    def _restore_part(self, snap: Snapshot) -> None:
         cfg = self.config
         n = len(snap.local)
         if snap.local.size and (snap.local.min() < 0 or snap.local.max() >= self.num_rows):
@@ -316,18 +350,11 @@ class ShardStore:
         for name, shape in expected.items():
             if getattr(snap, name).shape != shape:
                 raise BadRequest(f"snapshot {name} has shape {getattr(snap, name).shape}, not {shape}")
-        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
-            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
-            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
-            self._versions = np.full(self.num_rows, -1, dtype=np.int64)
-            self._touched = np.zeros(self.num_rows, dtype=bool)
         self._rows[snap.local] = snap.rows
         self._state[snap.local] = snap.state
         self._versions[snap.local] = snap.versions
         self._touched[snap.local] = True
-        self._saved = []
-        self.last_checkpoint = checkpoint
-        self.max_version = int(snap.versions.max(initial=-1))
+        self.max_version = max(self.max_version, int(snap.versions.max(initial=-1)))
 
 
 def _rows_at(local: np.ndarray, rows: np.ndarray, state: np.ndarray, versions: np.ndarray) -> Snapshot:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,9 @@ def _iterations(final: FinalPaths) -> int:
     return int(orjson.loads(final.info.read_bytes())["iterations"])
 
 
-def reference_for(job: Job, slices: int | None = None) -> ReferenceResult:
-    """The data-parallel reference of `job` (`slices` defaults to its trainer count)."""
+def reference_for(job: Job, slices: int | Callable[[int], int] | None = None) -> ReferenceResult:
+    """The data-parallel reference of `job` (`slices` defaults to its trainer count; a
+    function gives each iteration's)."""
     workload = build_workload(job)
     batches = (
         (torch.from_numpy(labels.copy()), torch.from_numpy(dense.copy()), torch.from_numpy(keys))

@@ -1,11 +1,10 @@
 """A run across hosts (`bench/topology.py`: one network namespace per role, every link
 shaped to 1 Gbit/s), each role started as across machines (`bench/cluster.start_roles`: the
-spec on the oracle's host only), against the same run on loopback: bit-identical, although
-a PS host's link is cut for a while in the middle of it."""
+spec on the oracle's host only), against the same run in one process (bit-identical to it on
+loopback): bit-identical, although a PS host's link is cut for a while in the middle of it."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -14,7 +13,10 @@ import pytest
 from bench.cluster import HOSTS, start_roles
 from bench.topology import HostSpec, Topology
 from tests.bench.test_topology import needs_namespaces
-from tests.cluster_helpers import differing_elements, final_model, run_spec, write_spec
+from common.job import build_job
+from common.spec import load_spec
+from launcher.inprocess import run_in_process
+from tests.cluster_helpers import differing_elements, final_model, write_spec
 from tests.test_launch import wait_for
 from trainer.records import IterationRecord, read_records, trainer_log_path
 
@@ -42,9 +44,8 @@ def test_a_run_across_hosts_is_bit_identical_and_survives_a_cut_ps_link(tmp_path
             "top1_share": 0.5, "eval_fraction": 0.1, "seed": 1}
     spec = write_spec(job_dir, "hosts", {"train": {"batch_size": 32, "max_iterations": ITERATIONS},
                                          "checkpoint": {"dir": str(tmp_path / "checkpoints")}}, data=data)
-    job, _ = run_spec(spec, tmp_path / "loopback")
-    want = final_model(job, tmp_path / "loopback")
-    shutil.rmtree(job.spec.checkpoint.dir)
+    job = build_job(load_spec(spec))
+    want = run_in_process(job).model  # a loopback cluster's very bits (tests/trainer/test_cluster.py)
 
     hosts = [HostSpec(name=h, rate="1gbit", hide_data=(job_dir,) if h != "oracle" else ()) for h in HOSTS]
     run_dir = tmp_path / "hosts"

@@ -5,7 +5,8 @@ The data lives beside the spec, in the oracle's folder; every other role runs in
 its own, where the spec's relative data path leads nowhere: a role that opened the data
 would fail. The run must end bit-identical to the local launcher's run of the same spec,
 the PS shards and the oracle must exit by themselves, a role of another job must be refused,
-and a PS whose coordinator is gone must exit naming it.
+and a PS whose coordinator is gone must exit naming it. Over mutual TLS, roles given only
+their own certificate files join and train the same model.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import pytest
 from common.data.samples import CRITEO_KAGGLE as DATA
 from common.job import build_job
 from common.spec import load_spec
+from launcher.inprocess import run_in_process
 from tests.cluster_helpers import TOKEN, differing_elements, final_model, run_spec, write_spec
 from tests.test_launch import LAUNCH, wait_for
+from tests.tls_fixtures import TlsFiles
 
 pytestmark = pytest.mark.slow
 ROWS = 2000
@@ -189,3 +192,30 @@ def test_a_run_across_folders_resumes_from_the_coordinators_checkpoint(
         shutil.copytree(tmp_path / f"ps-{i}" / "ckpt" / f"ps-{i}", job.spec.checkpoint.dir / f"ps-{i}",
                         dirs_exist_ok=True)
     assert differing_elements(final_model(job, run_dir), want) == {}
+
+
+def test_roles_joined_over_mutual_tls_train_the_same_model_and_a_plaintext_one_is_told(
+    oracle_host: Path, roles: Roles, tmp_path: Path, tls_files: TlsFiles
+) -> None:
+    """The oracle's spec has [cluster.tls] with mutual = true; the PS shards and trainers
+    joining it are given only their own files (--tls-ca, --tls-cert, --tls-key) and follow
+    the job's mutual TLS. A role without them is told the port speaks TLS only, at once."""
+    files = tls_files.section
+    tls = {"cert": files.cert, "key": files.key, "ca": files.ca, "mutual": True}
+    spec = write_spec(oracle_host, "joined-tls", {**OVERRIDES, "cluster": {**OVERRIDES["cluster"], "tls": tls}},
+                      data=CRITEO)
+    job = build_job(load_spec(spec))
+    coordinator = roles.oracle(spec)
+    plain = roles.start("plain", "--role", "ps", "--coordinator", coordinator)
+    assert plain.wait(timeout=60) == 2
+    assert "this port speaks TLS only" in roles.log("plain") and "Traceback" not in roles.log("plain"), roles.log("plain")
+    own = ["--tls-ca", str(files.ca), "--tls-cert", str(files.cert), "--tls-key", str(files.key)]
+    ps = [roles.start(f"ps-{i}", "--role", "ps", "--coordinator", coordinator, *own) for i in range(2)]
+    run_dir = tmp_path / "joined-run"
+    trainers = [roles.start(f"trainer-{j}", "--role", "trainer", "--coordinator", coordinator, "--run-dir",
+                            str(run_dir), *own) for j in range(2)]
+    for name, process in [*((f"trainer-{j}", p) for j, p in enumerate(trainers)),
+                          *((f"ps-{i}", p) for i, p in enumerate(ps)), ("oracle", roles.processes[0])]:
+        assert process.wait(timeout=180) == 0, roles.log(name)
+    assert "serving h2 over TLS" in roles.log("ps-0")
+    assert differing_elements(final_model(job, run_dir), run_in_process(job).model) == {}

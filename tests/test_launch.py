@@ -352,6 +352,28 @@ def test_a_cache_too_small_is_refused_before_any_role_starts(tmp_path: Path, mod
     assert (run_dir / "final" / "dense.pt").exists(), "the previous run's outputs were removed"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["oracle", "ps"])
+def test_a_role_whose_port_is_taken_says_so_in_one_line(tmp_path: Path, role: str) -> None:
+    """A second oracle on a port in use exited with a 30-line traceback (EADDRINUSE)."""
+    spec = write_spec(tmp_path, "taken", {})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        flags = (["--oracle-address", address] if role == "oracle"
+                 else ["--index", "0", "--ps-addresses", f"{address},127.0.0.1:0"])
+        done = subprocess.run(
+            [sys.executable, str(LAUNCH), str(spec), "--role", role, *flags, "--admin-port", "0"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "BAGPIPE_TOKEN": TOKEN},
+        )
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"launch.py: cannot listen on {address}: ") and "another process" in last, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")

@@ -23,6 +23,7 @@ from common.checkpoints import latest_complete, manifest_path
 from common.job import Job, build_job
 from common.spec import load_spec
 from launcher.cluster import ClusterResult, LocalCluster, Restart, Role, RoleFailed, run_cluster
+from launcher.inprocess import run_in_process
 from ps.checkpoint import list_checkpoints
 from tests.cluster_helpers import TOKEN, FinalModel, assert_identical, final_model, write_spec
 from trainer.records import IterationRecord, RunTail, read_records, trainer_log_path
@@ -47,8 +48,11 @@ def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Path, Fina
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(whole_run: tuple[Job, Path, FinalModel]) -> FinalModel:
-    return whole_run[2]
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> FinalModel:
+    """The model of the run without a fault, trained in process: the same bits as a real
+    cluster's (tests/trainer/test_cluster.py), for a fraction of the start-up."""
+    directory = tmp_path_factory.mktemp("uninterrupted-in-process")
+    return run_in_process(build_job(load_spec(write_spec(directory, "whole", OVERRIDES)))).model
 
 
 class KillAt:

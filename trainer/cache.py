@@ -31,7 +31,7 @@ class EmbeddingCache:
         return self.state.shape[1]
 
     def index(self, slots: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device.torch_device)
+        return self.device.upload(np.asarray(slots, dtype=np.int64))
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows and state at `slots`."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from common.coordinator import address_towards
+from common.addresses import address_towards
 from common.spec import Endpoint
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"

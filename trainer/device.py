@@ -11,6 +11,7 @@ stand-ins), so the trainer has one code path.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,13 +45,20 @@ class Staged:
     copied: Any  # torch.cuda.Event, or a stand-in that is always done
 
 
+#: Bytes of free staging buffers a pool keeps for reuse; beyond it, the largest go back to
+#: the allocator (pinned memory is the host's to share: a burst must not keep it forever).
+POOL_KEEP_BYTES = 256 << 20
+
+
 class StagingPool:
     """Host buffers reused for host-to-device copies (pinned on CUDA: pinning is slow, and
     only pinned memory copies asynchronously). A buffer is handed out again only once the
-    event of the copy that last read it has completed."""
+    event of the copy that last read it has completed; the smallest that fits is chosen, and
+    at most `keep_bytes` of buffers stay pooled."""
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor], keep_bytes: int = POOL_KEEP_BYTES) -> None:
         self._allocate = allocate
+        self._keep_bytes = keep_bytes
         self._lock = threading.Lock()  # fetches may complete on more than one thread
         self._buffers: list[tuple[torch.Tensor, Event]] = []
 
@@ -58,14 +66,17 @@ class StagingPool:
         """A uint8 buffer of at least `nbytes`, free for writing; `give_back` it with the
         event of the copy that reads it."""
         with self._lock:
-            for i, (buf, event) in enumerate(self._buffers):
-                if buf.numel() >= nbytes and event.query():
-                    return self._buffers.pop(i)[0]
+            fits = [(buf.numel(), i) for i, (buf, event) in enumerate(self._buffers) if buf.numel() >= nbytes and event.query()]
+            if fits:
+                return self._buffers.pop(min(fits)[1])[0]
         return self._allocate(1 << max(nbytes - 1, 1).bit_length())  # a power of two: reusable
 
     def give_back(self, buffer: torch.Tensor, event: Event) -> None:
         with self._lock:
             self._buffers.append((buffer, event))
+            self._buffers.sort(key=lambda held: held[0].numel())
+            while sum(buf.numel() for buf, _ in self._buffers) > self._keep_bytes and len(self._buffers) > 1:
+                self._buffers.pop()  # the largest: freed once nothing refers to it
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -88,10 +99,10 @@ class Device:
         stream, event); callable from any thread."""
         if not self.is_cuda:
             return Staged(torch.from_numpy(np.ascontiguousarray(rows)), torch.from_numpy(np.ascontiguousarray(state)), _NoEvent())
-        host = self.pool.take(rows.nbytes + state.nbytes)
-        host_rows = _view(host, 0, rows)
-        host_state = _view(host, rows.nbytes, state)
         with torch.cuda.device(self.torch_device), torch.cuda.stream(self.copy_stream):
+            host = self.pool.take(rows.nbytes + state.nbytes)
+            host_rows = _view(host, 0, rows)
+            host_state = _view(host, rows.nbytes, state)
             on_device = (host_rows.to(self.torch_device, non_blocking=True),
                          host_state.to(self.torch_device, non_blocking=True))
             copied = torch.cuda.Event()
@@ -113,6 +124,22 @@ class Device:
 
         fetch.add_done_callback(on_done)
         return staged
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        """`array` (indices, a batch's features) as a tensor on the device. On CUDA through
+        pinned memory and without blocking: a copy from pageable memory would make the host
+        wait for the stream each time, several times an iteration. The caching host allocator
+        keeps the pinned copy until the transfer has read it."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if not self.is_cuda:
+            return tensor
+        return tensor.pin_memory().to(self.torch_device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait for the compute stream (on CUDA), so that a phase timed on the host includes
+        the device's work it launched, not only the launches."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.torch_device).synchronize()
 
     def wait_for(self, staged: Staged) -> None:
         """Make the compute stream wait for `staged`'s copy and own its memory from now on."""
@@ -142,6 +169,22 @@ def select_device(kind: Literal["auto", "cpu", "cuda"], local_rank: int) -> Devi
         raise ConfigError("trainers.device", "cuda requested but torch sees no CUDA device")
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        deterministic_kernels()
         torch.cuda.set_device(dev)
         return Device(dev, torch.cuda.Stream(dev))
     return Device(torch.device("cpu"), _NoStream())
+
+
+#: cuBLAS's deterministic workspace setting; read when its first handle is made, so it is
+#: set before any CUDA work.
+CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def deterministic_kernels() -> None:
+    """Make torch pick deterministic CUDA kernels: the backward of `index_select` (the rows a
+    batch reads) would otherwise add a hot row's gradients with atomics, in any order, and
+    modes would no longer be bit-identical. cuBLAS needs a fixed workspace for it (without
+    one the first matmul raises)."""
+    name, value = CUBLAS_WORKSPACE
+    os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)

@@ -192,8 +192,7 @@ class Engine:
         self.cache.apply(a.slots, self._take(grad, a.positions))
         held = self._held.pop(a.iteration, None)
         if held is not None:
-            rows = torch.from_numpy(held.rows).to(self.device)
-            state = torch.from_numpy(held.state).to(self.device)
+            rows, state = self.cache.device.upload(held.rows), self.cache.device.upload(held.state)
             self.cache.optimizer.step(rows, state, self._take(grad, a.held_positions))
             self._send(a.held_keys, rows.cpu().numpy(), state.cpu().numpy(), a.iteration, a.held_flush)
 
@@ -209,7 +208,7 @@ class Engine:
         send = a.send_slots >= 0
         if send.any():
             rows, state = self.cache.read(a.send_slots[send])
-            buf[torch.from_numpy(send).to(self.device)] = torch.cat([rows, state], dim=1)
+            buf[self.cache.device.upload(send)] = torch.cat([rows, state], dim=1)
         # One holder sends, the others add zeros: exact copies. Step 3 runs while it travels.
         self._joined = self.comm.all_reduce(buf)
 
@@ -261,13 +260,17 @@ class Engine:
             # (U + 1, d): the used rows and one more that no input reads, so its gradient is 0
             leaf = self._take(self.cache.rows, np.append(a.used, 0)).detach().requires_grad_()
             uses = self._take(leaf, a.inverse.reshape(-1)).view(*a.inverse.shape, -1)
-            logits = self.model(torch.from_numpy(dense.copy()).to(self.device), uses)  # (b,)
-            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels.copy()).to(self.device))
+            device = self.cache.device
+            logits = self.model(device.upload(dense.copy()), uses)  # (b,)
+            loss = F.binary_cross_entropy_with_logits(logits, device.upload(labels.copy()))
+            device.synchronize()  # each phase times its work on the device too (no-op on the CPU)
         with self.timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            device.synchronize()
         with self.timer.phase("dense_optimizer"):
             self.dense_optimizer.step()
+            device.synchronize()
         self._grad = leaf.grad  # each used slot's gradient, summed over its uses; then zeros
         stats = self._stats
         # Reading the loss waits for the device stream, so on CUDA too the CPU goes on only

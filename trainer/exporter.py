@@ -20,11 +20,11 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from common.errors import ConfigError
+from common.errors import ConfigError, Unavailable
 from common.metrics import Registry
 from common.runtime import connection_limits
 from common.spec import ClusterSpec
-from common.transport import Http1Server, Request, Response, Router
+from common.transport import Http1Server, Request, Response, Router, Tls
 from trainer.records import IterationRecord
 from trainer.timing import PHASES
 
@@ -134,17 +134,18 @@ class ScrapeTarget:
     url: str  # what a Prometheus scrape config names
 
 
-async def serve(metrics: TrainerMetrics, spec: ClusterSpec, token: str) -> ScrapeTarget:
-    """Start trainer `metrics.rank`'s scrape target (on the loop that runs this)."""
+async def serve(metrics: TrainerMetrics, spec: ClusterSpec, token: str, tls: Tls | None = None) -> ScrapeTarget:
+    """Start trainer `metrics.rank`'s scrape target (on the loop that runs this); over TLS
+    only, with `tls`."""
     endpoint = spec.trainers.metrics_endpoint(metrics.rank)
     server = Http1Server(
         metrics.router(), host=endpoint.host, port=endpoint.port, token=token,
-        max_body_bytes=MAX_BODY_BYTES, limits=connection_limits(spec.cluster),
+        max_body_bytes=MAX_BODY_BYTES, limits=connection_limits(spec.cluster), tls=tls,
     )
     try:
         await server.start()
-    except OSError as exc:  # another trainer or service on this host holds the port, say
-        raise ConfigError("trainers.metrics_address", f"trainer {metrics.rank} cannot listen on {endpoint}: {exc}") from exc
-    url = f"http://{endpoint.host}:{server.port}/metrics"
+    except Unavailable as exc:  # another trainer or service on this host holds the port, say
+        raise ConfigError("trainers.metrics_address", f"trainer {metrics.rank} {exc.message}") from exc
+    url = f"{'http' if tls is None else 'https'}://{endpoint.host}:{server.port}/metrics"
     log.info("trainer %d: Prometheus metrics on %s", metrics.rank, url)
     return ScrapeTarget(server, url)

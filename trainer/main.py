@@ -18,7 +18,7 @@ import orjson
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common.coordinator import CoordinatorClient, DenseCheckpoint, Joined, address_towards
+from common.addresses import address_towards
 from common.errors import BagpipeError, ConfigError
 from common.checkpoints import final_paths
 from common.init import initial_rows
@@ -26,7 +26,9 @@ from common.job import Job
 from common.runtime import configure_logging
 from common.spec import Endpoint
 from common.steps import EvalBatch
-from common.transport import run
+from common.transport import Tls, run
+from oracle.coordinator_client import CoordinatorClient
+from oracle.protocol import DenseCheckpoint, Joined
 from ps.client import PsClient
 from trainer.cache import EmbeddingCache
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives
@@ -38,9 +40,11 @@ from trainer.metrics import MetricAccumulator, evaluate
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer, build_embedding_optimizer
 from trainer.records import (
-    CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, MetricsRecord, RecordWriter, trainer_log_path,
+    CheckpointRecord, EvalRecord, FinalRecord, IterationRecord, MetricsRecord, RecordWriter, ThreadsRecord,
+    trainer_log_path,
 )
 from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
+from trainer.threads import THREADS_EVERY, thread_cpu
 from trainer.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -58,9 +62,13 @@ class Peers:
     rendezvous: Rendezvous
 
 
-def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path, resume: bool = False) -> None:
+def run_trainer(
+    job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path, resume: bool = False, tls: Tls | None = None,
+) -> None:
     """Train until the oracle's stream ends; with `resume`, from the latest complete
-    checkpoint (dense state from it, empty cache, directives from the next iteration)."""
+    checkpoint (dense state from it, empty cache, directives from the next iteration). With
+    `tls`, every connection to the oracle and the PS shards, and the metrics port, is TLS;
+    the collectives (gloo, NCCL) are not HTTP and stay as they are (docs/operations.md)."""
     spec = job.spec
     world = spec.trainers.count
     torch.set_num_threads(spec.trainers.threads)
@@ -75,11 +83,11 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
     watcher: concurrent.futures.Future | None = None
     scrapes = None
     try:
-        scrapes = io.run(serve(metrics, spec, token))
+        scrapes = io.run(serve(metrics, spec, token, tls))
         records.write(MetricsRecord(time=time.time(), url=scrapes.url))
         # The coordinator holds checkpoints' dense state and manifests, wherever this runs.
         coordinator = CoordinatorClient(peers.oracle, token=token, transport=spec.cluster.transport,
-                                        reconnect_s=spec.cluster.reconnect_s)
+                                        reconnect_s=spec.cluster.reconnect_s, tls=tls)
         # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
         resumed_from = io.run(coordinator.resumed_from()) if resume else None
         local = spec.oracle.mode == "local"
@@ -93,7 +101,7 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
                 retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
                 resumed_from=-1 if resumed_from is None else resumed_from,
-                trainer=rank, trainers=world,
+                trainer=rank, trainers=world, tls=tls,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
@@ -104,11 +112,11 @@ def run_trainer(job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path,
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
-            timeout_s=spec.cluster.fetch_timeout_s,
+            timeout_s=spec.cluster.fetch_timeout_s, tls=tls,
         )
         oracle = OracleLink(endpoint=peers.oracle, token=token, transport=spec.cluster.transport,
                             timeout_s=spec.cluster.request_timeout_s, retries=spec.cluster.retries,
-                            reconnect_s=spec.cluster.reconnect_s)
+                            reconnect_s=spec.cluster.reconnect_s, tls=tls)
         iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
         engine.drain()
         comm.close()  # every background sum was applied by the drain
@@ -174,9 +182,10 @@ def join_and_run_trainer(
         store = Endpoint(host=coordinator.endpoint.host, port=joined.store.port)
         rendezvous = Rendezvous(store=store, prefix=f"bagpipe/{joined.generation}/")
     peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous)
+    tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
     # A trainer follows the coordinator: it resumes when the run does.
     run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
-                resume=resume or joined.resumed_from is not None)
+                resume=resume or joined.resumed_from is not None, tls=tls)
 
 
 def seeded_model(job: Job, device: Device) -> torch.nn.Module:
@@ -232,6 +241,8 @@ def _train(
         records.write(record)
         metrics.record(record)
         done = stats.iteration + 1
+        if done % THREADS_EVERY == 0:
+            records.write(ThreadsRecord(iteration=done, time=time.time(), cpu=thread_cpu()))
         if spec.train.eval_every:  # without it the predictions are never scored: keep none
             progressive.add(stats.labels, stats.probs)
             if done % spec.train.eval_every == 0:
@@ -250,7 +261,7 @@ class Checkpointer:
     (flushes included), the trainer reports c to every shard, off the critical path; the
     shards snapshot when all trainers reported; rank 0 then sends the dense state to the
     coordinator, which writes it and the manifest that makes the checkpoint complete
-    (`oracle.coordinator`). A failure is logged and training goes on: the previous complete
+    (`oracle.coordinator_service`). A failure is logged and training goes on: the previous complete
     checkpoint still holds."""
 
     def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None,

@@ -1,4 +1,9 @@
-"""Evaluation metrics for click-through prediction: ROC AUC and log loss (scikit-learn)."""
+"""Evaluation metrics for click-through prediction: ROC AUC and log loss, in numpy.
+
+They were scikit-learn's, whose import took about 1.1 s of every trainer's 3.3 s start-up
+for two functions of a few lines: AUC is the Mann-Whitney statistic (ties count one half),
+log loss the mean negative log-likelihood with probabilities clipped to [eps, 1 - eps].
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.metrics import log_loss, roc_auc_score
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -30,7 +34,7 @@ def evaluate(labels: ArrayLike, probs: ArrayLike) -> EvalResult:
     """AUC and mean log loss of predicted click probabilities `probs` against 0/1 `labels`.
 
     Both are 1-D of the same length; tensors may live on any device. Probabilities are
-    clipped away from 0 and 1 by scikit-learn before the logarithm.
+    clipped to [eps, 1 - eps] (float64's eps) before the logarithm.
     """
     y = _to_numpy(labels).astype(np.float64).ravel()
     p = _to_numpy(probs).astype(np.float64).ravel()
@@ -41,10 +45,30 @@ def evaluate(labels: ArrayLike, probs: ArrayLike) -> EvalResult:
     count, positives = int(y.size), int(y.sum())
     if count == 0:
         return EvalResult(auc=math.nan, log_loss=math.nan, count=0, positives=0)
-    # Checked here, not left to scikit-learn, which would warn and may change its answer.
-    auc = float(roc_auc_score(y, p)) if 0 < positives < count else math.nan
-    loss = float(log_loss(y, p, labels=[0.0, 1.0]))
-    return EvalResult(auc=auc, log_loss=loss, count=count, positives=positives)
+    auc = roc_auc(y, p) if 0 < positives < count else math.nan
+    return EvalResult(auc=auc, log_loss=log_loss(y, p), count=count, positives=positives)
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """The probability that a random positive scores above a random negative, ties counting
+    one half: (the positives' rank sum - P (P + 1) / 2) / (P N), ranks of tied scores
+    averaged. Both classes must be present."""
+    order = np.argsort(scores, kind="stable")
+    ranked = scores[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    ends = np.r_[starts[1:], ranked.size]
+    ranks = np.empty(ranked.size)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)  # 1-based, ties averaged
+    positives = labels.sum()
+    negatives = labels.size - positives
+    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def log_loss(labels: np.ndarray, probs: np.ndarray) -> float:
+    """Mean negative log-likelihood of 0/1 `labels` under `probs`, clipped to [eps, 1 - eps]."""
+    eps = np.finfo(np.float64).eps
+    p = np.clip(probs, eps, 1 - eps)
+    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log1p(-p)))
 
 
 class MetricAccumulator:

@@ -78,8 +78,9 @@ class SGD(EmbeddingOptimizer):
 class RowWiseAdagrad(EmbeddingOptimizer):
     """Row-wise Adagrad as TorchRec/FBGEMM's ``EXACT_ROWWISE_ADAGRAD``; one state value per row.
 
-    ``acc += mean(grad², dim=1)`` then ``rows -= lr * grad / (sqrt(acc) + eps)``, with the
-    accumulator starting at `initial_accumulator`.
+    ``acc += mean(grad², dim=1)`` (`mean_of_squares`, in a fixed order) then
+    ``rows -= lr * grad / (sqrt(acc) + eps)``, with the accumulator starting at
+    `initial_accumulator`.
     """
 
     lr: float
@@ -94,8 +95,25 @@ class RowWiseAdagrad(EmbeddingOptimizer):
         return torch.full((n, 1), self.initial_accumulator, dtype=torch.float32)
 
     def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
-        state.add_(grad.square().mean(dim=1, keepdim=True))  # (n, 1)
+        state.add_(mean_of_squares(grad))  # (n, 1)
         rows.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+
+
+def mean_of_squares(grad: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of squares, ``[n, d] -> [n, 1]``, added in one fixed order: a pairwise
+    tree over the columns made of elementwise adds, whatever n, the memory layout or the
+    device. A reduction kernel's grouping may depend on them (on the CPU a transposed
+    layout changes the last bit of ``square().mean(dim=1)``; on a GPU the launch shape, so
+    the number of rows in the call), and modes step different sets of rows together."""
+    level = grad.square()
+    width = level.shape[1]
+    while width > 1:
+        half = width // 2
+        paired = level[:, :half] + level[:, half : 2 * half]
+        if width % 2:  # the odd column out joins the first pair
+            paired[:, :1] += level[:, 2 * half :]
+        level, width = paired, half
+    return level.div_(grad.shape[1]) if grad.shape[1] else level
 
 
 def _check_shapes(rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, width: int) -> None:

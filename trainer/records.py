@@ -7,7 +7,8 @@ One JSON object a line, in the order written, each naming its ``kind``:
 * `EvalRecord` (``"eval"``) after an evaluation, from rank 0 alone;
 * `CheckpointRecord` (``"checkpoint"``) from rank 0 once a checkpoint is complete;
 * `FinalRecord` (``"final"``) when the trainer is done;
-* `MetricsRecord` (``"metrics"``) once its Prometheus scrape target listens.
+* `MetricsRecord` (``"metrics"``) once its Prometheus scrape target listens;
+* `ThreadsRecord` (``"threads"``) every few iterations: the CPU time of each of its threads.
 
 The codec is the wire messages' pair (`ps.protocol`, `common.directive`): `to_wire()` gives
 a record's line, without its newline (``kind`` first, then the fields in the order the
@@ -198,9 +199,23 @@ class MetricsRecord(_Codec):
     url: str
 
 
-Record: TypeAlias = IterationRecord | EvalRecord | CheckpointRecord | FinalRecord | MetricsRecord
+@dataclass(frozen=True, kw_only=True)
+class ThreadsRecord(_Codec):
+    """CPU seconds each thread of the trainer process has used so far, by name
+    (`trainer.threads`), when `iteration` iterations had been trained (the next one's index);
+    written every few iterations."""
+
+    kind: ClassVar[str] = "threads"
+
+    iteration: int
+    time: float
+    cpu: dict[str, float] = field(hash=False)
+
+
+Record: TypeAlias = IterationRecord | EvalRecord | CheckpointRecord | FinalRecord | MetricsRecord | ThreadsRecord
 _KINDS: Mapping[str, type[_Codec]] = {
-    cls.kind: cls for cls in (IterationRecord, EvalRecord, CheckpointRecord, FinalRecord, MetricsRecord)
+    cls.kind: cls
+    for cls in (IterationRecord, EvalRecord, CheckpointRecord, FinalRecord, MetricsRecord, ThreadsRecord)
 }
 
 #: The integer counters of an `IterationRecord` that every record carries.

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from common.directive import Directive
-from common.errors import BagpipeError, Unavailable, WireError
+from common.errors import BagpipeError, TimedOut, Unavailable, WireError
 from common.spec import Endpoint, Transport
-from common.steps import EvalBatch, Step, decode_batch, decode_end, kind_of
-from common.transport import Client, connect_client, read_messages
+from common.steps import EndOfStream, EvalBatch, Step, TrainBatch, kind_of
+from common.transport import Client, Tls, connect_client, read_messages
 from common.transport.retry import RetryBudget
+from oracle.protocol import ACKNOWLEDGE, EVAL, FINISHED, STREAM, EvalRequest, Finished, StreamAck, StreamRequest, ask
 from ps.client import PsClient
 from trainer.io_thread import IoThread
 
@@ -53,14 +53,65 @@ class _Failed:
 _END = object()
 
 
+class _Acknowledger:
+    """Tells the oracle how far this trainer has received its stream (``POST
+    /v1/stream/ack``): the oracle keeps, and plans ahead of, what a trainer has shown it
+    received, never what it merely wrote to the socket. One request at a time, carrying the
+    latest figure: at most one a round trip, however fast steps come. An acknowledgement
+    that fails for want of the oracle is sent again (the planner may be waiting for it);
+    one the oracle refuses stops them, with a warning."""
+
+    def __init__(self, client: Client, trainer: int, endpoint: Endpoint) -> None:
+        self._client, self._trainer, self._endpoint = client, trainer, endpoint
+        self._wanted = self._sent = -1
+        self._task: asyncio.Task[None] | None = None
+        self._refused = False
+
+    def received(self, before: int) -> None:
+        """Every step before `before` has been received."""
+        self._wanted = max(self._wanted, before)
+        if not self._refused and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._send())
+            self._task.add_done_callback(_log_failure)
+
+    async def _send(self) -> None:
+        # Backoff only: acknowledgements go on for as long as the stream (`close`), whose
+        # reader reports an oracle that stays away.
+        budget = RetryBudget(retries=0, window_s=0.0, first_delay_s=0.1)
+        while self._wanted > self._sent:
+            wanted = self._wanted
+            try:
+                await ask(self._client, ACKNOWLEDGE, StreamAck(trainer=self._trainer, next=wanted))
+            except (Unavailable, TimedOut):
+                await budget.wait()
+                continue
+            except BagpipeError as exc:
+                log.warning("the oracle at %s refused this trainer's acknowledgements: %s",
+                            self._endpoint, exc.message)
+                self._refused = True
+                return
+            self._sent = wanted
+            budget.reset()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("acknowledging the directive stream failed", exc_info=exc)
+
+
 class DirectiveStream:
     """Iterates this trainer's steps from the oracle, reading ahead on the I/O thread.
 
     At most `read_ahead` steps are buffered here; beyond that the reader stops taking data
-    and HTTP/2 flow control holds the oracle back. A broken connection is retried with
-    backoff from the first step not yet received (at least `retries` times and for at least
-    `reconnect_s`: an oracle restarted alone serves the same steps again), then reported as
-    `Unavailable` naming the oracle.
+    and HTTP/2 flow control holds the oracle back. Each step received is acknowledged to the
+    oracle (`_Acknowledger`), which plans ahead of the slowest trainer's acknowledgements.
+    A broken connection is retried with backoff from the first step not yet received (at
+    least `retries` times and for at least `reconnect_s`: an oracle restarted alone serves
+    the same steps again), then reported as `Unavailable` naming the oracle.
     """
 
     def __init__(
@@ -76,6 +127,7 @@ class DirectiveStream:
         retries: int = 5,
         reconnect_s: float = 0.0,
         timeout_s: float = 120.0,
+        tls: Tls | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.trainer = trainer
@@ -88,12 +140,14 @@ class DirectiveStream:
         # oracle back) and is cancelled cleanly by `close`.
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._room: asyncio.Semaphore = io.run(_make_semaphore(read_ahead))
-        self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s)
+        self._client = connect_client(transport, endpoint.host, endpoint.port, token=token, timeout=timeout_s,
+                                      tls=tls)
         self._retries = retries
         self._reconnect_s = reconnect_s
         self._timeout_s = timeout_s
         self._io = io
         self._next = start  # first step not yet handed to the queue: where a retry resumes
+        self._acks = _Acknowledger(self._client, trainer, endpoint)
         self._task = io.submit(self._read())
 
     def __iter__(self) -> Iterator[Step]:
@@ -108,7 +162,11 @@ class DirectiveStream:
 
     def close(self) -> None:
         self._task.cancel()
-        self._io.submit(self._client.close()).result(10)
+        self._io.submit(self._shut()).result(10)
+
+    async def _shut(self) -> None:
+        self._acks.close()
+        await self._client.close()
 
     async def _read(self) -> None:
         budget = RetryBudget(self._retries, self._reconnect_s, first_delay_s=0.2)
@@ -136,21 +194,20 @@ class DirectiveStream:
 
     async def _read_from(self, start: int) -> None:
         """Read steps from `start` on; returns when the stream ends."""
-        path = f"/v1/stream?trainer={self.trainer}&start={start}"
-        chunks = self._client.stream("GET", path, timeout=self._timeout_s)
-        pending: tuple[int, np.ndarray, np.ndarray] | None = None
+        target = STREAM.target(StreamRequest(trainer=self.trainer, start=start))
+        chunks = self._client.stream(STREAM.method, target, timeout=self._timeout_s)
+        pending: TrainBatch | None = None
         async for message in read_messages(chunks):
             kind = kind_of(message)
-            if kind == "batch":
-                pending = decode_batch(message)
+            if kind == TrainBatch.KIND:
+                pending = TrainBatch.from_wire(message)
             elif kind == "directive":
-                directive = Directive.from_wire(message)
-                if pending is None or pending[0] != directive.iteration:
-                    raise WireError(f"directive {directive.iteration} arrived without its batch")
-                await self._put(Step(directive=directive, labels=pending[1], dense=pending[2]))
-                self._next, pending = directive.iteration + 1, None
-            elif kind == "end":
-                self.iterations = decode_end(message).iterations
+                step = Step.of(pending, Directive.from_wire(message))
+                await self._put(step)
+                self._next, pending = step.iteration + 1, None
+                self._acks.received(self._next)
+            elif kind == EndOfStream.KIND:
+                self.iterations = EndOfStream.from_wire(message).iterations
                 await self._put(_END)
                 return
             else:
@@ -176,10 +233,11 @@ class OracleLink:
     timeout_s: float
     retries: int
     reconnect_s: float
+    tls: Tls | None = None
 
     def client(self) -> Client:
         e = self.endpoint
-        return connect_client(self.transport, e.host, e.port, token=self.token, timeout=self.timeout_s)
+        return connect_client(self.transport, e.host, e.port, token=self.token, timeout=self.timeout_s, tls=self.tls)
 
     def budget(self) -> RetryBudget:
         return RetryBudget(self.retries, self.reconnect_s, first_delay_s=0.2)
@@ -211,16 +269,17 @@ def eval_batches(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[Eva
 
 def _eval_stream(io: IoThread, oracle: OracleLink, trainer: int) -> Iterator[EvalBatch]:
     client = oracle.client()
-    messages = read_messages(client.stream("GET", f"/v1/eval?trainer={trainer}", timeout=oracle.timeout_s))
+    target = EVAL.target(EvalRequest(trainer=trainer))
+    messages = read_messages(client.stream(EVAL.method, target, timeout=oracle.timeout_s))
     try:
         while True:
             try:
                 message = io.run(_next(messages))
             except StopAsyncIteration:
                 raise Unavailable("held-out stream closed before its end") from None
-            if kind_of(message) == "end":
+            if kind_of(message) == EndOfStream.KIND:
                 return
-            yield EvalBatch.decode(message)
+            yield EvalBatch.from_wire(message)
     finally:
         io.run(messages.aclose())
         io.run(client.close())
@@ -239,7 +298,7 @@ def report_finished(io: IoThread, oracle: OracleLink, trainer: int) -> None:
         try:
             while True:
                 try:
-                    await client.call("POST", "/v1/finished", body=orjson.dumps({"trainer": trainer}))
+                    await ask(client, FINISHED, Finished(trainer=trainer))
                     return
                 except Unavailable as exc:
                     if not budget.allows_retry():

@@ -24,7 +24,7 @@ _KEYS = {
     "rows": "rows", "seed": "seed", "top1_share": "top1_share", "drift": "drift",
     "click_rate": "click_rate", "num_dense": "num_dense", "num_tables": "num_tables",
     "sparse_path": "sparse_path", "label_column": "label_column", "dense_columns": "dense_columns",
-    "sparse_columns": "sparse_columns", "dense_transform": "dense_transform",
+    "sparse_columns": "sparse_columns", "dense_transform": "dense_transform", "workers": "workers",
 }  # fmt: skip
 
 
@@ -40,11 +40,12 @@ def _data_options(p: argparse.ArgumentParser, *, synthetic: bool) -> None:
     p.add_argument("--spec", type=Path, help="TOML file whose [data] section is the base; flags override it")
     if not synthetic:
         p.add_argument("--format", choices=FORMATS)
-        p.add_argument("--path", help="raw file or folder of files, folder of npy days, parquet file or folder "
-                       "(or a preprocessed directory)")
+        p.add_argument("--path", help="raw file, folder of files or glob pattern ('days/day_*.gz'), folder of npy "
+                       "days, parquet file, folder or pattern (or a preprocessed directory)")
         p.add_argument("--hashing", choices=("hash", "dictionary", "none"), help="none: integer ids are rows")
         p.add_argument("--min-frequency", type=int, help="dictionary: rarer values share row 1")
         p.add_argument("--on-error", choices=("fail", "skip"), help="malformed lines: stop (default) or skip")
+        p.add_argument("--workers", type=int, help="conversion processes (default: every core)")
         p.add_argument("--sparse-path", help="criteo-npy: folder of the day_N_sparse*.npy files (default --path)")
         p.add_argument("--label-column", help="parquet: the label column (label)")
         p.add_argument("--dense-columns", type=_names, help="parquet: comma-separated dense columns (I1..I13)")

@@ -11,11 +11,10 @@ column, a wrong dtype or shape, row counts that disagree) always raise.
 from __future__ import annotations
 
 import abc
-import hashlib
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
@@ -32,7 +31,7 @@ class MalformedData(BagpipeError):
     def __init__(self, path: Path, line: int | None, message: str, *, row: int | None = None) -> None:
         where = f"{path}:{line}" if line is not None else f"{path}: row {row}" if row is not None else str(path)
         super().__init__(f"{where}: {message}", file=str(path), line=line, row=row)
-        self.path, self.line, self.row = path, line, row
+        self.path, self.line, self.row, self.why = path, line, row, message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,29 +130,16 @@ def row_errors(start: int, file_of: Callable[[str], Path]) -> Callable[[int, Che
     return lambda i, check: MalformedData(file_of(check.column), None, check.describe(i), row=start + i)
 
 
-def natural_order(paths: list[Path]) -> list[Path]:
-    """``day_2`` before ``day_10``."""
-    return sorted(paths, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
-
-
 def bytes_done(size: int, rows_done: int, rows: int) -> int:
     """Progress, in bytes of a `size`-byte file, once `rows_done` of its `rows` are read
     (binary formats are read by row, not by byte)."""
     return size * rows_done // rows if rows else size
 
 
-def digest_file(digest: hashlib._Hash, file: Path) -> None:
-    """Feed every byte of `file` to `digest` (a file just read: mostly from the page cache)."""
-    with file.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-
-
 class Reader(abc.ABC):
     """A source's rows in a fixed order, as `RawChunk`s. After a full pass of `chunks`,
-    `rows` is the rows delivered, `skipped` the bad ones dropped (skip mode) and `checksum`
-    the blake2b of every source byte, files in order (for the manifest). `on_bytes` is
-    told of the bytes read as they are (progress)."""
+    `rows` is the rows delivered and `skipped` the bad ones dropped (skip mode). `on_bytes`
+    is told of the bytes read as they are (progress)."""
 
     files: list[Path]
     num_dense: int
@@ -163,13 +149,8 @@ class Reader(abc.ABC):
     def __init__(self, *, on_error: str, on_bytes: Callable[[int], None]) -> None:
         self.on_error = on_error
         self.on_bytes = on_bytes
-        self.digest = hashlib.blake2b(digest_size=16)
         self.rows = 0
         self.skipped = 0
-
-    @property
-    def checksum(self) -> str:
-        return self.digest.hexdigest()
 
     @abc.abstractmethod
     def chunks(self) -> Iterator[RawChunk]: ...

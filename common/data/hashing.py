@@ -89,10 +89,15 @@ def hash_rows(ids: np.ndarray, table: int, size: int) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.uint64)
     if size < 2:
         return np.zeros(len(ids), dtype=np.int64)
-    salt = mix64(np.array([table + 1], dtype=np.uint64))
+    salt = np.uint64(hash_salt(table))
     rows = (mix64(ids ^ salt) % np.uint64(size - 1)).astype(np.int64) + 1
     rows[ids == MISSING] = 0
     return rows
+
+
+def hash_salt(table: int) -> int:
+    """The salt of table `table`'s hash: equal raw values in two tables are independent."""
+    return int(mix64(np.array([table + 1], dtype=np.uint64))[0])
 
 
 def direct_rows(ids: np.ndarray, size: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.data.hashing import MISSING, direct_rows, hash_rows
+from common.data.hashing import MISSING, direct_rows, hash_rows, hash_salt
 from common.data.chunks import RawChunk
 
 MISSING_ROW = 0
@@ -31,26 +31,46 @@ class Vocabulary:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         pos = np.minimum(np.searchsorted(self.values, ids), max(len(self.values) - 1, 0))
         found = self.values[pos] == ids if len(self.values) else np.zeros(len(ids), dtype=bool)
-        rows = np.where(found, self.rows[pos] if len(self.rows) else 0, RARE_ROW)
+        rows = np.where(found, self.rows[pos].astype(np.int64) if len(self.rows) else 0, RARE_ROW)
         rows[ids == MISSING] = MISSING_ROW
         return rows.astype(np.int64)
 
 
-class _Counter:
-    """Exact per-value counts of one table, merged chunk by chunk with sorted arrays."""
+class Counter:
+    """Exact per-value counts of one table. Ids are buffered and merged into the sorted
+    counts a million or so at a time: merging costs the distinct values so far, so merging
+    every small chunk would cost their square."""
+
+    FLUSH = 1 << 20
 
     def __init__(self) -> None:
         self.values = np.empty(0, dtype=np.uint64)
         self.counts = np.empty(0, dtype=np.int64)
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
 
     def add(self, ids: np.ndarray) -> None:
-        u, c = np.unique(ids[ids != MISSING], return_counts=True)
-        merged, inverse = np.unique(np.concatenate([self.values, u]), return_inverse=True)
-        weights = np.concatenate([self.counts, c]).astype(np.float64)
+        present = ids[ids != MISSING]
+        self._buffer.append(present)
+        self._buffered += len(present)
+        if self._buffered >= self.FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            u, c = np.unique(np.concatenate(self._buffer), return_counts=True)
+            self._buffer, self._buffered = [], 0
+            self.merge(u, c)
+
+    def merge(self, values: np.ndarray, counts: np.ndarray) -> None:
+        """Add sorted distinct `values` seen `counts` times."""
+        merged, inverse = np.unique(np.concatenate([self.values, values]), return_inverse=True)
+        weights = np.concatenate([self.counts, counts]).astype(np.float64)
         self.values = merged
         self.counts = np.bincount(inverse, weights=weights, minlength=len(merged)).astype(np.int64)
 
     def vocabulary(self, min_frequency: int, cap: int | None) -> Vocabulary:
+        self.flush()
         keep = self.counts >= min_frequency
         values, counts = self.values[keep], self.counts[keep]
         order = np.lexsort((values, -counts))  # most frequent first, then by value
@@ -69,7 +89,7 @@ def build_vocabularies(
 
     `caps` (empty = no cap) bounds each table's size, rows 0 and 1 included.
     """
-    counters = [_Counter() for _ in range(num_tables)]
+    counters = [Counter() for _ in range(num_tables)]
     for chunk in chunks:
         for t, counter in enumerate(counters):
             counter.add(chunk.ids[:, t])
@@ -91,6 +111,29 @@ class RowMapper:
         sizes = caps or tuple(2 + len(v.values) for v in vocabularies)
         return cls(sizes=sizes, vocabularies=tuple(vocabularies))
 
+    @classmethod
+    def load_dictionary(cls, folder: Path, num_tables: int, caps: tuple[int, ...]) -> RowMapper:
+        """The dictionaries `save` wrote into `folder`, memory-mapped (shared by every
+        worker that reads them, never copied)."""
+        vocabs = []
+        for t in range(num_tables):
+            stacked = np.load(folder / vocabulary_file(t), mmap_mode="r")
+            vocabs.append(Vocabulary(values=stacked[0], rows=stacked[1]))
+        return cls.for_dictionary(vocabs, caps)
+
+    def rows_as(self, ids: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """`rows` as `dtype`; hashed tables through the compiled kernel (the same bits,
+        `common.data.kernels.hash_into`: conversion only, since it imports numba)."""
+        if self.ids_are_rows or self.vocabularies is not None or self.direct_tables:
+            return self.rows(ids).astype(dtype, copy=False)
+        from common.data import kernels
+
+        salts = np.array([hash_salt(t) for t in range(len(self.sizes))], dtype=np.uint64)
+        moduli = np.array([max(n - 1, 0) for n in self.sizes], dtype=np.uint64)
+        out = np.empty(ids.shape, dtype=dtype)
+        kernels.hash_into(np.ascontiguousarray(ids, dtype=np.uint64), salts, moduli, out)
+        return out
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         if self.ids_are_rows:
             return np.where(ids == MISSING, MISSING_ROW, ids).astype(np.int64)
@@ -106,9 +149,15 @@ class RowMapper:
 
     def save(self, folder: Path) -> list[str]:
         """Write the dictionaries (if any) as .npy files into `folder`; returns their names."""
-        names: list[str] = []
-        for t, vocab in enumerate(self.vocabularies or ()):
-            name = f"vocab_{t}.npy"
-            np.save(folder / name, np.stack([vocab.values, vocab.rows.astype(np.uint64)]))
-            names.append(name)
-        return names
+        return [save_vocabulary(folder, t, vocab) for t, vocab in enumerate(self.vocabularies or ())]
+
+
+def vocabulary_file(table: int) -> str:
+    return f"vocab_{table}.npy"
+
+
+def save_vocabulary(folder: Path, table: int, vocab: Vocabulary) -> str:
+    """Write one table's dictionary into `folder` (values and rows, uint64 [2, n]); its name."""
+    name = vocabulary_file(table)
+    np.save(folder / name, np.stack([vocab.values, vocab.rows.astype(np.uint64)]))
+    return name

@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from common.data.chunks import (
-    Check, MalformedData, RawChunk, Reader, bytes_done, column_checks, digest_file, id_values, label_values, row_errors,
+    Check, MalformedData, RawChunk, Reader, bytes_done, column_checks, id_values, label_values, row_errors,
 )  # fmt: skip
 from common.data.spec import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, DataSpec
 from common.errors import ConfigError
 
 CHUNK_ROWS = 1 << 18
+PIECE_ROWS = 1 << 22  # rows of a day one conversion worker takes at a time (about 1 GB of arrays)
 _DAY = re.compile(r"day_(\d+)_(?:dense|labels)\.npy")
 # torchrec's names for a day's sparse file: tsv_to_npys and shuffle, sparse_to_contiguous.
 SPARSE_NAMES = ("day_{n}_sparse.npy", "day_{n}_sparse_contig_freq.npy")
@@ -138,19 +139,45 @@ class NpyDaysReader(Reader):
         found = day_files(path, Path(spec.sparse_path) if spec.sparse_path else path)
         self.days = [open_day(files) for files in found]
         self.files = [f for day in self.days for f in day.files.values()]
-        self._sizes = spec.table_sizes if spec.hashing == "none" else None
+        self.sizes = spec.table_sizes if spec.hashing == "none" else None
 
     def chunks(self) -> Iterator[RawChunk]:
         for day in self.days:
-            size, reported = sum(f.stat().st_size for f in day.files.values()), 0
-            for start in range(0, day.rows, CHUNK_ROWS):
-                stop = min(start + CHUNK_ROWS, day.rows)
-                cut = slice(start, stop)
-                chunk, checks = parse_rows(day.labels[cut], day.dense[cut], day.sparse[cut], self._sizes)
-                self.on_bytes(bytes_done(size, stop, day.rows) - reported)
-                reported = bytes_done(size, stop, day.rows)
-                yield self.keep(chunk, checks, row_errors(start, day.file_of))
-            for file in day.files.values():
-                digest_file(self.digest, file)
-            self.on_bytes(size - reported)
+            yield from day_chunks(self, day, 0, day.rows)
+
+
+def day_chunks(reader: Reader, day: Day, first: int, last: int) -> Iterator[RawChunk]:
+    """Rows ``[first, last)`` of `day`, checked (by `reader`'s rule for bad rows), in chunks;
+    the reader's `on_bytes` is told of the day's bytes in proportion."""
+    size = sum(f.stat().st_size for f in day.files.values())
+    sizes = reader.sizes  # type: ignore[attr-defined]
+    for start in range(first, last, CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, last)
+        cut = slice(start, stop)
+        chunk, checks = parse_rows(day.labels[cut], day.dense[cut], day.sparse[cut], sizes)
+        reader.on_bytes(bytes_done(size, stop, day.rows) - bytes_done(size, start, day.rows))
+        yield reader.keep(chunk, checks, row_errors(start, day.file_of))
+
+
+class NpyPiece(Reader):
+    """Rows ``[start, stop)`` of one day (a `Reader`): what a conversion worker or a window
+    of the in-place data set reads."""
+
+    num_dense = len(CRITEO_DENSE_NAMES)
+    tables = CRITEO_SPARSE_NAMES
+
+    def __init__(self, spec: DataSpec, files: dict[str, Path], start: int, stop: int, *,
+                 on_bytes: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
+        super().__init__(on_error=spec.on_error, on_bytes=on_bytes)
+        self.day, self.start, self.stop = open_day(files), start, stop
+        self.files = list(files.values())
+        self.sizes = spec.table_sizes if spec.hashing == "none" else None
+
+    def chunks(self) -> Iterator[RawChunk]:
+        yield from day_chunks(self, self.day, self.start, self.stop)
+
+
+def day_rows(files: dict[str, Path]) -> int:
+    """A day's rows, from its labels file's header (the file is not read)."""
+    return int(_load(files["labels"]).shape[0])
 

@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common.data.chunks import (
-    Check, MalformedData, RawChunk, Reader, bytes_done, column_checks, digest_file, id_values, label_values,
-    natural_order, row_errors,
+    Check, MalformedData, RawChunk, Reader, bytes_done, column_checks, id_values, label_values, row_errors,
 )  # fmt: skip
+from common.data.files import expand
 from common.data.raw import dense_transform
 from common.data.spec import DataSpec
 from common.errors import ConfigError
@@ -44,16 +44,12 @@ _KINDS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
 }  # fmt: skip
 
 
-def parquet_files(path: Path) -> list[Path]:
-    """`path` itself, or a folder's visible ``.parquet`` files in natural order."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise ConfigError("data.path", f"{path} does not exist")
-    files = [p for p in path.iterdir() if p.suffix == ".parquet" and not p.name.startswith((".", "_")) and p.is_file()]
-    if not files:
-        raise ConfigError("data.path", f"{path} holds no .parquet files")
-    return natural_order(files)
+def parquet_files(spec: DataSpec) -> list[Path]:
+    """The spec's parquet files (`common.data.files`): a file, a folder's visible
+    ``.parquet`` files (NVTabular's ``_metadata`` left out), a glob pattern or a list."""
+    if spec.path is None:
+        raise ConfigError("data.path", "is required for format 'parquet'")
+    return expand(spec.path, lambda p: p.suffix == ".parquet" and not p.name.startswith("_"), ".parquet files")
 
 
 def check_schema(path: Path, spec: DataSpec) -> None:
@@ -89,31 +85,37 @@ class ParquetReader(Reader):
     """Streams `RawChunk`s from the parquet files of a spec (a `Reader`; see the module
     docstring). Opening checks every file's schema."""
 
-    def __init__(self, spec: DataSpec, *, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    def __init__(self, spec: DataSpec, *, files: list[Path] | None = None,
+                 on_bytes: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
         if spec.format != "parquet" or spec.path is None:
             raise ConfigError("data.format", f"{spec.format!r} is not parquet")
         super().__init__(on_error=spec.on_error, on_bytes=on_bytes)
         self.spec = spec
-        self.files = parquet_files(Path(spec.path))
+        self.files = parquet_files(spec) if files is None else files
         for file in self.files:
             check_schema(file, spec)
         self.num_dense, self.tables = len(spec.dense_columns), spec.sparse_columns
         self._sizes = spec.table_sizes if spec.hashing == "none" else None
 
     def chunks(self) -> Iterator[RawChunk]:
-        columns = [self.spec.label_column, *self.spec.dense_columns, *self.spec.sparse_columns]
         for file in self.files:
-            source = pq.ParquetFile(file)
-            size, rows, start, reported = file.stat().st_size, source.metadata.num_rows, 0, 0
-            for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
-                chunk, checks = self._parse(batch)
-                errors = row_errors(start, lambda _: file)
-                start += batch.num_rows
-                self.on_bytes(bytes_done(size, start, rows) - reported)
-                reported = bytes_done(size, start, rows)
-                yield self.keep(chunk, checks, errors)
-            digest_file(self.digest, file)
-            self.on_bytes(size - reported)
+            yield from self.file_chunks(file, None)
+
+    def file_chunks(self, file: Path, groups: range | None) -> Iterator[RawChunk]:
+        """The rows of `file` (of its row groups `groups`, when given), checked, in chunks
+        of `CHUNK_ROWS`; bad rows are numbered from the file's first row."""
+        columns = [self.spec.label_column, *self.spec.dense_columns, *self.spec.sparse_columns]
+        source = pq.ParquetFile(file)
+        meta = source.metadata
+        groups = range(meta.num_row_groups) if groups is None else groups
+        start = sum(meta.row_group(g).num_rows for g in range(groups.start))
+        size, rows = file.stat().st_size, meta.num_rows
+        for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=columns, row_groups=list(groups)):
+            chunk, checks = self._parse(batch)
+            errors = row_errors(start, lambda _: file)
+            self.on_bytes(bytes_done(size, start + batch.num_rows, rows) - bytes_done(size, start, rows))
+            start += batch.num_rows
+            yield self.keep(chunk, checks, errors)
 
     def _parse(self, batch: pa.RecordBatch) -> tuple[RawChunk, list[Check]]:
         spec = self.spec

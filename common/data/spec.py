@@ -55,7 +55,8 @@ class DataSpec:
     """
 
     format: Format
-    path: str | None = None
+    # a file, a folder, a glob pattern, or a list of those (`common.data.files`)
+    path: str | tuple[str, ...] | None = None
     cache_dir: str | None = None
     table_sizes: tuple[int, ...] = ()
     hashing: Hashing = "hash"
@@ -63,6 +64,7 @@ class DataSpec:
     eval_fraction: float = 0.0
     seed: int = 0
     on_error: OnError = "fail"
+    workers: int = 0  # conversion processes; 0: one per core
     # synthetic only
     rows: int = 1_000_000
     top1_share: float = 0.92
@@ -84,6 +86,12 @@ class DataSpec:
         _check_choice("dense_transform", self.dense_transform, ("none", "log1p"))
         if self.format != "synthetic" and not self.path:
             raise ConfigError("data.path", f"is required for format {self.format!r}")
+        if not isinstance(self.path, (str, type(None))):
+            object.__setattr__(self, "path", tuple(self.path))
+            if any(type(p) is not str or not p for p in self.path):
+                raise ConfigError("data.path", f"a list of paths must hold non-empty strings, got {list(self.path)!r}")
+            if self.format in ("criteo-npy", "preprocessed"):
+                raise ConfigError("data.path", f"{self.format} reads one folder, not a list")
         if self.hashing == "none" and self.format not in ID_FORMATS:
             raise ConfigError("data.hashing", f"'none' takes integer ids as rows: only {', '.join(ID_FORMATS)} "
                               "have them")  # fmt: skip
@@ -98,6 +106,7 @@ class DataSpec:
         _check_int("min_frequency", self.min_frequency, 1)
         _check_int("rows", self.rows, 1)
         _check_int("seed", self.seed, 0)
+        _check_int("workers", self.workers, 0)
         _check_int("num_dense", self.num_dense, 0)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError("data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
@@ -173,7 +182,7 @@ def _check_int(field: str, value: object, low: int) -> None:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "format": (str,), "path": (str,), "cache_dir": (str,), "table_sizes": (list, tuple),
+    "format": (str,), "path": (str, list), "cache_dir": (str,), "workers": (int,), "table_sizes": (list, tuple),
     "hashing": (str,), "min_frequency": (int,), "eval_fraction": (float, int), "seed": (int,),
     "on_error": (str,), "rows": (int,), "top1_share": (float, int), "drift": (float, int),
     "click_rate": (float, int), "num_dense": (int,), "num_tables": (int,), "sparse_path": (str,),
@@ -188,7 +197,8 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
     Defaults: criteo formats hash into Criteo Kaggle's 26 published cardinalities; avazu
     into `AVAZU_SIZES`; synthetic uses Criteo Kaggle's cardinalities (or the first
     `num_tables` of them); dictionary hashing sizes tables from the data (explicit sizes
-    then cap them). `path` and `cache_dir` are resolved against `base_dir`.
+    then cap them). `path` (each entry of a list, glob patterns too), `cache_dir` and
+    `sparse_path` are resolved against `base_dir`.
     Raises ConfigError naming the first bad or unknown field.
     """
     for key, value in section.items():
@@ -202,9 +212,15 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
         raise ConfigError("data.format", f"is required: one of {FORMATS}")
     fields = dict(section)
     fields.pop("num_tables", None)
-    for key in ("path", "cache_dir", "sparse_path"):
+    for key in ("cache_dir", "sparse_path"):
         if key in fields:
             fields[key] = str((base_dir / fields[key]).resolve())
+    if isinstance(fields.get("path"), list):
+        if not fields["path"] or any(type(p) is not str or not p for p in fields["path"]):
+            raise ConfigError("data.path", "a list of paths must hold one or more non-empty strings")
+        fields["path"] = tuple(str((base_dir / p).resolve()) for p in fields["path"])
+    elif "path" in fields:
+        fields["path"] = str((base_dir / fields["path"]).resolve())
     for key in ("dense_columns", "sparse_columns"):
         if key in fields:
             fields[key] = tuple(fields[key])

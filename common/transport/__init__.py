@@ -1,7 +1,8 @@
-"""HTTP/2 (h2c) and HTTP/1.1 transport shared by every role (DESIGN §7).
+"""HTTP/2 (h2c, or over TLS) and HTTP/1.1 transport shared by every role (DESIGN §7).
 
 Servers serve a `Router` of handlers; clients share one interface (`Client`), so the data
-plane is chosen by name in the cluster spec (`connect_client`). Run services on uvloop with
+plane is chosen by name in the cluster spec (`connect_client`). With `[cluster.tls]`, every
+server and client is given the process's `Tls` (`common.transport.tls`). Run services on uvloop with
 `run` (or `new_event_loop` as an `asyncio.Runner` loop factory).
 """
 
@@ -29,6 +30,7 @@ from common.transport.http import (
 from common.transport.http1 import Http1Client, Http1Server
 from common.transport.limits import ConnectionLimits
 from common.transport.stream import MessageReader, encode_message, read_messages
+from common.transport.tls import Tls, load_tls
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -46,8 +48,10 @@ __all__ = [
     "Response",
     "Router",
     "StreamResponse",
+    "Tls",
     "connect_client",
     "encode_message",
+    "load_tls",
     "new_event_loop",
     "read_messages",
     "run",
@@ -58,13 +62,14 @@ TransportKind = Literal["h2", "http1"]
 
 
 def connect_client(
-    kind: TransportKind, host: str, port: int, token: str | None, timeout: float = 30.0
+    kind: TransportKind, host: str, port: int, token: str | None, timeout: float = 30.0,
+    tls: Tls | None = None,
 ) -> Client:
-    """A client for `kind`; it connects lazily, on its first request."""
+    """A client for `kind` (over TLS with `tls`); it connects lazily, on its first request."""
     if kind == "h2":
-        return H2Client(host, port, token=token, timeout=timeout)
+        return H2Client(host, port, token=token, timeout=timeout, tls=tls)
     if kind == "http1":
-        return Http1Client(host, port, token=token, timeout=timeout)
+        return Http1Client(host, port, token=token, timeout=timeout, tls=tls)
     raise ValueError(f"unknown transport {kind!r} (expected 'h2' or 'http1')")
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import h2.config
@@ -27,6 +27,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
+from h2.frame_buffer import FrameBuffer
 from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import (
     DataFrame,
@@ -56,6 +57,12 @@ FRAMES_PER_TURN = 64
 #: Bodies up to this size are sent as one DATA frame without waiting (`fits_now`); larger
 #: ones go frame by frame through `send_body`, which waits for the transport to drain.
 SMALL_BODY = 64 * 1024
+#: The most a header block (a HEADERS frame and its CONTINUATION frames) may take on the wire.
+#: Ours are a few hundred bytes (a path, the token); h2 alone would buffer 64 frames of
+#: MAX_FRAME_SIZE (64 MiB) before decoding, or judging, any of it (`BoundedFrameBuffer`).
+MAX_HEADER_BLOCK = 32 * 1024
+_FRAME_HEADER = 9
+_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
 
 
 def _quiet(frame_class: type[Frame]) -> type[Frame]:
@@ -72,6 +79,50 @@ _QUIET = {
     cls: _quiet(cls)
     for cls in (DataFrame, HeadersFrame, WindowUpdateFrame, SettingsFrame, RstStreamFrame)
 }
+
+
+class BoundedFrameBuffer(FrameBuffer):
+    """h2's frame buffer judging each frame on its 9-byte header, before its payload is
+    buffered: a frame over the frame size, or over `frame_limit`, and a header block that
+    would grow past `MAX_HEADER_BLOCK`, end the connection at once (h2 waits for the whole
+    frame, and gathers a header block of up to 64 frames, before it looks at either).
+
+    `frame_limit` (None: the frame size) is the largest frame a peer may send yet: a server
+    lowers it until the peer has shown the token (`h2server`).
+    """
+
+    def __init__(self, server: bool = False) -> None:
+        super().__init__(server=server)
+        self.frame_limit: int | None = None
+
+    def __next__(self) -> Frame:
+        if len(self._data) >= _FRAME_HEADER:
+            self._judge(self._data)
+        # FrameBuffer reads on by calling self.__next__ again: every frame passes here.
+        return super().__next__()
+
+    def _judge(self, head: bytearray) -> None:
+        length, kind = int.from_bytes(head[:3], "big"), head[3]
+        if length > self.max_frame_size:
+            raise h2.exceptions.FrameTooLargeError(
+                f"frame of {length} bytes over the frame size {self.max_frame_size}"
+            )
+        if self.frame_limit is not None and length > self.frame_limit:
+            raise h2.exceptions.DenialOfServiceError(
+                f"frame of {length} bytes before the token (at most {self.frame_limit})"
+            )
+        if kind in (_HEADERS, _PUSH_PROMISE, _CONTINUATION):
+            held = sum(len(f.data) for f in self._headers_buffer) if kind == _CONTINUATION else 0
+            if held + length > MAX_HEADER_BLOCK:
+                raise h2.exceptions.DenialOfServiceError(
+                    f"header block over {MAX_HEADER_BLOCK} bytes"
+                )
+
+    def release(self) -> None:
+        """Drop whatever is buffered (the connection is gone): a peer's unfinished frames
+        must not outlive it until the cyclic garbage collector finds the connection."""
+        self._data = bytearray()
+        self._headers_buffer = []
 
 
 class QuietH2Connection(h2.connection.H2Connection):
@@ -94,12 +145,17 @@ class QuietH2Connection(h2.connection.H2Connection):
     arrives within a round trip, and at most `MAX_CONCURRENT_STREAMS` streams are open at
     once, so that many closed ones are kept; a frame for a stream forgotten already would end
     the connection (a protocol error) rather than its stream, and the caller's retry reconnects.
+
+    Frames are judged on their headers before they are buffered (`BoundedFrameBuffer`), and
+    handed to the caller one at a time (`receive_frames`), so that what it decides on one
+    (a request's token) holds for the next.
     """
 
     MAX_CLOSED_STREAMS = MAX_CLOSED_STREAMS
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config=config)
+        self.incoming_buffer: BoundedFrameBuffer = BoundedFrameBuffer(server=not config.client_side)
         # Fresh coders, before any header is coded: h2 sets only the decoder's limit so far.
         self.encoder = MemoEncoder()
         self.decoder = MemoDecoder(self.decoder.max_header_list_size)
@@ -107,27 +163,34 @@ class QuietH2Connection(h2.connection.H2Connection):
         for cls, quiet in _QUIET.items():
             table[quiet] = table[cls]
 
-    def receive_frames(self, data: bytes, limit: int) -> tuple[list[h2.events.Event], bool]:
-        """`receive_data` handling at most `limit` frames: the rest stay buffered for the next
-        call. Returns the events and whether the limit stopped it (frames may remain)."""
+    def receive_frames(
+        self, data: bytes, limit: int, handle: Callable[[list[h2.events.Event]], bool]
+    ) -> bool:
+        """`receive_data` handling at most `limit` frames, each frame's events passed to
+        `handle` before the next frame is read; it returns False to stop reading. The rest
+        stay buffered for the next call. Returns whether frames may remain."""
         buffer = self.incoming_buffer
         if data:
             buffer.add_data(data)
         buffer.max_frame_size = self.max_inbound_frame_size
-        events: list[h2.events.Event] = []
+        for _ in range(limit):
+            events = self._next_frame()
+            if events is None or not handle(events):
+                return False
+        return True
+
+    def _next_frame(self) -> list[h2.events.Event] | None:
+        """The events of the next buffered frame, None if no whole frame is buffered; a
+        frame that breaks the protocol queues GOAWAY and raises ProtocolError."""
         try:
-            for _ in range(limit):
-                frame = next(buffer, None)
-                if frame is None:
-                    return events, False
-                events.extend(self._receive_frame(frame))
+            frame = next(self.incoming_buffer, None)
+            return None if frame is None else self._receive_frame(frame)
         except InvalidPaddingError as exc:  # as receive_data does
             self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
             raise h2.exceptions.ProtocolError("Received frame with invalid padding.") from exc
         except h2.exceptions.ProtocolError as exc:
             self._terminate_connection(exc.error_code)
             raise
-        return events, True
 
     def _receive_frame(self, frame: Any) -> list[h2.events.Event]:
         quiet = _QUIET.get(frame.__class__)
@@ -257,19 +320,23 @@ class H2Protocol(asyncio.Protocol):
         if not self.wants_frames():
             return
         try:
-            events, more = self.conn.receive_frames(data, FRAMES_PER_TURN)
+            more = self.conn.receive_frames(data, FRAMES_PER_TURN, self._handle_frame)
         except h2.exceptions.ProtocolError as exc:
             self.protocol_error(exc)
             self.flush()  # h2 queued a GOAWAY naming the error
             self._fail(Unavailable(f"HTTP/2 protocol error: {exc}"))
             self.close()
             return
+        self.flush()
+        self._pace(more)
+
+    def _handle_frame(self, events: list[h2.events.Event]) -> bool:
+        """Handle one frame's events; whether frames are still wanted."""
         for event in events:
             if isinstance(event, _WINDOW_EVENTS):
                 self.windows_changed.wake()
             self.handle_event(event)
-        self.flush()
-        self._pace(more)
+        return self.wants_frames()
 
     def _pace(self, more: bool) -> None:
         """With frames left over, stop reading the socket and handle them on the next turn of
@@ -340,6 +407,7 @@ class H2Protocol(asyncio.Protocol):
         if self._held is not None:  # nothing more will be read
             self._held.cancel()
             self._held = None
+        self.conn.incoming_buffer.release()
         self._drain_waiters.fail(error)
         self.windows_changed.fail(error)
         self.connection_failed(error)
@@ -375,7 +443,8 @@ class H2Protocol(asyncio.Protocol):
             await self._drain_waiters.wait()
 
     def close(self) -> None:
-        if self.transport is not None:
+        # Once only: asyncio's TLS transport, closed twice, is unhooked from its SSL protocol.
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     # -- flow-controlled sending ----------------------------------------------------------

@@ -1,11 +1,12 @@
-"""HTTP/2 cleartext client: one long-lived multiplexed connection per peer, lazily opened,
-replaced after GOAWAY or connection loss."""
+"""HTTP/2 client, cleartext (h2c) or over TLS: one long-lived multiplexed connection per
+peer, lazily opened, replaced after GOAWAY or connection loss."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -14,7 +15,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
-from common.errors import TimedOut, Unavailable
+from common.errors import BagpipeError, TimedOut, TlsError, Unavailable
 from common.transport.h2base import H2Protocol, StreamGone, Waiters
 from common.transport.http import (
     Body,
@@ -25,6 +26,7 @@ from common.transport.http import (
     body_parts,
     raise_for_answer,
 )
+from common.transport.tls import ALPN, Tls, check_alpn, connect_error, is_inadequate_security
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +87,10 @@ class _Inbound:
 
 
 class _ClientProtocol(H2Protocol):
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, *, tls: bool = False) -> None:
         super().__init__(client_side=True)
         self.peer = peer
+        self.tls = tls
         self.streams: dict[int, _Inbound] = {}
         self.draining = False  # no new streams here: GOAWAY seen or stream ids used up
         self._settings_seen = False
@@ -123,10 +126,26 @@ class _ClientProtocol(H2Protocol):
             self._slots.wake()
         elif isinstance(event, h2.events.ConnectionTerminated):
             # h2 allows no frame after GOAWAY, so nothing in flight can complete here.
-            code = h2.errors.ErrorCodes(event.error_code).name
             self.draining = True
-            self._fail(Unavailable(f"{self.peer} closed the connection (GOAWAY {code})"))
+            self._fail(self._goaway_error(event))
             self.close()
+
+    def _goaway_error(self, event: h2.events.ConnectionTerminated) -> BagpipeError:
+        code = event.error_code if event.error_code is not None else 0
+        if is_inadequate_security(code):  # a TLS port refusing plaintext, or no client certificate
+            said = (event.additional_data or b"").decode(errors="replace")
+            return TlsError(f"{self.peer}: {said}", peer=self.peer)
+        return Unavailable(f"{self.peer} closed the connection (GOAWAY {h2.errors.ErrorCodes(code).name})")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError) and "CERTIFICATE" in str(exc.reason) + str(exc):
+            self._fail(TlsError(f"{self.peer} ended the TLS connection: {exc.reason or exc}", peer=self.peer))
+        elif self.tls and not self._settings_seen:
+            self._fail(Unavailable(
+                f"{self.peer} closed the TLS connection before its first frame ({exc or 'closed'}): a server "
+                "with mutual TLS does so when its CA did not sign this role's certificate"))
+        else:
+            super().connection_lost(exc)
 
     def _data_received(self, event: h2.events.DataReceived) -> None:
         stream_id, size = event.stream_id, event.flow_controlled_length
@@ -213,17 +232,22 @@ class _ClientProtocol(H2Protocol):
 
 
 class H2Client(Client):
-    """Client for one peer over one h2c connection, opened on first use.
+    """Client for one peer over one HTTP/2 connection (h2c, or TLS with `tls`), opened on
+    first use.
 
     After GOAWAY or a lost connection, in-flight requests fail with Unavailable and the next
     request opens a new connection. Requests are never retried: callers know which are
-    idempotent.
+    idempotent. What only a change of configuration mends (TLS spoken to a plaintext port or
+    the other way round, a certificate that does not verify) is a `TlsError`.
     """
 
     def __init__(
-        self, host: str, port: int, *, token: str | None = None, timeout: float = 30.0
+        self, host: str, port: int, *, token: str | None = None, timeout: float = 30.0,
+        tls: Tls | None = None,
     ) -> None:
         self._host, self._port, self._timeout = host, port, timeout
+        self._tls = tls
+        self._scheme = "http" if tls is None else "https"
         self._peer = f"{host}:{port}"
         self._auth = auth_headers(token)
         self._protocol: _ClientProtocol | None = None
@@ -238,13 +262,23 @@ class H2Client(Client):
             if proto is not None and proto.usable:
                 return proto
             loop = asyncio.get_running_loop()
+            secure = {} if self._tls is None else {
+                "ssl": self._tls.client, "server_hostname": self._host,
+                "ssl_handshake_timeout": self._timeout,
+            }
             try:
-                _, proto = await loop.create_connection(
-                    lambda: _ClientProtocol(self._peer), self._host, self._port
+                transport, proto = await loop.create_connection(
+                    lambda: _ClientProtocol(self._peer, tls=self._tls is not None), self._host, self._port,
+                    **secure,
                 )
-            except OSError as exc:
-                message = f"cannot connect to {self._peer}: {exc}"
-                raise Unavailable(message, peer=self._peer) from exc
+            except OSError as exc:  # ssl.SSLError is one
+                raise connect_error(self._peer, exc) from exc
+            if self._tls is not None:
+                try:
+                    check_alpn(transport, self._peer, ALPN["h2"])
+                except TlsError:
+                    transport.close()
+                    raise
             await proto.ready()
             self._protocol = proto
             return proto
@@ -252,7 +286,7 @@ class H2Client(Client):
     def _headers(
         self, method: str, path: str, length: int, extra: dict[str, str] | None
     ) -> list[tuple[str, str]]:
-        headers = [(":method", method), (":scheme", "http"), (":authority", self._peer)]
+        headers = [(":method", method), (":scheme", self._scheme), (":authority", self._peer)]
         headers.append((":path", path))
         if length:
             headers.append(("content-length", str(length)))

@@ -1,9 +1,13 @@
-"""HTTP/2 cleartext (prior knowledge) server over asyncio.
+"""HTTP/2 server over asyncio: cleartext with prior knowledge (h2c), or over TLS (ALPN h2,
+`common.transport.tls`).
 
 A request is admitted on its HEADERS (route, token, declared size) before any of its body
 is read; a refused one is answered at once and the rest of its body dropped unread. Each
 connection is held to `ConnectionLimits`: an idle timeout, a cap on connections per server
-and on streams per connection, and a budget of streams the peer resets (rapid reset).
+and on streams per connection, and a budget of streams the peer resets (rapid reset). A
+connection that has not shown the token yet is a newcomer: it has `auth_timeout_s` to show
+it, may send frames of `NEWCOMER_FRAME_LIMIT` at most, and is closed first when the server
+needs its slot (`limits.Newcomers`).
 
 A request whose handler answers at once with a small body is answered while its read is
 handled, without a task, and every such answer of one read goes out in one write; any
@@ -15,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
+import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import cast
@@ -33,6 +37,7 @@ from common.transport.http import (
     DEFAULT_MAX_BODY_BYTES,
     Answer,
     Gate,
+    PendingAnswer,
     Request,
     Response,
     Route,
@@ -41,9 +46,12 @@ from common.transport.http import (
     body_length,
     body_parts,
     error_response,
+    listening,
+    query_dict,
     start_handler,
 )
-from common.transport.limits import LINGER_S, ConnectionLimits, EventWindow
+from common.transport.limits import LINGER_S, ConnectionLimits, EventWindow, Newcomers
+from common.transport.tls import HANDSHAKE_RECORD, NOT_TLS_ANSWER, Tls, TlsListener
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +65,13 @@ NOT_H2_ANSWER = (
     b"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-type: text/plain\r\n"
     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_NOT_H2_BODY), _NOT_H2_BODY)
 )
+
+
+#: The largest frame a connection may send before it has shown the token: HTTP/2's default
+#: frame size, all a client may assume before it reads our SETTINGS, and more than the
+#: requests a newcomer may make (public ones, without a body) need. Frames are handled one
+#: at a time, so a request with the token lifts the limit before its body's frames are read.
+NEWCOMER_FRAME_LIMIT = 16 * 1024
 
 
 @dataclass(eq=False)
@@ -85,6 +100,7 @@ class _ServerProtocol(H2Protocol):
         self._resets = EventWindow(server.limits.max_resets, server.limits.reset_window_s)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._active_at = 0.0  # loop time of the last activity (`_update_idle`)
+        self._auth_timer: asyncio.TimerHandle | None = None  # while a newcomer
         self.peer = "?"
 
     # -- connection lifecycle ---------------------------------------------------------
@@ -94,15 +110,23 @@ class _ServerProtocol(H2Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.peer = str(transport.get_extra_info("peername"))
         server = self._server
-        if len(server.connections) >= server.limits.max_connections:
+        keep, evicted = server.newcomers.arrive(self, len(server.connections))
+        if not keep:
             server.logs["max_connections"].warning(
-                "refused a connection from %s: %d connections open (max_connections)",
-                self.peer, len(server.connections),
+                "refused a connection from %s: %d connections open, each has shown the token "
+                "(max_connections)", self.peer, len(server.connections),
             )
             self._closing = True
             self.close()
             return
+        if evicted is not None:
+            evicted.cut_off("max_unauthenticated_connections",
+                            "closed the connection from %s to make room: it had not shown the token "
+                            "(max_unauthenticated_connections or max_connections)")
         server.connections.add(self)
+        self.conn.incoming_buffer.frame_limit = NEWCOMER_FRAME_LIMIT
+        loop = asyncio.get_running_loop()
+        self._auth_timer = loop.call_later(server.limits.auth_timeout_s, self._auth_expired)
         self._update_idle()
 
     def data_received(self, data: bytes) -> None:
@@ -136,10 +160,19 @@ class _ServerProtocol(H2Protocol):
         self._closing = True
         if head[:1].isupper():  # a request line: GET / HTTP/1.1
             self._server.logs["not_h2"].info(
-                "HTTP/1.x request from %s on the h2c port: answered 505", self.peer
+                "HTTP/1.x request from %s on the HTTP/2 port: answered 505", self.peer
             )
             if self.transport is not None:
                 self.transport.write(NOT_H2_ANSWER)
+        elif head[:1] == bytes([HANDSHAKE_RECORD]) and self._server.tls is None:
+            self._server.logs["not_tls"].warning(
+                "TLS handshake from %s on a plaintext port: answered that it does not speak TLS",
+                self.peer,
+            )
+            if self.transport is not None:
+                self.transport.write(NOT_TLS_ANSWER)
+            self.goaway(linger=True)  # its handshake unread must not reset the answer
+            return False
         else:
             self._server.logs["not_h2"].warning(
                 "dropped a connection from %s: not HTTP/2 (first bytes %r)", self.peer, head[:16]
@@ -160,10 +193,12 @@ class _ServerProtocol(H2Protocol):
     def connection_failed(self, error: BaseException) -> None:
         self._closing = True
         self._server.connections.discard(self)
+        self._server.newcomers.left(self)
         self._incoming.clear()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        for timer in (self._idle_timer, self._auth_timer):
+            if timer is not None:
+                timer.cancel()
+        self._idle_timer = self._auth_timer = None
         for task in self._tasks.values():
             task.cancel()  # nobody is left to read the answers
 
@@ -196,6 +231,28 @@ class _ServerProtocol(H2Protocol):
         )
         self.goaway(linger=True)
 
+    # -- newcomers: connections that have not shown the token yet ----------------------
+    def _showed_token(self) -> None:
+        """A request with the token: the connection holds its slot from now on."""
+        if self._server.newcomers.showed_token(self):
+            self.conn.incoming_buffer.frame_limit = None
+            if self._auth_timer is not None:
+                self._auth_timer.cancel()
+                self._auth_timer = None
+
+    def _auth_expired(self) -> None:
+        self._auth_timer = None
+        if self in self._server.newcomers:
+            self.cut_off("auth_timeout_s", "closed the connection from %s: no request with the "
+                         f"token within {self._server.limits.auth_timeout_s:g}s (auth_timeout_s)")
+
+    def cut_off(self, limit: str, message: str) -> None:
+        """Close a newcomer now, with GOAWAY if it spoke HTTP/2 (`message` % its peer, logged
+        rate-limited under `limit`): nobody with the token waits for an answer on it."""
+        self._server.logs[limit].info(message, self.peer)
+        self._fail(Unavailable(f"connection closed: {limit}"))
+        self.goaway()
+
     # -- events from the reader -------------------------------------------------------
     def handle_event(self, event: h2.events.Event) -> None:
         if self._closing:
@@ -223,6 +280,8 @@ class _ServerProtocol(H2Protocol):
             return
         try:
             head = _request_head(dict(event.headers or []))
+            if self._auth_timer is not None and self._server.gate.shows_token(head.headers):
+                self._showed_token()
             route = self._server.gate.admit(head.method, head.path, head.headers)
         except Unauthorized as err:
             self._turn_away(stream_id if live else None, err)
@@ -251,8 +310,9 @@ class _ServerProtocol(H2Protocol):
         self.conn.acknowledge_received_data(size, stream_id)
         data = event.data or b""
         incoming.size += len(data)
-        if incoming.size > self._server.gate.max_body_bytes:
-            self._refuse(stream_id, self._server.gate.too_large())
+        gate = self._server.gate
+        if incoming.size > gate.body_limit(incoming.route):
+            self._refuse(stream_id, gate.too_large(gate.body_limit(incoming.route)))
             return
         incoming.chunks.append(data)
 
@@ -315,15 +375,16 @@ class _ServerProtocol(H2Protocol):
 
     # -- request tasks --------------------------------------------------------------------
     def _spawn(self, stream_id: int, coro: object, awaiting: object = None) -> None:
-        """Run `coro` as the stream's task; `awaiting` is a coroutine it takes over, closed if
-        the task is cancelled before it started (so that it is not left never awaited)."""
+        """Run `coro` as the stream's task; `awaiting` is the handler's answer it takes over
+        (a `PendingAnswer`), closed if the task is cancelled before it started (so that the
+        handler's coroutine is not left never awaited)."""
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks[stream_id] = task
         self._server.tasks.add(task)
         task.add_done_callback(lambda t: self._task_done(stream_id, t, awaiting))
 
     def _task_done(self, stream_id: int, task: asyncio.Task[None], awaiting: object) -> None:
-        if task.cancelled() and inspect.iscoroutine(awaiting):
+        if task.cancelled() and isinstance(awaiting, PendingAnswer):
             awaiting.close()  # a no-op once it has run
         self._tasks.pop(stream_id, None)
         self._incoming.pop(stream_id, None)  # answered: the rest of an upload is not read
@@ -464,7 +525,7 @@ def _request_head(headers: dict[str, str]) -> Request:
     return Request(
         method=method,
         path=path,
-        query=dict(query),
+        query=query_dict(query),
         headers={k: v for k, v in headers.items() if not k.startswith(":")},
         body=b"",
     )
@@ -482,11 +543,14 @@ def _split_path(raw_path: str) -> tuple[str, tuple[tuple[str, str], ...]]:
 
 
 class H2Server:
-    """Serves a `Router` over h2c. `port=0` binds a free port, reported by `.port`.
+    """Serves a `Router` over h2c, or over TLS with `tls`. `port=0` binds a free port,
+    reported by `.port`.
 
-    `token=None` disables the bearer check; `limits` bounds connections and streams. `stop()` refuses new streams, lets in-flight
-    requests finish for up to `grace` seconds, then sends GOAWAY and closes (h2 allows no
-    frame after GOAWAY, so in-flight work has to finish first).
+    `token=None` disables the bearer check; `limits` bounds connections and streams. With
+    `sock` (a socket already listening), it serves that instead of binding host and port.
+    `stop()` refuses new streams, lets in-flight requests finish for up to `grace` seconds,
+    then sends GOAWAY and closes (h2 allows no frame after GOAWAY, so in-flight work has to
+    finish first). An address it cannot listen on is `Unavailable` naming it.
     """
 
     def __init__(
@@ -499,20 +563,30 @@ class H2Server:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         limits: ConnectionLimits = ConnectionLimits(),
         grace: float = 5.0,
+        sock: socket.socket | None = None,
+        tls: Tls | None = None,
     ) -> None:
         self.gate = Gate(router, token, max_body_bytes, limits)
         self.limits = limits
+        self.tls = tls
+        self._sock = sock
         self.logs = RateLimitedLogs(logger)  # for what peers can provoke at will
         self.connections: set[_ServerProtocol] = set()
+        self.newcomers: Newcomers[_ServerProtocol] = Newcomers(limits)
         self.tasks: set[asyncio.Task[None]] = set()
         self._host, self._port, self._grace = host, port, grace
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.Server | TlsListener | None = None
 
     @property
     def port(self) -> int:
         if self._server is None:
             raise RuntimeError("server not started")
         return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def connection_count(self) -> int:
+        """Connections held now (newcomers included)."""
+        return len(self.connections)
 
     def connection(self) -> asyncio.Protocol:
         """The protocol of one new connection, as `start` gives the event loop for each; a
@@ -521,8 +595,19 @@ class H2Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self.connection, self._host, self._port)
-        logger.info("h2 server listening on %s:%d", self._host, self.port)
+        if self.tls is not None:
+            listener = TlsListener(self.connection, self.tls, "h2", self.limits, self.logs)
+            async with listening(self._host, self._port):
+                await listener.start(self._host, self._port, backlog=self.limits.max_connections, sock=self._sock)
+            self._server = listener
+        elif self._sock is not None:
+            self._server = await loop.create_server(self.connection, sock=self._sock)
+        else:
+            async with listening(self._host, self._port):
+                self._server = await loop.create_server(
+                    self.connection, self._host, self._port, backlog=self.limits.max_connections
+                )
+        logger.info("h2 server listening on %s:%d%s", self._host, self.port, " (TLS)" if self.tls else "")
 
     async def stop(self) -> None:
         if self._server is None:

@@ -15,22 +15,28 @@ completed their requests, all in one write. An `async def` handler always gets a
 from __future__ import annotations
 
 import abc
+import contextlib
+import errno
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from common.errors import (
+    BadRequest,
     BagpipeError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     Unauthorized,
+    Unavailable,
+    clipped,
     error_from_json,
+    quoted,
 )
 from common.ratelog import RateLimitedLogs
 from common.transport.limits import ConnectionLimits, TokenBucket
@@ -115,6 +121,10 @@ class Router:
             raise ValueError(f"route {method} {path} registered twice")
         by_method[method] = Route(handler=handler, public=public)
 
+    def registered(self) -> set[tuple[str, str]]:
+        """Every (method, path) with a handler."""
+        return {(method, path) for path, by_method in self._routes.items() for method in by_method}
+
     def resolve(self, method: str, path: str) -> Route:
         """The route for a request; raises NotFound (404) or MethodNotAllowed (405)."""
         by_method = self._routes.get(path)
@@ -135,11 +145,39 @@ class TokenCheck:
         self._expected = None if token is None else f"Bearer {token}".encode()
 
     def check(self, headers: dict[str, str]) -> None:
-        if self._expected is None:
-            return
-        given = headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self._expected):
+        if not self.valid(headers):
             raise Unauthorized("missing or wrong bearer token")
+
+    def valid(self, headers: dict[str, str]) -> bool:
+        """Whether `headers` carry the token (always, when the check is disabled)."""
+        if self._expected is None:
+            return True
+        given = headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, self._expected)
+
+
+def query_dict(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A request's query parameters by name; BadRequest naming one given twice, whose
+    meaning would depend on which one a server happens to keep."""
+    query: dict[str, str] = {}
+    for name, value in pairs:
+        if name in query:
+            raise BadRequest(f"query parameter {quoted(name)} is given twice", parameter=clipped(name))
+        query[name] = value
+    return query
+
+
+@contextlib.asynccontextmanager
+async def listening(host: str, port: int) -> AsyncIterator[None]:
+    """Wraps a server's bind: an address it cannot listen on (in use, not this machine's)
+    is an `Unavailable` naming it, one line for the operator, not a socket traceback."""
+    try:
+        yield
+    except OSError as exc:
+        hint = (": another process listens there (a second instance of this role?)"
+                if exc.errno == errno.EADDRINUSE else "")
+        reason = exc.strerror or str(exc)
+        raise Unavailable(f"cannot listen on {host}:{port}: {reason}{hint}", address=f"{host}:{port}") from None
 
 
 def error_response(err: BagpipeError) -> Response:
@@ -169,12 +207,22 @@ class Gate:
         if not route.public:
             self.auth.check(headers)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise self.too_large()
+        if length.isdigit() and int(length) > self.body_limit(route):
+            raise self.too_large(self.body_limit(route))
         return route
 
-    def too_large(self) -> PayloadTooLarge:
-        limit = self.max_body_bytes
+    def body_limit(self, route: Route) -> int:
+        """The largest body `route` takes. Public routes (probes, scrapes) take none: a peer
+        without the token cannot make the server buffer a body."""
+        return 0 if route.public else self.max_body_bytes
+
+    def shows_token(self, headers: dict[str, str]) -> bool:
+        """Whether a request carries the token, admitted or not: its connection then holds
+        its slot (`limits.Newcomers`)."""
+        return self.auth.valid(headers)
+
+    def too_large(self, limit: int | None = None) -> PayloadTooLarge:
+        limit = self.max_body_bytes if limit is None else limit
         return PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
 
     def unauthenticated(self, now: float, peer: str, logs: RateLimitedLogs) -> float:
@@ -207,8 +255,28 @@ def start_handler(route: Route, request: Request) -> Answer | Awaitable[Answer]:
     if isinstance(result, Response | StreamResponse):
         return result
     if inspect.isawaitable(result):
-        return _finish_handler(result, request)
+        return PendingAnswer(result, request)
     return _not_an_answer(request, result)
+
+
+class PendingAnswer:
+    """What `start_handler` gives for a handler that has to wait: an awaitable of its answer,
+    every failure an error answer. A server that will never await it (its request was
+    cancelled first) calls `close`, which closes the handler's coroutine too: left unawaited,
+    it would warn when collected."""
+
+    __slots__ = ("_pending", "_request")
+
+    def __init__(self, pending: Awaitable[object], request: Request) -> None:
+        self._pending, self._request = pending, request
+
+    def __await__(self) -> Generator[Any, None, Answer]:
+        return _finish_handler(self._pending, self._request).__await__()
+
+    def close(self) -> None:
+        """Close the handler's coroutine (a no-op once it has run)."""
+        if inspect.iscoroutine(self._pending):
+            self._pending.close()
 
 
 async def _finish_handler(pending: Awaitable[object], request: Request) -> Answer:

@@ -1,11 +1,13 @@
 """Connection hygiene both servers enforce, the sliding-window counter behind the HTTP/2
-rapid-reset guard and the token bucket behind the unauthenticated-request budget (sans-IO:
-the caller passes the time)."""
+rapid-reset guard, the token bucket behind the unauthenticated-request budget and the
+bookkeeping of connections that have not shown the token yet (sans-IO: the caller passes
+the time and closes what it is told to)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 
 #: How long a connection that is closing with a request body still arriving keeps reading
@@ -22,7 +24,10 @@ class ConnectionLimits:
     * `idle_timeout_s`: a connection with no request in progress for this long is closed
       (HTTP/2 with GOAWAY first), so held-open sockets cannot pile up.
     * `max_connections`: connections served at once; one more is closed as soon as it is
-      accepted, with a log line, so the process keeps file descriptors for its peers.
+      accepted, with a log line, so the process keeps file descriptors for its peers. It is
+      also the listen backlog: a burst of connections (a flood of them among it) waits in
+      the kernel to be accepted and judged, rather than a newcomer's being dropped there and
+      retried by TCP seconds later.
     * `max_concurrent_streams`: HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, enforced.
     * `max_resets` per `reset_window_s`: HTTP/2 streams a peer resets (or that are
       refused) on one connection; past it the connection gets GOAWAY ENHANCE_YOUR_CALM
@@ -35,6 +40,15 @@ class ConnectionLimits:
       which answers a connection's requests in order, the answer itself waits. A flood of
       cheap requests takes a bounded share of the CPU the trainers' requests need.
       Probes and scrapes ask a few times a second.
+    * `auth_timeout_s`: a connection that has not sent a request with the bearer token this
+      long after it was accepted is closed, whatever it sends meanwhile (public requests,
+      a byte now and then). A trainer or shard shows it in its first request; a probe or a
+      scrape reconnects.
+    * `max_unauthenticated_connections`: connections held at once that have not shown the
+      token yet; one more, or one more past `max_connections`, closes the oldest of them
+      (`Newcomers`). Connections without the token can thus never hold a slot a role with
+      it needs: a newcomer is refused only when every slot is taken by peers that have shown
+      the token.
     """
 
     idle_timeout_s: float = 300.0
@@ -44,6 +58,8 @@ class ConnectionLimits:
     reset_window_s: float = 10.0
     unauthenticated_rate: float = 200.0
     unauthenticated_burst: int = 200
+    auth_timeout_s: float = 10.0
+    max_unauthenticated_connections: int = 256
 
 
 class EventWindow:
@@ -79,3 +95,50 @@ class TokenBucket:
         self._at = now
         self._tokens -= 1.0
         return 0.0 if self._tokens >= 0.0 else -self._tokens / self._rate
+
+
+C = TypeVar("C")
+
+
+class Newcomers(Generic[C]):
+    """A server's connections that have not shown the token yet, oldest first, and the
+    slot policy of `ConnectionLimits`: a connection without the token may be closed to make
+    room for a newer one, a connection with it never is.
+
+    `C` is whatever the server uses to name a connection (hashable).
+    """
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self._max_total = limits.max_connections
+        self._max = limits.max_unauthenticated_connections
+        self._waiting: dict[C, None] = {}  # insertion order: oldest first
+
+    def arrive(self, conn: C, held: int) -> tuple[bool, C | None]:
+        """`conn` was just accepted while the server held `held` connections (it not
+        counted): whether to keep it, and the newcomer to close to make room, if any."""
+        if held < self._max_total and len(self._waiting) < self._max:
+            self._waiting[conn] = None
+            return True, None
+        if not self._waiting:  # every slot is held by a peer that showed the token
+            return False, None
+        oldest = next(iter(self._waiting))
+        del self._waiting[oldest]
+        self._waiting[conn] = None
+        return True, oldest
+
+    def showed_token(self, conn: C) -> bool:
+        """`conn` sent a request with the token: it holds its slot from now on. True the
+        first time (the caller stops its deadline)."""
+        if conn not in self._waiting:
+            return False
+        del self._waiting[conn]
+        return True
+
+    def left(self, conn: C) -> None:
+        self._waiting.pop(conn, None)
+
+    def __contains__(self, conn: object) -> bool:
+        return conn in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)

@@ -4,6 +4,11 @@ common/ is what the roles share: it imports none of them, nor the launcher above
 launcher is what `launch.py` runs on top of the roles: nothing but `launch.py`, the
 benchmarks and the tests imports it, so serving and the roles never do (serving reads a
 run's records through `trainer.records`, like the launcher).
+
+The oracle has a client side, which the roles that join it (PS shards, trainers) import,
+and a server side (the planner and numba, the directive streams, the coordinator's routes,
+the data readers), which lives in oracle/ and is imported there only: a PS or a trainer
+never loads it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ COMMON = ROOT / "common"
 ABOVE_COMMON = frozenset({"ps", "trainer", "oracle", "launcher"})
 # Everything but launch.py, bench/ and tests/, which may import the launcher, and the launcher itself.
 BELOW_LAUNCHER = ("common", "ps", "trainer", "oracle", "serving", "examples")
+#: What other roles may import of the oracle: its protocol (which its servers share) and the
+#: coordinator's client. Everything else in oracle/ is its server side.
+ORACLE_CLIENT_SIDE = frozenset({"oracle.protocol", "oracle.coordinator_client"})
+#: The oracle's servers: the directive streams and the coordinator's routes.
+ORACLE_SERVERS = frozenset({"oracle.service", "oracle.coordinator_service"})
 
 
 def imported_packages(source: str) -> set[str]:
@@ -32,6 +42,30 @@ def imported_packages(source: str) -> set[str]:
     return packages
 
 
+def imported_modules(source: str) -> set[str]:
+    """Dotted names of the modules a module imports anywhere; ``from p import x`` imports
+    ``p``, and ``p.x`` too where that is one of ours."""
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module)
+            submodules = (f"{node.module}.{alias.name}" for alias in node.names)
+            modules.update(m for m in submodules if module_path(m).exists())
+    return modules
+
+
+def oracle_modules(path: Path) -> set[str]:
+    """The oracle's modules that `path` imports."""
+    return {m for m in imported_modules(path.read_text()) if m == "oracle" or m.startswith("oracle.")}
+
+
+def module_path(module: str) -> Path:
+    path = ROOT.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
 def sources(*folders: str) -> list[Path]:
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
 
@@ -39,6 +73,7 @@ def sources(*folders: str) -> list[Path]:
 def test_the_walk_sees_every_kind_of_import() -> None:
     source = "import ps.store\nfrom trainer import optim\ndef f():\n    from oracle.config import X\nfrom . import y\n"
     assert imported_packages(source) == {"ps", "trainer", "oracle"}
+    assert imported_modules(source) == {"ps.store", "trainer", "trainer.optim", "oracle.config"}
 
 
 def test_every_top_level_package_is_placed() -> None:
@@ -62,3 +97,31 @@ def test_only_launch_py_the_benchmarks_and_the_tests_import_the_launcher(path: P
 def test_the_records_need_no_torch() -> None:
     """The launcher reads a run's records without loading torch or numpy."""
     assert not imported_packages((ROOT / "trainer" / "records.py").read_text()) & {"torch", "numpy"}
+
+
+@pytest.mark.parametrize("path", sources("ps", "trainer", "serving", "examples"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_other_roles_reach_the_oracle_only_through_its_client_side(path: Path) -> None:
+    assert oracle_modules(path) <= ORACLE_CLIENT_SIDE
+
+
+def test_the_joining_roles_share_the_oracles_client_side() -> None:
+    """The coordinator's client is where a PS shard and a trainer can both use it, and both do."""
+    for role in ("ps/main.py", "trainer/main.py"):
+        assert "oracle.coordinator_client" in oracle_modules(ROOT / role), role
+
+
+@pytest.mark.parametrize("module", sorted(ORACLE_CLIENT_SIDE | {"oracle"}))
+def test_the_oracles_client_side_loads_nothing_of_its_server_side(module: str) -> None:
+    """Its modules (and the package's __init__, which importing them runs) import of the
+    oracle only its client side, and never numba."""
+    imported = imported_modules(module_path(module).read_text())
+    oracle = {m for m in imported if m.startswith("oracle.")}
+    assert oracle <= ORACLE_CLIENT_SIDE and "numba" not in {m.partition(".")[0] for m in imported}
+
+
+@pytest.mark.parametrize("path", [p for p in sources(*BELOW_LAUNCHER, "launcher", "bench") if "oracle" not in p.parts]
+                         + [ROOT / "launch.py"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_oracles_servers_are_imported_in_oracle_only(path: Path) -> None:
+    """The coordinator's routes and the directive streams live in oracle/ and are started by
+    `oracle.main` alone (the launcher and launch.py go through it)."""
+    assert not oracle_modules(path) & ORACLE_SERVERS

@@ -64,6 +64,8 @@ def test_values_are_read_and_typed() -> None:
         ({"cluster": {"unauthenticated_rate": 0}}, "cluster.unauthenticated_rate"),
         ({"cluster": {"unauthenticated_burst": 0}}, "cluster.unauthenticated_burst"),
         ({"cluster": {"max_connections": "lots"}}, "cluster.max_connections"),
+        ({"cluster": {"auth_timeout_s": 0}}, "cluster.auth_timeout_s"),
+        ({"cluster": {"max_unauthenticated_connections": 0}}, "cluster.max_unauthenticated_connections"),
         ({"ps": {"shards": 2, "addresses": ["a:1"]}}, "ps.addresses"),
         ({"ps": {"shards": 1, "addresses": ["nohost"]}}, "ps.addresses[0]"),
         ({"ps": {"shards": 1, "addresses": ["h:99999"]}}, "ps.addresses[0]"),
@@ -116,3 +118,34 @@ def test_spec_toml_round_trips(tmp_path: Path) -> None:
     assert (spec.name, spec.seed, spec.oracle.mode, spec.oracle.lookahead) == ("n", 4, "local", 3)
     assert spec.sections["data"] == {"path": 'a "b"\\c', "sizes": [1, 2]}
     assert spec.checkpoint.restart is True and spec.cluster.request_timeout_s == 2.5
+
+
+def test_cluster_tls_section_names_files_relative_to_the_spec(tmp_path: Path) -> None:
+    assert parse_spec({}, SRC).cluster.tls is None
+    tls = parse_spec({"cluster": {"tls": {"cert": "certs/node.pem", "key": "/keys/node.key", "ca": "ca.pem"}}},
+                     SRC).cluster.tls
+    assert tls is not None and not tls.mutual
+    assert (tls.cert, tls.key, tls.ca) == (Path("/tmp/specs/certs/node.pem"), Path("/keys/node.key"),
+                                           Path("/tmp/specs/ca.pem"))
+    spec = tmp_path / "s.toml"
+    spec.write_text('[cluster.tls]\ncert = "a.pem"\nkey = "a.key"\nca = "ca.pem"\nmutual = true\n')
+    loaded = load_spec(spec).cluster.tls
+    assert loaded is not None and loaded.mutual and loaded.cert == tmp_path / "a.pem"
+
+
+@pytest.mark.parametrize(
+    ("tls", "field"),
+    [
+        ({"key": "k", "ca": "c"}, "cluster.tls.cert"),
+        ({"cert": "a", "ca": "c"}, "cluster.tls.key"),
+        ({"cert": "a", "key": "k", "ca": ""}, "cluster.tls.ca"),
+        ({"cert": "a", "key": "k", "ca": 3}, "cluster.tls.ca"),
+        ({"cert": "a", "key": "k", "ca": "c", "mutual": 1}, "cluster.tls.mutual"),
+        ({"cert": "a", "key": "k", "ca": "c", "verify": False}, "cluster.tls.verify"),
+        ("on", "cluster.tls"),
+    ],
+)
+def test_bad_cluster_tls_fields_are_named(tls: object, field: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_spec({"cluster": {"tls": tls}}, SRC)
+    assert caught.value.field == field

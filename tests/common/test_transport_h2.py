@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import string
 from collections.abc import AsyncIterator
 
 import h2.connection
 import h2.errors
 import h2.events
 import pytest
-from hyperframe.frame import DataFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
 from common.errors import TimedOut, Unavailable
 from common.transport import (
@@ -27,12 +29,13 @@ from common.transport.h2base import (
     FRAMES_PER_TURN,
     MAX_CLOSED_STREAMS,
     MAX_FRAME_SIZE,
+    MAX_HEADER_BLOCK,
     STREAM_WINDOW,
     initiate,
     new_connection,
 )
 from common.transport.h2client import _ClientProtocol
-from common.transport.h2server import _ServerProtocol
+from common.transport.h2server import NEWCOMER_FRAME_LIMIT, _ServerProtocol
 from tests.common.transport_fixtures import (
     BOUNDED,
     TOKEN,
@@ -522,3 +525,115 @@ async def test_http1_on_the_h2c_port_is_told_how_to_connect(server: H2Server) ->
     out, err = await proc.communicate()
     assert proc.returncode == 0, err
     assert b"h2c" in out and out.endswith(b"505")
+
+
+# -- header blocks: bounded before they are buffered ----------------------------------------
+async def _send_raw(raw: RawH2, *frames: bytes) -> None:
+    with contextlib.suppress(ConnectionError):  # the server may hang up mid-way
+        for frame in frames:
+            raw.writer.write(frame)
+            await raw.writer.drain()
+
+
+async def test_a_header_block_past_the_bound_gets_goaway_before_its_frame_arrives(
+    server: H2Server,
+) -> None:
+    """HEADERS without END_HEADERS, then a CONTINUATION frame announcing 1 MiB: GOAWAY
+    ENHANCE_YOUR_CALM on that frame's header, while its payload is still to come (h2 alone
+    buffers 64 such frames before it looks at the block)."""
+    raw = await RawH2.open(server.port)
+    try:
+        headers = HeadersFrame(1, data=bytes(1000))  # no END_HEADERS: a block to continue
+        continuation = ContinuationFrame(1, data=bytes(MAX_FRAME_SIZE)).serialize()
+        await _send_raw(raw, headers.serialize(), continuation[: 64 * 1024])  # the rest never comes
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated),
+                                        timeout=3)
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await raw.close()
+    client = make_client("h2", server.port)
+    try:
+        await _works(client)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+
+
+async def test_a_frame_over_the_frame_size_is_refused_on_its_header(server: H2Server) -> None:
+    raw = await RawH2.open(server.port)
+    try:
+        stream_id = raw.request("POST", "/echo", token=TOKEN, end_stream=False)
+        await raw.flush()
+        oversized = DataFrame(stream_id, data=bytes(MAX_FRAME_SIZE + 1)).serialize()
+        await _send_raw(raw, oversized[: 64 * 1024])
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated),
+                                        timeout=3)
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.FRAME_SIZE_ERROR
+    finally:
+        await raw.close()
+
+
+async def test_a_header_block_within_the_bound_may_span_continuation_frames(
+    server: H2Server,
+) -> None:
+    raw = await RawH2.open(server.port)
+    try:
+        pad = "".join(random.Random(0).choices(string.ascii_letters, k=MAX_HEADER_BLOCK * 3 // 4))
+        stream_id = raw.conn.get_next_available_stream_id()
+        raw.conn.send_headers(stream_id, [
+            (":method", "POST"), (":path", "/echo"), (":scheme", "http"), (":authority", "x"),
+            ("authorization", f"Bearer {TOKEN}"), ("x-pad", pad),
+        ], end_stream=True)
+        sent = raw.conn.data_to_send()
+        await _send_raw(raw, sent)
+        # Over 16 KiB, h2's frame size before it has read our SETTINGS: a CONTINUATION follows.
+        assert 16384 < len(sent) - 9 < MAX_HEADER_BLOCK
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+        answer = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
+        assert dict(answer.headers)[":status"] == "200"
+    finally:
+        await raw.close()
+
+
+async def test_a_closed_connection_lets_go_of_what_it_had_buffered(service: Service) -> None:
+    proto, _, client = _connected(service)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, _post("/echo"))
+    frame = DataFrame(stream_id, data=bytes(MAX_FRAME_SIZE)).serialize()
+    proto.data_received(client.data_to_send() + frame[: len(frame) // 2])  # half a frame
+    assert len(proto.conn.incoming_buffer._data) >= MAX_FRAME_SIZE // 2
+    proto.connection_lost(None)
+    assert len(proto.conn.incoming_buffer._data) == 0
+
+
+def _extension_frame(length: int) -> bytes:
+    """A frame of a type no one knows (h2 ignores it), `length` bytes long, on stream 0."""
+    return length.to_bytes(3, "big") + b"\xfa\x00" + bytes(4) + bytes(length)
+
+
+async def test_a_newcomer_may_send_small_frames_only_until_it_shows_the_token(
+    server: H2Server,
+) -> None:
+    big = _extension_frame(2 * NEWCOMER_FRAME_LIMIT)
+    raw = await RawH2.open(server.port)
+    try:
+        await _send_raw(raw, big[: NEWCOMER_FRAME_LIMIT])  # its header is enough
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.ConnectionTerminated),
+                                        timeout=3)
+        goaway = _goaway(events)
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await raw.close()
+    raw = await RawH2.open(server.port)
+    try:
+        raw.request("GET", "/v1/health", token=TOKEN)
+        await raw.flush()
+        await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+        await _send_raw(raw, big)
+        raw.request("POST", "/echo", token=TOKEN)
+        await raw.flush()
+        events = await raw.events_until(lambda e: isinstance(e, h2.events.StreamEnded))
+        assert _goaway(events) is None
+    finally:
+        await raw.close()

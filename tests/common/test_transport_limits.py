@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.transport import ConnectionLimits
-from common.transport.limits import EventWindow, TokenBucket
+from common.transport.limits import EventWindow, Newcomers, TokenBucket
 
 
 def test_trips_on_the_event_past_the_limit_within_the_window() -> None:
@@ -32,6 +32,7 @@ def test_production_defaults() -> None:
     assert ConnectionLimits() == ConnectionLimits(
         idle_timeout_s=300.0, max_connections=1024, max_concurrent_streams=256,
         max_resets=200, reset_window_s=10.0, unauthenticated_rate=200.0, unauthenticated_burst=200,
+        auth_timeout_s=10.0, max_unauthenticated_connections=256,
     )
 
 
@@ -57,3 +58,34 @@ def test_a_sender_that_waits_as_told_keeps_to_the_rate(
     for i, start in enumerate(times):
         for j in range(i, len(times)):
             assert j - i + 1 <= burst + 1 + rate * (times[j] - start) + 1e-6
+
+
+# -- newcomers: connections that have not shown the token ----------------------------------
+@given(
+    st.lists(st.sampled_from(["arrive", "token", "leave"]), max_size=60),
+    st.integers(1, 6), st.integers(1, 6),
+)
+def test_newcomers_never_keep_out_a_peer_while_one_without_the_token_holds_a_slot(
+    steps: list[str], max_connections: int, budget: int
+) -> None:
+    """Against a model: a newcomer is refused only when every slot is a token holder's; past
+    either bound the oldest newcomer goes; newcomers never exceed their budget."""
+    limits = ConnectionLimits(max_connections=max_connections, max_unauthenticated_connections=budget)
+    newcomers: Newcomers[int] = Newcomers(limits)
+    waiting: list[int] = []  # oldest first
+    trusted: set[int] = set()
+    for n, step in enumerate(steps):
+        if step == "arrive":
+            keep, evicted = newcomers.arrive(n, len(waiting) + len(trusted))
+            full = len(waiting) + len(trusted) >= max_connections or len(waiting) >= budget
+            assert keep == (not full or bool(waiting))
+            assert evicted == (waiting.pop(0) if full and waiting else None)
+            if keep:
+                waiting.append(n)
+        elif waiting and step == "token":
+            assert newcomers.showed_token(waiting[0]) and not newcomers.showed_token(waiting[0])
+            trusted.add(waiting.pop(0))
+        elif waiting:
+            newcomers.left(waiting.pop())
+        assert len(newcomers) == len(waiting) <= budget
+        assert all(c in newcomers for c in waiting) and not any(c in newcomers for c in trusted)

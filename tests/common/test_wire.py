@@ -9,7 +9,7 @@ from hypothesis.extra import numpy as hnp
 
 from common.errors import WireError
 from common import wire
-from common.wire import MEMO_HEADER_BYTES, decode, encode, encode_parts, require
+from common.wire import MEMO_HEADER_BYTES, decode, encode, encode_parts, peer_json, require
 
 DTYPES = ["<f4", "<f8", "<i4", "<i8", "|u1"]
 
@@ -151,3 +151,38 @@ def test_require_checks_presence_dtype_and_rank() -> None:
         require(arrays, "nope", "<i8", 1)
     with pytest.raises(WireError, match="must be 1-d int64"):
         require(arrays, "r", "<i8", 1)
+
+
+def test_an_array_declared_twice_is_refused_naming_it() -> None:
+    """The last one won: a body could say two things about its keys."""
+    head = orjson.dumps({"arrays": [["keys", "<i8", [1]], ["keys", "<i8", [1]]]})
+    body = len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8) + bytes(16)
+    with pytest.raises(WireError, match="'keys' is declared twice") as caught:
+        decode(body)
+    assert caught.value.fields["array"] == "keys"
+
+
+def test_an_error_quotes_at_most_a_few_hundred_bytes_of_the_header() -> None:
+    name = "k" * 100_000
+    for spec in ([name, "<c16", [1]], [name, "<i8", "x" * 100_000], ["x" * 100_000]):
+        head = orjson.dumps({"arrays": [spec]})
+        body = len(head).to_bytes(4, "little") + head + bytes(-(4 + len(head)) % 8)
+        with pytest.raises(WireError) as caught:
+            decode(body)
+        assert len(caught.value.message) < 600
+        assert all(len(str(v)) < 300 for v in caught.value.fields.values())
+
+
+def test_a_header_naming_a_key_twice_is_refused() -> None:
+    header = b'{"meta":{"version":3,"version":9},"arrays":[]}'
+    body = len(header).to_bytes(4, "little") + header
+    with pytest.raises(WireError, match="names the key 'version' twice"):
+        decode(body + bytes(-len(body) % 8))
+
+
+def test_peer_json_takes_colons_in_strings_and_refuses_repeats_at_any_depth() -> None:
+    assert peer_json(b'{"url": "http://a:1", "n": [{"x": 1}]}') == {"url": "http://a:1", "n": [{"x": 1}]}
+    with pytest.raises(WireError, match="'x' twice"):
+        peer_json(b'{"n": [{"x": 1, "x": 2}]}')
+    with pytest.raises(WireError, match="not valid JSON"):
+        peer_json(b"{")

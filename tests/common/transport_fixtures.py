@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from common.transport import (
     Response,
     Router,
     StreamResponse,
+    Tls,
     connect_client,
     encode_message,
 )
@@ -100,13 +102,16 @@ def make_server(
     port: int = 0,
     grace: float = 5.0,
     limits: ConnectionLimits = ConnectionLimits(),
+    sock: socket.socket | None = None,
+    tls: Tls | None = None,
 ) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
-    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace)
+    return cls(router, port=port, token=TOKEN, max_body_bytes=MAX_BODY, limits=limits, grace=grace,
+               sock=sock, tls=tls)
 
 
-def make_client(kind: str, port: int, *, timeout: float = 10.0) -> Client:
-    return connect_client(kind, "127.0.0.1", port, TOKEN, timeout)  # type: ignore[arg-type]
+def make_client(kind: str, port: int, *, timeout: float = 10.0, tls: Tls | None = None) -> Client:
+    return connect_client(kind, "127.0.0.1", port, TOKEN, timeout, tls=tls)  # type: ignore[arg-type]
 
 
 # -- raw peers: what a well-behaved client never sends ------------------------------------
@@ -123,8 +128,8 @@ class RawH2:
         self.eof = False
 
     @classmethod
-    async def open(cls, port: int) -> RawH2:
-        raw = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def open(cls, port: int, tls: Tls | None = None) -> RawH2:
+        raw = cls(*await open_raw(port, tls))
         raw.conn.initiate_connection()
         await raw.flush()
         return raw
@@ -173,6 +178,14 @@ class RawH2:
         self.writer.close()
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
+
+
+async def open_raw(port: int, tls: Tls | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A bare connection to 127.0.0.1:`port`: plain TCP, or a TLS session (handshake done)
+    with `tls`'s client context, inside which a test speaks as it would in clear."""
+    if tls is None:
+        return await asyncio.open_connection("127.0.0.1", port)
+    return await asyncio.open_connection("127.0.0.1", port, ssl=tls.client, server_hostname="127.0.0.1")
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout: float = BOUNDED) -> bytes:

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import pytest
 
-from common.coordinator import free_port
+from common.addresses import free_port
 from launch import parse_args
 from launcher.torchx_component import (
     BAGPIPE_COORDINATOR_MARK, bagpipe, default_python, joined_argv, joined_shell_line, oracle_argv,

@@ -93,6 +93,9 @@ def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_pat
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(KERNELS, src / "oracle" / "kernels", ignore=ignore)
     shutil.copy(ROOT / "oracle" / "__init__.py", src / "oracle")
+    (src / "common").mkdir()
+    for name in ("__init__.py", "numba_cache.py"):  # where oracle/__init__.py sets numba's cache
+        shutil.copy(ROOT / "common" / name, src / "common")
     (src / "plain.py").write_text(textwrap.dedent(
         """
         import numba

@@ -17,7 +17,7 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.steps import decode_end, kind_of
+from common.steps import EndOfStream, kind_of
 from common.transport import Client, H2Server, Http1Server, connect_client, read_messages
 from oracle.service import OracleService
 from tests.oracle.test_service import N, T, TOKEN, config, settled, workload
@@ -76,7 +76,7 @@ async def answer(client: Client, method: str, target: str, headers: dict[str, st
 
     messages = [m async for m in read_messages(body())]
     assert messages and kind_of(messages[-1]) == "end", f"{target}: no end message"
-    decode_end(messages[-1])
+    EndOfStream.from_wire(messages[-1])
     return response.status, len(messages)
 
 

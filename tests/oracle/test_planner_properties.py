@@ -123,14 +123,14 @@ def test_parallel_planning_more(w: Workload) -> None:
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=1000, derandomize=False)
+@settings(FAST, max_examples=250, derandomize=False)
 @given(workloads(checkpointed=True))
 def test_simulation_with_checkpoints_more(w: Workload) -> None:
     check_simulation(w)
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=500, derandomize=False)
+@settings(FAST, max_examples=150, derandomize=False)
 @given(workloads(checkpointed=True))
 def test_equivalence_with_checkpoints_more(w: Workload) -> None:
     check_equivalence(w)
@@ -142,6 +142,14 @@ def test_equivalence_with_checkpoints_more(w: Workload) -> None:
 @given(workloads(checkpointed=True))
 def test_simulation_with_checkpoints_many(w: Workload) -> None:
     check_simulation(w)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@settings(FAST, max_examples=3000, derandomize=False)
+@given(workloads(checkpointed=True))
+def test_equivalence_with_checkpoints_many(w: Workload) -> None:
+    check_equivalence(w)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from common.directive import Directive
 from common.errors import BadRequest, BagpipeError, ConfigError, Conflict
 from common.keys import TableLayout
 from common.spec import Endpoint
-from common.steps import decode_batch, decode_end, kind_of
+from common.steps import EndOfStream, TrainBatch, kind_of
 from common.transport import H2Client, H2Server, read_messages
 from oracle.planner import Planner, PlannerConfig
 from oracle.service import OracleService, Workload
@@ -89,30 +89,35 @@ async def serving(service: OracleService, *, client_token: str | None = TOKEN) -
         await server.stop()
 
 
-async def read(client: H2Client, trainer: int, start: int, limit: int | None = None) -> Received:
-    """Read trainer's stream from `start` to its end, or stop after `limit` steps."""
+async def read(
+    client: H2Client, trainer: int, start: int, limit: int | None = None, *, ack: bool = True
+) -> Received:
+    """Read trainer's stream from `start` to its end, or stop after `limit` steps; with
+    `ack`, acknowledging each step received, as a trainer does."""
     got = Received([], [], [], [])
     # The first step may wait for numba to compile the planner (over 10 s on a cold cache).
     chunks = client.stream("GET", f"/v1/stream?trainer={trainer}&start={start}", timeout=STEP_TIMEOUT_S)
     async with contextlib.aclosing(chunks), contextlib.aclosing(read_messages(chunks)) as messages:
-        pending: tuple[int, np.ndarray, np.ndarray] | None = None
+        pending: TrainBatch | None = None
         async for message in messages:
             got.raw.append(message)
             kind = kind_of(message)
             if kind == "batch":
-                pending = decode_batch(message)
+                pending = TrainBatch.from_wire(message)
             elif kind == "directive":
                 d = Directive.from_wire(message)
-                assert pending is not None and pending[0] == d.iteration and d.trainer == trainer
+                assert pending is not None and pending.iteration == d.iteration and d.trainer == trainer
                 got.directives.append(d)
-                got.labels.append(pending[1])
-                got.dense.append(pending[2])
+                got.labels.append(pending.labels)
+                got.dense.append(pending.dense)
                 pending = None
+                if ack:
+                    await client.call("POST", f"/v1/stream/ack?trainer={trainer}&next={d.iteration + 1}")
                 if limit is not None and len(got.directives) == limit:
                     break
             else:
                 assert kind == "end", kind
-                got.end = decode_end(message).iterations
+                got.end = EndOfStream.from_wire(message).iterations
     return got
 
 
@@ -261,13 +266,13 @@ async def test_a_start_below_the_oldest_kept_step_answers_409() -> None:
 
 
 async def test_a_stray_reader_past_a_trainer_cannot_make_the_oracle_drop_its_steps() -> None:
-    """Trainer 0 read 4 steps and its stream broke; a reader of trainer 0's stream from the
-    run's end neither moves trainer 0's position nor releases the planner, so trainer 1 can
-    run ahead by `max_ahead` only and trainer 0 resumes where it was."""
+    """Trainer 0 read 4 steps and its stream broke; a reader of trainer 0's stream from near
+    the run's end neither moves trainer 0's position nor releases the planner, so trainer 1
+    can run ahead by `max_ahead` only and trainer 0 resumes where it was."""
     service = OracleService(config(), workload(), max_ahead=4)
     async with serving(service) as client:
         first = await read(client, 0, 0, limit=4)  # all the planner may make before trainer 1 reads
-        stray = asyncio.create_task(read(client, 0, N))
+        stray = asyncio.create_task(read(client, 0, N - 2, ack=False))
         other = asyncio.create_task(read(client, 1, 0))
         assert await settled(lambda: service.progress.iterations, 8) == 8
         assert not stray.done() and not other.done()
@@ -276,22 +281,51 @@ async def test_a_stray_reader_past_a_trainer_cannot_make_the_oracle_drop_its_ste
     check_stream(Received(first.directives + rest.directives, first.labels + rest.labels,
                           first.dense + rest.dense, first.raw + rest.raw, rest.end), 0)
     check_stream(late, 1)
-    assert strayed.iterations == [] and strayed.end == N
+    assert strayed.iterations == [N - 2, N - 1] and strayed.end == N
 
 
 async def test_a_second_reader_cannot_take_a_trainers_steps_before_its_first_stream() -> None:
-    """The issue's request: trainer 0's stream from far ahead, before trainer 0 itself
-    connects; trainer 0 then streams from the start, whole."""
+    """Trainer 0's stream from far ahead, before trainer 0 itself connects; trainer 0 then
+    streams from the start, whole."""
     service = OracleService(config(), workload(), max_ahead=4)
     async with serving(service) as client:
-        stray = asyncio.create_task(read(client, 0, N))
+        stray = asyncio.create_task(read(client, 0, N - 2, ack=False))
         other = asyncio.create_task(read(client, 1, 0))
         assert await settled(lambda: service.progress.iterations, 4) == 4
         real = await read(client, 0, 0)
         strayed, late = await asyncio.wait_for(asyncio.gather(stray, other), 10)
     check_stream(real, 0)
     check_stream(late, 1)
-    assert strayed.iterations == [] and strayed.end == N
+    assert strayed.iterations == [N - 2, N - 1] and strayed.end == N
+
+
+async def test_a_reader_that_takes_a_window_of_steps_and_leaves_moves_no_trainer() -> None:
+    """The probe's attack: before the trainers start, a client with the token reads one chunk
+    of trainer 1's stream from 0 and closes, the steps pushed into its flow-control window
+    unread. They do not count as trainer 1's: it then streams from 0, whole, while trainer 0
+    runs ahead by `max_ahead` only."""
+    service = OracleService(config(), workload(), max_ahead=4)
+    async with serving(service) as client:
+        chunks = client.stream("GET", "/v1/stream?trainer=1&start=0", timeout=STEP_TIMEOUT_S)
+        async with contextlib.aclosing(chunks):
+            assert await anext(chunks)
+        assert await settled(lambda: service.buffer.depths().positions[1], 0) == 0  # type: ignore[union-attr]
+        eager = asyncio.create_task(read(client, 0, 0))
+        assert await settled(lambda: service.progress.iterations, 4) == 4
+        late = await read(client, 1, 0)
+        early = await asyncio.wait_for(eager, 10)
+    check_stream(early, 0)
+    check_stream(late, 1)
+
+
+async def test_a_stream_from_the_runs_end_is_answered_at_once() -> None:
+    """A trainer that received every step but the end message asks from the run's length: its
+    end message comes at once, though the planner is held by trainers that read nothing."""
+    service = OracleService(config(), workload(), max_ahead=4)
+    async with serving(service) as client:
+        got = await asyncio.wait_for(read(client, 0, N, ack=False), 10)
+        assert service.progress.iterations <= 4  # held back: nobody read a step
+    assert got.iterations == [] and got.end == N
 
 
 async def test_a_workload_starting_late_streams_from_its_start() -> None:
@@ -329,6 +363,8 @@ def test_the_service_refuses_a_planner_numbered_differently_from_its_workload() 
         ("trainer=0&start=%C2%B2", "start"),  # '²' passes str.isdigit
         (f"trainer=0&start={N + 1}", "start"),  # past the run's end (N alone streams the end)
         ("trainer=0&start=1000000", "start"),
+        ("trainer=0&trainer=1&start=0", "trainer"),  # streamed trainer 1
+        ("trainer=0&start=0&start=5", "start"),
         # past Python's int-string digit limit
         pytest.param(f"trainer={'9' * 4400}&start=0", "trainer", id="trainer-4400-digits"),
         pytest.param(f"trainer=0&start={'1' * 4400}", "start", id="start-4400-digits"),

@@ -10,7 +10,7 @@ import pytest
 
 from common.keys import TableLayout
 from common.spec import Endpoint
-from common.transport import H2Server, Http1Server
+from common.transport import H2Server, Http1Server, Tls
 from ps.client import PsClient
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -37,19 +37,22 @@ class Cluster:
 
 
 def make_service(
-    shard: int, num_shards: int, checkpoint_dir: Path, fetch_timeout_s: float = 5.0, rejoin_trainers: int = 0
+    shard: int, num_shards: int, checkpoint_dir: Path, fetch_timeout_s: float = 5.0, rejoin_trainers: int = 0,
+    num_trainers: int | None = None,
 ) -> PsService:
-    """`rejoin_trainers`: restarted alone, it holds fetches until that many trainers reported."""
+    """`rejoin_trainers`: restarted alone, it holds fetches until that many trainers reported;
+    `num_trainers`: the job's trainer count (None: not told)."""
     cfg = ShardConfig(
-        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=DIM, state_width=1, state_init=0.1, seed=3
+        shard=shard, num_shards=num_shards, layout=LAYOUT, dim=DIM, state_width=1, state_init=0.1,
+        state_min=0.0, seed=3,
     )
     return PsService(ShardStore(cfg), checkpoint_dir=checkpoint_dir / f"ps-{shard}", fetch_timeout_s=fetch_timeout_s,
-                     rejoin_trainers=rejoin_trainers)
+                     rejoin_trainers=rejoin_trainers, num_trainers=num_trainers)
 
 
-def make_server(kind: str, service: PsService, port: int = 0) -> H2Server | Http1Server:
+def make_server(kind: str, service: PsService, port: int = 0, tls: Tls | None = None) -> H2Server | Http1Server:
     cls = H2Server if kind == "h2" else Http1Server
-    return cls(service.router(), host="127.0.0.1", port=port, token=TOKEN, max_body_bytes=MAX_BODY)
+    return cls(service.router(), host="127.0.0.1", port=port, token=TOKEN, max_body_bytes=MAX_BODY, tls=tls)
 
 
 @pytest.fixture(params=["h2", "http1"])

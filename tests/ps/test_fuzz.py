@@ -4,7 +4,7 @@ never hang, and change nothing when refused.
 
 Two tiers over the same cases: in process through the route table (`Gate.admit` and `run_handler`: the decode
 path and the store, many cases) and over loopback on both protocols (HTTP/2 and HTTP/1.1,
-fewer cases). Every case is counted by route and answer; the counts are logged (run with
+each in clear and over TLS, fewer cases). Every case is counted by route and answer; the counts are logged (run with
 ``-o log_cli=true --log-cli-level=INFO`` to see them).
 
 Two answers are not failures, by design: a fetch for a version that does not arrive in the
@@ -31,12 +31,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.errors import BagpipeError, WireError
-from common.transport import Client, Request, Response, connect_client
+from common.transport import Client, Request, Response, Tls, connect_client
 from common.transport.http import Gate, error_response, run_handler
 from ps.protocol import INCARNATION_HEADER, CheckpointReport
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
 from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server, raw_state, same_state
+from tests.tls_fixtures import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ KEYS = st.lists(st.sampled_from(range(0, 40, 2)), min_size=1, max_size=6, unique
 #: JSON values that broke or could break a decoder: types, signs, int64 and uint64 edges.
 INTERESTING: list[Any] = [
     -1, 0, 1, 2, LIMIT, LIMIT + 1, 2**31, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -(2**63),
-    0.5, -0.0, 1e308, True, False, None, "", "7", "evict", "flush", [], [1], {}, {"a": 1},
+    0.5, -0.0, 1e308, True, False, None, "", "7", "evict", "flush", [], [1], ["evict"], {}, {"a": 1},
+    {"evict": 1},
 ]
 WIRE_DTYPES = ["<f4", "<f8", "<i4", "<i8", "<u8", "<i2", "|u1", "|i1", "|O", ">i8", "<c16", 7, None]
 
@@ -312,11 +314,12 @@ async def in_process(service: PsService) -> tuple[Send, Close]:
     return send, close
 
 
-def over(kind: str) -> Connect:
+def over(kind: str, tls: Tls | None = None) -> Connect:
     async def connect(service: PsService) -> tuple[Send, Close]:
-        server = make_server(kind, service)
+        server = make_server(kind, service, tls=tls)
         await server.start()
-        client: Client = connect_client(kind, "127.0.0.1", server.port, token=None, timeout=HANG_S)  # type: ignore[arg-type]
+        client: Client = connect_client(kind, "127.0.0.1", server.port, token=None, timeout=HANG_S,  # type: ignore[arg-type]
+                                        tls=tls)
 
         async def send(case: Case) -> tuple[int, bytes]:
             answer = await client.request(case.method, case.target, body=case.body, headers=dict(case.headers))
@@ -338,9 +341,10 @@ def test_fuzz_in_process_never_5xx_and_refusals_change_nothing(tmp_path: Path) -
     assert any(k.endswith("2xx") for k in counts) and any(k.endswith("4xx") for k in counts)
 
 
+@pytest.mark.parametrize("security", ["plain", "tls"])
 @pytest.mark.parametrize("kind", ["h2", "http1"])
-def test_fuzz_over_loopback_never_5xx_never_hangs(tmp_path: Path, kind: str) -> None:
-    run_fuzz(tmp_path, 150, over(kind))
+def test_fuzz_over_loopback_never_5xx_never_hangs(tmp_path: Path, kind: str, security: str, tls_files: TlsFiles) -> None:
+    run_fuzz(tmp_path, 150, over(kind, tls_files.tls() if security == "tls" else None))
 
 
 @pytest.mark.slow

@@ -191,8 +191,9 @@ BAD_BODIES = [
     (WriteBack, _write_body(_WRITE_META, rows=np.zeros((3, DIM), np.float32)), "rows has 3 rows for 2 keys"),
     (WriteBack, _write_body(_WRITE_META, state=np.zeros((1, 1), np.float32)), "state has 1 rows for 2 keys"),
     (WriteBack, _write_body(_WRITE_META, rows=np.zeros((2, DIM), np.float64)), "2-d float32"),
-    (CheckpointReport, b"{bad json", "body must be a JSON object"),
+    (CheckpointReport, b"{bad json", "body is not valid JSON"),
     (CheckpointReport, b"[4]", "body must be a JSON object"),
+    (CheckpointReport, b'{"checkpoint": 4, "checkpoint": 9, "trainer": 0, "trainers": 1}', "names the key 'checkpoint' twice"),
     (CheckpointReport, b'{"checkpoint": 4, "trainer": 0}', "body lacks ['trainers']"),
     (CheckpointReport, b'{"checkpoint": 4, "trainer": 0, "trainers": 1, "id": 4}', "unexpected fields ['id']"),
     (CheckpointReport, b'{"checkpoint": -1, "trainer": 0, "trainers": 1}', "checkpoint must be a non-negative"),
@@ -255,3 +256,13 @@ def test_the_route_table_is_what_a_shard_serves(tmp_path: Path) -> None:
     assert public == {"/v1/health", "/metrics"}
     guarded = {r.path for r in ROUTES if r.incarnation}
     assert guarded == {"/v1/fetch", "/v1/write_back", "/v1/checkpoint/report", "/v1/checkpoint/snapshot", "/v1/rejoined"}
+
+
+def test_a_refused_value_is_quoted_a_few_hundred_bytes_at_most() -> None:
+    arrays = {"keys": np.zeros(1, np.int64), "rows": np.zeros((1, 2), np.float32),
+              "state": np.zeros((1, 1), np.float32)}
+    for meta in ({"write": "evict", "version": "9" * 1_000_000, "replay": False},
+                 {"write": "evict", "version": 1, "replay": False, "x" * 1_000_000: 1}):
+        with pytest.raises(WireError) as caught:
+            WriteBack.from_wire(encode(meta, arrays))
+        assert len(caught.value.message) < 600

@@ -22,7 +22,7 @@ from common.transport import H2Client
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
 from ps.client import PsClient
 from ps.journal import WriteJournal
-from ps.main import restore_own_latest, start_fresh
+from ps.main import launch_command, restore_own_latest, start_fresh
 from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
 from ps.service import PsService
 from ps.store import ShardConfig, ShardStore
@@ -321,6 +321,18 @@ def test_a_shard_started_without_flags_over_snapshots_refuses_naming_the_command
     start_fresh(service, 0, delete=True)  # --fresh: a new run
     assert list_checkpoints(service.checkpoint_dir) == [] and service.restored == -1
     start_fresh(make_shard(tmp_path / "new"), 0, delete=False)  # nothing on disk: a new run anyway
+
+
+def test_a_shard_joined_through_the_coordinator_is_told_the_command_it_was_started_with(tmp_path: Path) -> None:
+    """It was told the spec's form, which a shard that has no spec cannot run."""
+    service = make_shard(tmp_path)
+    save_snapshot(service.checkpoint_dir, 4, service.store.snapshot(4), {})
+    here, oracle = Endpoint(host="10.0.0.5", port=7001), Endpoint(host="10.0.0.1", port=7000)
+    with pytest.raises(Conflict) as refused:
+        start_fresh(service, 0, delete=False, command=launch_command(0, oracle, here))
+    message = refused.value.message
+    assert "`python launch.py --role ps --coordinator 10.0.0.1:7000 --index 0 --bind 10.0.0.5:7001 --rejoin`" in message
+    assert "SPEC" not in message
 
 
 async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from common.spec import Endpoint
 from common.transport import Client, Request, connect_client
 from common.wire import encode
 from ps.client import PsClient
-from ps.protocol import INCARNATION_HEADER, FetchRequest, Rows
+from ps.protocol import INCARNATION_HEADER, CheckpointReport, FetchRequest, Rows
 from ps.store import Snapshot
 from tests.ps.conftest import (
     DIM, LAYOUT, MAX_BODY, TOKEN, Cluster, make_server, make_service, raw_state, same_state, until,
@@ -136,7 +136,7 @@ def write_body(
     rows: np.ndarray | None = None,
     state: np.ndarray | None = None,
     *,
-    write: str = "evict",
+    write: object = "evict",
     replay: bool = False,
 ) -> bytes:
     n = len(keys)
@@ -169,6 +169,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/write_back", write_body(3, [0], rows=np.zeros((1, DIM), np.float64)), 400, "float32"),
     ("POST", "/v1/write_back", write_body(3, [0, 0]), 400, "same key twice"),
     ("POST", "/v1/write_back", write_body(3, [2], rows=np.full((1, DIM), np.inf, np.float32)), 400, "finite"),
+    # A row-wise Adagrad accumulator below 0: the trainer's sqrt of it was NaN.
+    ("POST", "/v1/write_back", write_body(3, [2], state=np.full((1, 1), -5, np.float32)), 400, "state must be >= 0"),
     # Versions no run produces: they were a 500 after the rows had been overwritten.
     ("POST", "/v1/write_back", write_body(2**63, [0, 2]), 400, "version must be an integer in 0.."),
     ("POST", "/v1/write_back", write_body(2**64 - 1, [0, 2], replay=True), 400, "version must be an integer in 0.."),
@@ -192,6 +194,8 @@ BAD_REQUESTS = [
     ("GET", "/v1/fetch", b"", 405, ""),
     ("POST", "/v1/nope", b"", 404, ""),
     ("POST", "/v1/fetch", bytes(MAX_BODY + 1), 413, ""),
+    ("POST", "/v1/fetch", wire_body({"arrays": [["keys", "<i8", [0]], ["keys", "<i8", [0]]]}), 400, "declared twice"),
+    ("POST", "/v1/fetch?wait=1&wait=2", fetch_body([0]), 400, "given twice"),
 ]
 
 
@@ -210,6 +214,24 @@ async def test_bad_requests_get_4xx_and_nothing_changes(
         # the same connection and the server keep serving, and the data is intact
         ok = await raw.request("GET", "/v1/health")
         assert ok.status == 200
+    finally:
+        await raw.close()
+    got = await cluster.client.fetch(keys)
+    assert np.array_equal(got.rows, rows_for(keys, 1.0)[0]) and (got.versions == 1).all()
+
+
+@pytest.mark.parametrize("write", [["evict"], {"evict": True}, 1, None])
+async def test_a_write_kind_that_is_not_a_string_is_a_400_naming_the_field(
+    cluster: Cluster, write: object
+) -> None:
+    """It was a 500 with a traceback: a list or an object cannot be looked up."""
+    keys = np.array([0, 2], dtype=np.int64)
+    await cluster.client.write_back(keys, *rows_for(keys, 1.0), version=1)
+    raw = connect_client(cluster.transport, "127.0.0.1", cluster.servers[0].port, token=TOKEN)
+    try:
+        answer = await raw.request("POST", "/v1/write_back", body=write_body(3, [0], write=write))
+        payload = orjson.loads(answer.body)
+        assert answer.status == 400 and payload["field"] == "write", payload
     finally:
         await raw.close()
     got = await cluster.client.fetch(keys)
@@ -418,7 +440,7 @@ BAD_REJOIN_REPORTS = [
     (orjson.dumps({"trainers": 3}), "body lacks ['trainer']"),
     (orjson.dumps({"trainer": 1, "trainers": 3, "checkpoint": 4}), "unexpected fields ['checkpoint']"),
     (orjson.dumps([1, 3]), "body must be a JSON object"),
-    (b"{bad json", "body must be a JSON object"),
+    (b"{bad json", "body is not valid JSON"),
 ]
 
 
@@ -473,3 +495,31 @@ async def test_curl_reads_health_over_http2_prior_knowledge(tmp_path) -> None:
     body, _, status = out.decode().rpartition("\n")
     assert status == "2 200"
     assert orjson.loads(body)["role"] == "ps"
+
+
+@pytest.mark.parametrize("trainers", [3, 2**63 - 1])
+async def test_a_checkpoint_report_must_name_the_jobs_trainer_count(tmp_path: Path, trainers: int) -> None:
+    """A report naming more trainers than the job has waited for ever; one naming fewer would
+    snapshot before every trainer's writes had landed."""
+    service = make_service(0, 1, tmp_path, num_trainers=2)
+    report = CheckpointReport(checkpoint=4, trainer=0, trainers=trainers)
+    with pytest.raises(BadRequest, match="job has 2 trainers") as refused:
+        await asyncio.wait_for(service.report_checkpoint(report, _request()), 5)
+    assert refused.value.fields["field"] == "trainers"
+    assert 4 not in service._reports  # nothing waits
+
+
+async def test_reports_that_disagree_on_the_trainer_count_complete_no_snapshot(tmp_path: Path) -> None:
+    """Not told the job's count (a tool's shard), the first report of a checkpoint sets it."""
+    service = make_service(0, 1, tmp_path)
+    first = asyncio.create_task(service.report_checkpoint(
+        CheckpointReport(checkpoint=4, trainer=0, trainers=3), _request()))
+    await until(lambda: 4 in service._reports)  # the first report waits for the others
+    with pytest.raises(BadRequest, match="earlier reports of this checkpoint name 3 trainers"):
+        await service.report_checkpoint(CheckpointReport(checkpoint=4, trainer=1, trainers=2), _request())
+    assert not first.done() and not list((tmp_path / "ps-0").glob("*"))
+    first.cancel()
+
+
+def _request() -> Request:
+    return Request(method="POST", path="/v1/checkpoint/report", query={}, headers={}, body=b"")

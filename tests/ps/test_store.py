@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import BadRequest, Conflict, NotFound
+from common.errors import BadRequest, ConfigError, Conflict, NotFound
 from common.init import initial_rows
 from common.keys import TableLayout
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_leftovers, save_snapshot
@@ -363,3 +363,29 @@ def test_a_version_jump_costs_what_a_near_version_does() -> None:
     assert values(store.snapshot(DEFAULT_VERSION_LIMIT - 1), [1, 2]) == [1.0, 5.0]
     assert not store._saved  # no checkpoint left needs a saved row
     assert values(store.snapshot(), [1, 2]) == [2.0, 3.0]
+
+
+def test_an_accumulator_below_its_floor_is_refused_and_nothing_changes() -> None:
+    """Row-wise Adagrad's state is a sum of squares: a write-back of -5 was stored, and the
+    trainer's sqrt of it then gave NaN."""
+    cfg = ShardConfig(shard=0, num_shards=1, layout=LAYOUT, dim=4, state_width=1, state_init=0.5,
+                      state_min=0.0)
+    store = ShardStore(cfg)
+    keys = np.array([1, 4])
+    rows = np.ones((2, 4), np.float32)
+    for bad in (-5.0, -1e-30):
+        state = np.array([[1.0], [bad]], np.float32)
+        with pytest.raises(BadRequest, match="state must be >= 0") as refused:
+            store.check_write(keys, rows, state, 3)
+        assert refused.value.fields["field"] == "state"
+    local = store.check_write(keys, rows, np.zeros((2, 1), np.float32), 3)  # 0 itself is fine
+    assert store.write_back(local, rows, np.zeros((2, 1), np.float32), 3) == 2
+    with pytest.raises(ConfigError, match="state_init"):
+        ShardConfig(shard=0, num_shards=1, layout=LAYOUT, dim=4, state_width=1, state_init=-1.0, state_min=0.0)
+
+
+def test_the_ps_takes_its_state_floor_from_the_optimizer() -> None:
+    from common.optimizer_spec import OptimizerSpec
+
+    assert OptimizerSpec(embedding="rowwise_adagrad").state_min == 0.0
+    assert OptimizerSpec(embedding="sgd").state_min is None

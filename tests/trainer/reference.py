@@ -22,7 +22,7 @@ would not even agree with itself across machines.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,13 +119,15 @@ def reference_train(
     seed: int,
     batches: Iterable[Batch],
     num_dense: int,
-    slices: int = 1,
+    slices: int | Callable[[int], int] = 1,
 ) -> ReferenceResult:
     """Train on every batch of `batches` in order (on one torch thread, as `slices`
-    trainers would) and return the final parameters."""
+    trainers would: a count, or the count of each iteration, for a run resumed with another
+    number of trainers) and return the final parameters."""
     torch.set_num_threads(1)
     trainer = ReferenceTrainer(model_spec, optimizer_spec, layout, seed, num_dense)
-    losses = tuple(trainer.step(*batch, slices=slices) for batch in batches)
+    count = slices if callable(slices) else (lambda _: slices)
+    losses = tuple(trainer.step(*batch, slices=count(x)) for x, batch in enumerate(batches))
     return ReferenceResult(
         dense_state={k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         table=trainer.table,

@@ -109,3 +109,10 @@ def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does() -> None:
     for got in _ranks(world, "ddp-3", work):
         assert isinstance(got, list)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_in_process_groups_serve_cuda_tensors_too() -> None:
+    """DDP's constructor broadcasts parameters on their own device, even at T = 1: the
+    harness's groups must have a backend for CUDA as well as for the CPU."""
+    group = process_groups(1, "devices")[0]
+    assert group._get_backend(torch.device("cuda")) is group._get_backend(torch.device("cpu"))

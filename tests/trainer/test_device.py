@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from trainer.device import StagingPool, select_device
+from trainer.device import CUBLAS_WORKSPACE, StagingPool, deterministic_kernels, select_device
 
 
 @dataclass
@@ -66,3 +67,35 @@ def test_a_buffer_is_reused_only_once_its_copy_is_done() -> None:
     assert pool.take(1024) is first
     assert pool.take(2000) is not second and made[-1] == 2048
     assert len(pool) == 1
+
+
+def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_a_bounded_amount() -> None:
+    pool = StagingPool(lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), keep_bytes=3000)
+    done = FakeEvent(done=True)
+    for size in (2048, 512, 1024):
+        pool.give_back(torch.empty(size, dtype=torch.uint8), done)
+    assert len(pool) == 2  # 3,584 bytes would exceed 3,000: the largest (2,048) went
+    assert pool.take(600).numel() == 1024  # best fit, not the first that fits
+    assert pool.take(100).numel() == 512
+
+
+def test_cuda_runs_with_deterministic_kernels_and_a_cublas_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `select_device` sets up for CUDA (callable on the CPU): without it the backward
+    of index_select adds a hot row's gradients with atomics, in any order."""
+    name, value = CUBLAS_WORKSPACE
+    monkeypatch.delenv(name, raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ[name] == value
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_uploads_on_the_cpu_are_the_arrays_themselves() -> None:
+    device = select_device("cpu", 0)
+    a = np.arange(5, dtype=np.int64)
+    t = device.upload(a)
+    assert t.dtype == torch.int64 and t.tolist() == a.tolist()
+    device.synchronize()  # a no-op without CUDA

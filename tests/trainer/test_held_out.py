@@ -35,7 +35,7 @@ HELD_OUT = textwrap.dedent(
     comm = Collectives(world_size=1, rank=0, group=process_groups(1)[0])
     engine = build_engine(job, device, comm, None, seeded_model(job, device))
     batches = [
-        EvalBatch.decode(EvalBatch(keys=job.layout.to_keys(b.sparse), dense=b.dense, labels=b.labels).encode())
+        EvalBatch.from_wire(EvalBatch(keys=job.layout.to_keys(b.sparse), dense=b.dense, labels=b.labels).to_wire())
         for b in open_dataset(job.data).eval_batches(job.spec.train.batch_size)
     ]
     warnings.simplefilter("error")

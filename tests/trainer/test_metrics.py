@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import MetricAccumulator, evaluate
+from trainer.metrics import MetricAccumulator, evaluate, log_loss, roc_auc
 
 
 def test_auc_and_log_loss_by_hand() -> None:
@@ -64,3 +64,18 @@ def test_rejects_mismatched_or_non_binary_input() -> None:
         MetricAccumulator().add(np.zeros(3), np.zeros(2))
     with pytest.raises(ValueError, match="0 or 1"):
         evaluate(np.array([0.0, 2.0]), np.array([0.5, 0.5]))
+
+
+def test_auc_is_the_share_of_correctly_ordered_pairs_ties_counting_half() -> None:
+    rng = np.random.default_rng(3)
+    labels = (rng.random(300) < 0.4).astype(np.float64)
+    scores = rng.integers(0, 20, 300) / 20.0  # many ties
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    assert roc_auc(labels, scores) == pytest.approx(pairs / (pos.size * neg.size), rel=1e-12)
+
+
+def test_log_loss_clips_certain_predictions() -> None:
+    # A sure but wrong prediction costs -log(eps), not infinity.
+    loss = log_loss(np.array([1.0, 0.0]), np.array([0.0, 0.0]))
+    assert loss == pytest.approx(-math.log(np.finfo(np.float64).eps) / 2)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
-from trainer.optim import SGD, RowWiseAdagrad, build_dense_optimizer, build_embedding_optimizer
+from trainer.optim import SGD, RowWiseAdagrad, build_dense_optimizer, build_embedding_optimizer, mean_of_squares
 
 
 def test_sgd_by_hand() -> None:
@@ -130,3 +130,26 @@ def test_the_built_optimizer_keeps_the_row_state_its_spec_announces(embedding: s
     state = build_embedding_optimizer(spec).initial_state(3)
     assert state.shape == (3, spec.state_width)
     assert (state == spec.state_init).all()
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 16, 17, 64])
+def test_a_rows_adagrad_state_does_not_depend_on_the_rows_stepped_with_it_or_their_layout(dim: int) -> None:
+    """Modes step different sets of rows together (sync_now, sync_later, rows held back): a
+    row's new state must be the same bits whichever. `square().mean(dim=1)` fails this on
+    the CPU for a transposed layout (and on a GPU its grouping follows the launch shape)."""
+    g = torch.Generator().manual_seed(dim)
+    grad = torch.randn(300, dim, generator=g) * 10.0 ** torch.randint(-3, 4, (300, dim), generator=g)
+    opt = RowWiseAdagrad(lr=0.1)
+
+    def stepped(grads: torch.Tensor) -> torch.Tensor:
+        rows, state = torch.ones(grads.shape), torch.full((grads.shape[0], 1), 0.5)
+        opt.step(rows, state, grads)
+        return torch.cat([rows, state], dim=1)
+
+    together = stepped(grad)
+    alone = torch.cat([stepped(grad[i : i + 1]) for i in range(grad.shape[0])])
+    assert torch.equal(together, alone)
+    assert torch.equal(together[::7], stepped(grad[::7].clone()))
+    assert torch.equal(together, stepped(grad.t().contiguous().t()))
+    exact = grad.double().square().mean(dim=1)
+    assert torch.allclose(mean_of_squares(grad).squeeze(1).double(), exact, rtol=1e-6)

@@ -18,7 +18,8 @@ from common.directive import Directive
 from common.errors import BadRequest, TimedOut, Unavailable
 from common.spec import Endpoint
 from common.steps import EndOfStream, Step
-from common.transport import H2Server, Request, Router, StreamResponse, encode_message
+from common.transport import H2Server, Response, Router, StreamResponse, encode_message
+from oracle.protocol import ACKNOWLEDGE, STREAM, StreamAck, StreamRequest, add_handlers
 from ps.client import PsClient
 from tests.ps.conftest import DIM, TOKEN, make_server, make_service
 from trainer.io_thread import IoThread
@@ -76,14 +77,24 @@ class FlakyOracle:
     def __init__(self, total: int, break_after: int) -> None:
         self.total, self.break_after = total, break_after
         self.starts: list[int] = []
+        self.acknowledged = 0  # the highest `next` acknowledged
+        self.acks = 0
+        self.refuse_acks = False
 
     def router(self) -> Router:
         router = Router()
-        router.add("GET", "/v1/stream", self.stream)
+        add_handlers(router, {STREAM: self.stream, ACKNOWLEDGE: self.ack})
         return router
 
-    async def stream(self, request: Request) -> StreamResponse:
-        start = int(request.query["start"])
+    def ack(self, ack: StreamAck) -> Response:
+        if self.refuse_acks:
+            raise BadRequest("no acknowledgements here")
+        self.acks += 1
+        self.acknowledged = max(self.acknowledged, ack.next)
+        return Response(status=204)
+
+    async def stream(self, ask: StreamRequest) -> StreamResponse:
+        start = ask.start
         self.starts.append(start)
         return StreamResponse(chunks=self._chunks(start, broken=len(self.starts) == 1))
 
@@ -92,8 +103,8 @@ class FlakyOracle:
             if broken and x == self.break_after:
                 raise RuntimeError("connection dropped")  # the server resets the stream
             step = _step(x)
-            yield encode_message(step.encode_batch()) + encode_message(step.directive.to_wire())
-        yield encode_message(EndOfStream(iterations=self.total).encode())
+            yield encode_message(step.batch.to_wire()) + encode_message(step.directive.to_wire())
+        yield encode_message(EndOfStream(iterations=self.total).to_wire())
 
 
 @contextmanager
@@ -121,6 +132,31 @@ def test_a_broken_directive_stream_resumes_where_it_stopped() -> None:
     assert all(s.labels[0] == s.iteration and s.directive.input_slots[0, 0] == s.iteration for s in steps)
     assert oracle.starts == [0, 3]
     assert stream.iterations == 7
+
+
+def _until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)  # the acknowledgements travel on the I/O thread
+
+
+def test_the_stream_acknowledges_what_it_received_one_request_at_a_time() -> None:
+    oracle = FlakyOracle(total=200, break_after=10**6)
+    with streaming(oracle) as (_, stream):
+        steps = list(stream)
+        _until(lambda: oracle.acknowledged == 200, "the last step was not acknowledged")
+    assert len(steps) == 200
+    assert 1 <= oracle.acks <= 200  # coalesced: never more than one a step
+
+
+def test_acknowledgements_the_oracle_refuses_stop_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    oracle = FlakyOracle(total=20, break_after=10**6)
+    oracle.refuse_acks = True
+    with streaming(oracle) as (_, stream):
+        steps = list(stream)
+    assert len(steps) == 20  # the steps flow on
+    assert sum("refused this trainer's acknowledgements" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_an_unreachable_oracle_stops_the_trainer_with_its_address() -> None:

@@ -8,8 +8,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from common.data.preprocessed import open_preprocessed
 from common.data.raw import dense_transform
+from common.errors import ConfigError
 from tests.common.data.conftest import KAGGLE
 
 
@@ -80,3 +83,11 @@ def write_parquet(path: Path, f: Fields, *, dense: str = "raw", row_group_size: 
         cols[f"C{j + 1}"] = pa.array(f.ids[:, j], mask=f.ids_missing[:, j])
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
+
+
+def assert_incomplete(out: Path) -> None:
+    """A conversion that failed or stopped: what it wrote may be kept for the next run, but
+    nothing takes it for a complete directory."""
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(ConfigError, match="not a preprocessed data directory"):
+        open_preprocessed(out)

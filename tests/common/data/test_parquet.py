@@ -17,7 +17,7 @@ from common.data.hashing import MISSING
 from common.data.parquet import ParquetReader
 from common.data.spec import DataSpec
 from common.errors import ConfigError
-from tests.common.data.sources import kaggle_fields, our_dense, write_parquet
+from tests.common.data.sources import assert_incomplete, kaggle_fields, our_dense, write_parquet
 
 
 def small_table(**columns: pa.Array) -> pa.Table:
@@ -101,7 +101,11 @@ def test_bad_file_names_file_row_and_column(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(MalformedData) as info:
         convert(small_spec(tmp_path), tmp_path / "out", progress=False)
     assert info.value.path == tmp_path / "part_1.parquet" and info.value.row == row and message in str(info.value)
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    assert_incomplete(tmp_path / "out")
+    with pytest.raises(MalformedData) as read:  # read in place: the same error, when its row is read
+        data = open_dataset(small_spec(tmp_path))
+        data.rows(0, data.num_rows)
+    assert str(read.value) == str(info.value)
 
 
 def test_raw_counts_with_log1p_and_skip_mode(tmp_path: Path) -> None:
@@ -130,4 +134,4 @@ def test_cli_convert_with_column_flags(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0 and "40 rows, 3 tables, 2 dense" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["config"]["sparse_columns"] == ["user", "item", "shop"]
-    assert manifest["config"]["dense_transform"] == "log1p" and len(manifest["source"]["blake2b"]) == 32
+    assert manifest["config"]["dense_transform"] == "log1p" and len(manifest["source"]["checksum"]) == 32

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from common.data import dataset
-from common.data.convert import convert
+from common.data.convert import Conversion, convert
 from common.data.dataset import cache_path, open_dataset
 from common.data.hashing import hash_rows
 from common.data.preprocessed import open_preprocessed
@@ -16,6 +17,7 @@ from common.data.raw import MalformedData, RawReader
 from common.data.spec import DataSpec
 from common.errors import ConfigError
 from tests.common.data.conftest import AVAZU, KAGGLE
+from tests.common.data.sources import assert_incomplete
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +45,19 @@ def test_round_trip_raw_to_batches(kaggle_dir: Path) -> None:
     np.testing.assert_array_equal(evals[-1].sparse, expected[-200:])
     manifest = json.loads((kaggle_dir / "manifest.json").read_text())
     assert manifest["rows"] == 8000 and manifest["config"]["hashing"] == "hash"
-    assert len(manifest["source"]["blake2b"]) == 32
+    assert len(manifest["source"]["checksum"]) == 32 and [p["rows"] for p in manifest["parts"]] == [8000]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
 def test_damaged_directory_is_refused(kaggle_dir: Path, tmp_path: Path, damage: str) -> None:
     copy = tmp_path / "copy"
-    copy.mkdir()
-    for f in kaggle_dir.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(kaggle_dir, copy)
+    (part,) = (copy / "parts").glob("*/*")
     if damage == "truncate":
-        (copy / "sparse.i32").write_bytes((copy / "sparse.i32").read_bytes()[:-4])
+        (part / "sparse.i32").write_bytes((part / "sparse.i32").read_bytes()[:-4])
         match = "sparse.i32 has 831996 bytes, the manifest promises 832000"
     elif damage == "delete":
-        (copy / "labels.f32").unlink()
+        (part / "labels.f32").unlink()
         match = "labels.f32 is missing"
     else:
         (copy / "manifest.json").unlink()
@@ -71,13 +72,14 @@ def test_wrong_sizes_are_refused(kaggle_dir: Path) -> None:
     assert info.value.field == "data.table_sizes"
 
 
-def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+def test_failed_conversion_leaves_nothing_complete(tmp_path: Path) -> None:
     lines = KAGGLE.read_text().splitlines()[:50]
     lines[40] = lines[40].replace("\t", "\tbad", 1)
     (tmp_path / "bad.tsv").write_text("\n".join(lines) + "\n")
     with pytest.raises(MalformedData, match="bad.tsv:41"):
         convert(DataSpec(format="criteo", path=str(tmp_path / "bad.tsv")), tmp_path / "out", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv"]
+    assert_incomplete(tmp_path / "out")
+    assert not list((tmp_path / "out").rglob("*.f32"))  # the bad piece's part was never written
 
 
 def test_a_read_only_data_folder_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,12 +145,13 @@ def test_two_openers_of_one_source_convert_it_once(tmp_path: Path, monkeypatch: 
     converting, go = threading.Event(), threading.Event()
     conversions: list[str] = []
     missed = {"first": threading.Event(), "second": threading.Event()}
+    run = Conversion.run
 
-    def slow_convert(*args, **kwargs):
+    def slow_run(self, *args, **kwargs):
         conversions.append(threading.current_thread().name)
         converting.set()
         go.wait()
-        return convert(*args, **kwargs)
+        return run(self, *args, **kwargs)
 
     def recorded_open(path: Path):
         try:
@@ -157,7 +160,7 @@ def test_two_openers_of_one_source_convert_it_once(tmp_path: Path, monkeypatch: 
             missed[threading.current_thread().name].set()
             raise
 
-    monkeypatch.setattr(dataset, "convert", slow_convert)
+    monkeypatch.setattr(Conversion, "run", slow_run)
     monkeypatch.setattr(dataset, "open_preprocessed", recorded_open)
     opened: dict[str, int] = {}
 

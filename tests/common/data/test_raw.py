@@ -109,6 +109,50 @@ def test_hashing_is_stable_across_processes() -> None:
     assert here[0][:2] == [4667719, 5936965]
 
 
+def test_compiled_hash_is_the_numpy_hash() -> None:
+    """The converter hashes with a numba kernel; the numpy `hash_rows` is its specification."""
+    from common.data.mapping import RowMapper
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 2**63, (5000, 4), dtype=np.int64).astype(np.uint64)
+    ids[rng.random(ids.shape) < 0.2] = MISSING
+    ids[:3] = np.array([0, 2**32 - 1, 2**63 - 1], dtype=np.uint64)[:, None]
+    sizes = (1, 2, 10131227, 2**31 + 11)
+    mapper = RowMapper(sizes=sizes)
+    want = np.stack([hash_rows(ids[:, t], t, n) for t, n in enumerate(sizes)], axis=1)
+    np.testing.assert_array_equal(mapper.rows_as(ids, np.dtype(np.int64)), want)
+    np.testing.assert_array_equal(mapper.rows_as(ids[:, :3], np.dtype(np.int32)), want[:, :3])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "ok"),
+    [
+        (1, "-0", 0.0), (1, "9223372036854775807", None), (1, "-9223372036854775808", 0.0),
+        (1, "9223372036854775808", False), (1, "12345678901234567890", False), (1, "+5", False),
+        (1, " 5", False), (1, "-", False), (14, "68FD1E64", 0x68FD1E64), (14, "68fd1e6", False),
+        (14, "68fd1e644", False), (0, "1", 1.0), (0, "01", False),
+    ],
+)  # fmt: skip
+def test_criteo_field_rules(tmp_path: Path, field: int, value: str, ok: object) -> None:
+    """The rules the compiled parser keeps (the module docstring of common.data.raw)."""
+    fields = KAGGLE.read_text().splitlines()[2].split("\t")
+    fields[field] = value
+    (tmp_path / "f.tsv").write_text("\t".join(fields) + "\r\n")
+    if ok is False:
+        with pytest.raises(MalformedData, match=f"bad {['label', 'I1'][field] if field < 2 else 'C1'} value"):
+            read_all(DataSpec(format="criteo", path=str(tmp_path / "f.tsv")))
+        return
+    labels, dense, ids, _ = read_all(DataSpec(format="criteo", path=str(tmp_path / "f.tsv")))
+    if field == 0:
+        assert labels[0] == ok
+    elif field == 1 and ok is not None:
+        assert dense[0, 0] == ok
+    elif field == 1:
+        assert dense[0, 0] == np.log1p(np.float32(9223372036854775807))
+    else:
+        assert ids[0, 0] == ok
+
+
 def _bad_file(tmp_path: Path, bad_line: str, line_no: int = 3) -> Path:
     lines = KAGGLE.read_text().splitlines()[:6]
     lines[line_no - 1] = bad_line

@@ -52,12 +52,26 @@ def test_defaults_per_format(tmp_path: Path) -> None:
         ({"format": "parquet", "path": "a", "label_column": "I3"}, "data.dense_columns"),
         ({"format": "parquet", "path": "a", "dense_transform": "log"}, "data.dense_transform"),
         ({"path": "a"}, "data.format"),
+        ({"format": "criteo", "path": "a", "workers": -1}, "data.workers"),
+        ({"format": "criteo", "path": "a", "workers": 1.5}, "data.workers"),
+        ({"format": "criteo", "path": []}, "data.path"),
+        ({"format": "criteo", "path": ["a", ""]}, "data.path"),
+        ({"format": "criteo", "path": ["a", 3]}, "data.path"),
+        ({"format": "criteo-npy", "path": ["a", "b"]}, "data.path"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, section: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_data_spec(section, base_dir=tmp_path)
     assert info.value.field == field
+
+
+def test_paths_workers_and_patterns(tmp_path: Path) -> None:
+    listed = parse_data_spec({"format": "criteo", "path": ["d/day_1.gz", "d/day_0.gz"], "workers": 3},
+                             base_dir=tmp_path)  # fmt: skip
+    assert listed.path == (str(tmp_path / "d/day_1.gz"), str(tmp_path / "d/day_0.gz")) and listed.workers == 3
+    pattern = parse_data_spec({"format": "parquet", "path": "p/part-*.parquet"}, base_dir=tmp_path)
+    assert pattern.path == str(tmp_path / "p" / "part-*.parquet") and pattern.workers == 0  # 0: every core
 
 
 def test_spec_is_frozen() -> None:

@@ -1,11 +1,15 @@
 """The oracle as the job's coordinator: roles register with it and learn the job from it.
 
-Routes (beside the directive streams of `oracle.service`):
+Routes (beside the directive streams of `oracle.service`; their messages are in
+`oracle.protocol`):
 
-* ``POST /v1/register``: a PS shard or trainer joins (`common.coordinator`). Indices are
+* ``POST /v1/register``: a PS shard or trainer joins (`oracle.coordinator_client`). Indices are
   the caller's or the lowest free; a PS index registers again only from the address it had
   (a shard restarted alone must come back where the trainers look for it); a trainer's
-  answer waits until every PS shard has registered.
+  answer waits until every PS shard has registered. A PS shard registers the address it
+  already listens on: the coordinator connects to it before it assigns an index, and until
+  a trainer has been given the shards' addresses, a registration whose address no longer
+  answers (its shard died) gives way to a live shard that asks for its index.
 * ``GET /v1/eval?trainer=J``: trainer J's share of the held-out rows (every T-th batch from
   the J-th), as framed `common.wire` messages and an end message: trainers never read the
   data.
@@ -25,20 +29,37 @@ Routes (beside the directive streams of `oracle.service`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import orjson
-
-from common.coordinator import REGISTER_HOLD_S, DenseCheckpoint, Joined, Registration, fingerprint
 from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
-from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable
+from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
 from common.job import Job
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch, held_out_share
-from common.transport import Request, Response, Router, StreamResponse, encode_message
-from oracle.service import int_param
+from common.transport import Response, Router, StreamResponse, encode_message
+from oracle.protocol import (
+    COMPLETE_CHECKPOINT,
+    DENSE,
+    EVAL,
+    FINISHED,
+    REGISTER,
+    REGISTER_HOLD_S,
+    RESUME_POINT,
+    CheckpointCompleted,
+    DenseCheckpoint,
+    DenseRequest,
+    EvalRequest,
+    Finished,
+    FinishProgress,
+    Joined,
+    Registration,
+    ResumePoint,
+    add_handlers,
+    fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +84,8 @@ class Registry:
 
     def check(self, reg: Registration) -> int:
         """The index `reg` would get; Conflict or BadRequest naming why it cannot join."""
-        if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
-            raise Conflict(
-                f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
-                f"{reg.fingerprint}, coordinator's {self.fingerprint}): it belongs to another job",
-                field="fingerprint",
-            )
-        count = self.counts[reg.role]
+        self.check_job(reg)
         index = self._free_index(reg.role) if reg.index is None else reg.index
-        if not 0 <= index < count:
-            raise BadRequest(f"{reg.role} index {index} is outside 0..{count - 1}", field="index")
         if reg.role == "ps":
             had = self.ps.get(index)
             if had is not None and had != reg.address:
@@ -82,6 +95,36 @@ class Registry:
                     field="address",
                 )
         return index
+
+    def check_job(self, reg: Registration) -> None:
+        """Conflict if `reg` comes from another job's spec, BadRequest if it names an index
+        outside the job: what no other registration can change."""
+        if reg.fingerprint is not None and reg.fingerprint != self.fingerprint:
+            raise Conflict(
+                f"this {reg.role}'s spec file differs from the coordinator's (spec fingerprint "
+                f"{quoted(reg.fingerprint)}, coordinator's {self.fingerprint!r}): it belongs to another job",
+                field="fingerprint",
+            )
+        count = self.counts[reg.role]
+        if reg.index is not None and not 0 <= reg.index < count:
+            raise BadRequest(f"{reg.role} index {reg.index} is outside 0..{count - 1}", field="index")
+
+    def standing_in_the_way(self, reg: Registration) -> list[int]:
+        """The PS indices whose registration at another address keeps `reg` out: its own
+        index, or every index when it asks for the lowest free one and none is."""
+        if reg.role != "ps":
+            return []
+        if reg.index is not None:
+            had = self.ps.get(reg.index)
+            return [] if had is None or had == reg.address else [reg.index]
+        if len(self.ps) < self.counts["ps"]:
+            return []
+        return [i for i, address in sorted(self.ps.items()) if address != reg.address]
+
+    def forget_ps(self, index: int) -> None:
+        """Drop PS shard `index`'s registration (its shard is gone before serving anyone)."""
+        self.ps.pop(index, None)
+        self.joins.pop(("ps", index), None)
 
     def _free_index(self, role: str) -> int:
         for index in range(self.counts[role]):
@@ -98,6 +141,23 @@ class Registry:
         return tuple(self.ps[i] for i in range(self.counts["ps"]))
 
 
+#: How long the coordinator waits for a PS shard's address to accept a connection.
+PROBE_TIMEOUT_S = 3.0
+
+
+async def _listening(address: Endpoint) -> bool:
+    """Whether something accepts a TCP connection at `address` (nothing is sent)."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(address.host, address.port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 class Coordinator:
     """The coordinator's routes for `job`; `start_store` starts the store where the trainers'
     group meets (once, when the first trainer joins): the store and its address."""
@@ -112,42 +172,62 @@ class Coordinator:
         self._store_lock = asyncio.Lock()
         self.registry = Registry(num_shards=spec.ps.num_shards, num_trainers=spec.trainers.count,
                                  fingerprint=fingerprint(spec.document))
-        self._ps_ready = asyncio.Event()
+        self._ps_ready = asyncio.Event()  # set while every PS shard is registered
+        self._addresses_given = False  # a trainer has been told where the shards are
         self._finished: set[int] = set()
         self.finished = asyncio.Event()  # every trainer has said it is done
 
     def add_routes(self, router: Router) -> None:
-        router.add("POST", "/v1/register", self.register)
-        router.add("GET", "/v1/eval", self.eval)
-        router.add("POST", "/v1/finished", self.trainer_finished)
-        router.add("POST", "/v1/checkpoint", self.checkpoint_complete)
-        router.add("GET", "/v1/checkpoint", self.resume_point)
-        router.add("GET", "/v1/dense", self.dense_state)
+        add_handlers(router, {
+            REGISTER: self.register, EVAL: self.eval, FINISHED: self.trainer_finished,
+            COMPLETE_CHECKPOINT: self.checkpoint_complete, RESUME_POINT: self.resume_point, DENSE: self.dense_state,
+        })
 
-    async def register(self, request: Request) -> Response:
-        reg = Registration.from_json(request.body)
+    async def register(self, reg: Registration) -> Joined:
         ps: tuple[Endpoint, ...] = ()
         store = None
         if reg.role == "trainer":  # answered once it can train; registered only then
             self.registry.check(reg)
             ps = await self._wait_for_ps()
             store = await self._trainer_store()
+        else:
+            await self._check_ps(reg)
         index, generation = self.registry.register(reg)
         log.info("%s %d joined from %s%s", reg.role, index, reg.address,
                  f" (again: {generation} time(s) before)" if generation else "")
         if not self.registry.missing_ps:
             self._ps_ready.set()
-        joined = Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
-                        store=store, generation=generation, resumed_from=self.resumed_from)
-        return Response(body=joined.to_json(), content_type="application/json")
+        return Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
+                      store=store, generation=generation, resumed_from=self.resumed_from)
+
+    async def _check_ps(self, reg: Registration) -> None:
+        """BadRequest unless a shard listens at `reg`'s address; before any trainer knows
+        the shards' addresses, forget a registration in its way whose shard is gone."""
+        self.registry.check_job(reg)  # another job's shard is told so first
+        if not await _listening(reg.address):
+            raise BadRequest(f"nothing listens at {reg.address}: a PS shard registers the address it "
+                             "serves on, once it listens there", field="address")
+        if self._addresses_given:
+            return
+        for index in self.registry.standing_in_the_way(reg):
+            had = self.registry.ps[index]
+            if not await _listening(had):
+                log.warning("PS shard %d registered at %s, where nothing listens any more: its index "
+                            "goes to the shard at %s", index, had, reg.address)
+                self.registry.forget_ps(index)
+                self._ps_ready.clear()
+                return
 
     async def _wait_for_ps(self) -> tuple[Endpoint, ...]:
         if self.job.spec.oracle.mode == "local":
             return ()
         try:
-            await asyncio.wait_for(self._ps_ready.wait(), REGISTER_HOLD_S)
+            async with asyncio.timeout(REGISTER_HOLD_S):
+                while self.registry.missing_ps:  # a dead shard's index may be free again
+                    await self._ps_ready.wait()
         except TimeoutError:
             raise Unavailable(f"waiting for PS shards {self.registry.missing_ps} to register") from None
+        self._addresses_given = True
         return self.registry.ps_addresses()
 
     async def _trainer_store(self) -> Endpoint:
@@ -156,10 +236,10 @@ class Coordinator:
                 self._store = await asyncio.to_thread(self._start_store)
         return self._store[1]
 
-    async def eval(self, request: Request) -> StreamResponse:
+    async def eval(self, ask: EvalRequest) -> StreamResponse:
         trainers = self.job.spec.trainers.count
-        trainer = int_param(request, "trainer", 0, trainers - 1)
-        return StreamResponse(chunks=self._eval_chunks(trainer, trainers))
+        ask.within(trainer=(0, trainers - 1))
+        return StreamResponse(chunks=self._eval_chunks(ask.trainer, trainers))
 
     async def _eval_chunks(self, trainer: int, trainers: int) -> AsyncIterator[bytes]:
         from common.data import open_dataset
@@ -169,27 +249,21 @@ class Coordinator:
         count = 0
         for batch in held_out_share(batches, trainer, trainers):
             keys = job.layout.to_keys(batch.sparse)
-            yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).encode())
+            yield encode_message(EvalBatch(keys=keys, dense=batch.dense, labels=batch.labels).to_wire())
             count += 1
-        yield encode_message(EndOfStream(iterations=count).encode())
+        yield encode_message(EndOfStream(iterations=count).to_wire())
 
-    async def trainer_finished(self, request: Request) -> Response:
-        try:
-            raw = orjson.loads(request.body)
-            trainer = raw["trainer"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            raise BadRequest('expected {"trainer": J}', field="trainer") from None
-        trainers = self.job.spec.trainers.count
-        if type(trainer) is not int or not 0 <= trainer < trainers:
-            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer!r}", field="trainer")
+    async def trainer_finished(self, done: Finished) -> FinishProgress:
+        trainers, trainer = self.job.spec.trainers.count, done.trainer
+        if trainer >= trainers:
+            raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer}", field="trainer")
         self._finished.add(trainer)
         log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
         if len(self._finished) == trainers:
             self.finished.set()
-        return Response.json({"finished": len(self._finished)})
+        return FinishProgress(finished=len(self._finished))
 
-    async def checkpoint_complete(self, request: Request) -> Response:
-        done = DenseCheckpoint.decode(request.body)
+    async def checkpoint_complete(self, done: DenseCheckpoint) -> CheckpointCompleted:
         spec = self.job.spec
         if not (is_checkpoint(done.checkpoint, spec.checkpoint.every) and done.checkpoint < self.job.iterations):
             raise BadRequest(f"{done.checkpoint} is not a checkpoint of this run", field="checkpoint")
@@ -202,7 +276,7 @@ class Coordinator:
                                 f"{spec.checkpoint.dir}: {exc}", checkpoint=done.checkpoint) from None
         log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent",
                  done.checkpoint, done.nbytes, done.seconds)
-        return Response.json({"checkpoint": done.checkpoint, "kept": kept})
+        return CheckpointCompleted(checkpoint=done.checkpoint, kept=tuple(kept))
 
     def _complete(self, done: DenseCheckpoint) -> list[int]:
         """Write the dense state, then the manifest that makes the checkpoint complete, then
@@ -223,12 +297,13 @@ class Coordinator:
                          ", ".join(map(str, gone)))
         return complete_checkpoints(directory, shards)
 
-    async def resume_point(self, request: Request) -> Response:
-        return Response.json({"resumed_from": self.resumed_from})
+    async def resume_point(self, _: None) -> ResumePoint:
+        return ResumePoint(resumed_from=self.resumed_from)
 
-    async def dense_state(self, request: Request) -> Response:
+    async def dense_state(self, ask: DenseRequest) -> Response:
+        """Checkpoint c's dense state as trainer 0 sent it: opaque bytes (`torch.save`)."""
         spec = self.job.spec
-        c = int_param(request, "checkpoint", 0, self.job.iterations)
+        c = ask.within(checkpoint=(0, self.job.iterations)).checkpoint
         if not is_complete(spec.checkpoint.dir, c, spec.ps.num_shards):
             raise NotFound(f"checkpoint {c} is not complete in {spec.checkpoint.dir}", checkpoint=c)
         return Response(body=await asyncio.to_thread(dense_path(spec.checkpoint.dir, c).read_bytes))
