@@ -132,6 +132,12 @@ class Planner:
             return self._parallel.keys_held
         return self._rules.keys_held
 
+    @property
+    def worker_cpu_s(self) -> float:
+        """CPU seconds the planner's worker processes have spent planning (P > 1; 0 at
+        P = 1, where this process plans); as of the last batch's directives returned."""
+        return self._parallel.worker_cpu_s if self._parallel is not None else 0.0
+
     def finish(self) -> list[list[Directive]]:
         """End of stream: plan and return everything left."""
         if self._parallel is not None:

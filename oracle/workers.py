@@ -36,6 +36,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -94,6 +95,11 @@ class Pool(Protocol):
     def keys_held(self) -> int:
         """Keys the workers hold, as of the last job collected."""
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the worker processes have spent planning (their start left out), as
+        of the last job collected; 0 where the workers run in this process."""
+
     def close(self) -> None:
         """Stop the workers (idempotent)."""
 
@@ -135,6 +141,10 @@ class ParallelPlanner:
     @property
     def keys_held(self) -> int:
         return self._pool.keys_held
+
+    @property
+    def worker_cpu_s(self) -> float:
+        return self._pool.cpu_s
 
     def close(self) -> None:
         self._finished = True
@@ -186,6 +196,10 @@ class InProcessPool:
     def keys_held(self) -> int:
         return sum(planner.keys_held for planner in self._planners)
 
+    @property
+    def cpu_s(self) -> float:
+        return 0.0  # counted in this process's own
+
     def close(self) -> None:
         pass
 
@@ -215,6 +229,7 @@ class ProcessPool:
         self._rings: _Rings | None = None
         self._workers: list[_Worker] = []
         self._keys_held = 0
+        self._cpu_s = 0.0
         self._copied = 0  # iterations whose input slots were copied out
         self._closed = False
         # stops the processes if this pool is collected, or at exit, without `close`
@@ -249,6 +264,7 @@ class ProcessPool:
             kinds = {reply[0] for reply in replies}
             if kinds == {"done"}:
                 self._keys_held = sum(reply[1] for reply in replies)
+                self._cpu_s = sum(reply[2] for reply in replies)
                 return finals
             if kinds != {"part"} or len({reply[1].iteration for reply in replies}) != 1:
                 raise PlannerWorkerError(f"planner workers out of step: {sorted(kinds)}")
@@ -262,10 +278,16 @@ class ProcessPool:
     def keys_held(self) -> int:
         return self._keys_held
 
+    @property
+    def cpu_s(self) -> float:
+        return self._cpu_s
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for worker in self._workers:  # all asked first, so that they exit together
+            worker.ask_to_stop()
         for worker in self._workers:
             worker.stop()
         self._rings = None
@@ -353,7 +375,7 @@ class _Worker:
         try:
             self.connection.send(message)
         except OSError as error:
-            raise self._died() from error
+            raise self._last_word() from error
 
     def receive(self) -> tuple[Any, ...]:
         """The worker's next message; its error raised here."""
@@ -365,12 +387,14 @@ class _Worker:
             raise _worker_error(self.index, *reply[1:])
         return reply
 
-    def stop(self) -> None:
-        """Ask the worker to exit; kill it if it does not within seconds."""
+    def ask_to_stop(self) -> None:
         try:
             self.connection.send(("stop",))
         except OSError:
             pass
+
+    def stop(self) -> None:
+        """Wait for the worker (asked to stop) to exit; kill it if it does not within seconds."""
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -382,6 +406,19 @@ class _Worker:
             self.process.kill()
             self.process.wait()
         self.connection.close()
+
+    def _last_word(self) -> BagpipeError:
+        """Why a worker that no longer reads went away: the error it sent before it exited
+        (a failing worker sends one, then exits, while jobs may still be on their way to
+        it), else that it died."""
+        try:
+            while self.connection.poll(0):
+                reply = self.connection.recv()
+                if reply[0] == "error":
+                    return _worker_error(self.index, *reply[1:])
+        except (EOFError, OSError):
+            pass
+        return self._died()
 
     def _died(self) -> PlannerWorkerError:
         try:
@@ -402,9 +439,11 @@ def _worker_error(index: int, kind: str, field: str, message: str, trace: str) -
 def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
     """A worker's life: its config, then jobs until "stop" or the end of the socket."""
     config = connection.recv()[1]
+    _load_kernels()
     planner = Planner(config)
     rings: _Rings | None = None
     emitted = 0  # iterations whose input slots this worker has written
+    cpu = 0.0  # CPU seconds spent on jobs (not on starting)
     connection.send(("ready",))
     while True:
         try:
@@ -413,6 +452,7 @@ def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
             return
         if message[0] == "stop":
             return
+        started = time.process_time()
         if message[0] == "push":
             _, slot, shape = message
             if rings is None:
@@ -427,7 +467,21 @@ def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
             rings.slots[emitted % _SLOT_SLOTS].reshape(-1)[parts.input_positions] = parts.input_values
             emitted += 1
             connection.send(("part", parts.without_inputs()))
-        connection.send(("done", planner.keys_held))
+        cpu += time.process_time() - started
+        connection.send(("done", planner.keys_held, cpu))
+
+
+def _load_kernels() -> None:
+    """Plan a made-up stream as a key partition, so that numba loads (from its cache) every
+    kernel a worker calls before the worker says it is ready, not at the first batch."""
+    config = PlannerConfig(
+        num_trainers=2, lookahead=2, prefetch_lead=1, capacity=12, checkpoint_every=2, workers=2
+    ).for_partition(0)
+    planner = Planner(config)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        planner.push_parts(rng.integers(0, 32, size=(4, 2)))
+    planner.finish_parts()
 
 
 def _wait_for_room(connection: Connection, rings: _Rings, emitted: int) -> bool:
@@ -467,4 +521,9 @@ def _send_error(connection: Connection, kind: str, field: str, message: str) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Straight out: a worker holds no files or buffers to close, and the interpreter's
+    # teardown of numpy and numba takes a second or two, which `close` would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
