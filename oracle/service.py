@@ -180,6 +180,8 @@ class OracleService:
             self.buffer.fail(exc)
             assert self.failed is not None
             self.failed.get_loop().call_soon_threadsafe(_set_once, self.failed, exc)
+        finally:
+            planner.close()  # its worker processes, if any (oracle.planner_workers), on stop too
 
     def _timed(self, plan: Callable[[], list], key_uses: int) -> list:
         started = time.perf_counter()
