@@ -181,6 +181,8 @@ async def test_planner_workers_stream_the_merged_plan_and_the_same_rows() -> Non
         per = BATCH // T
         for i, batch in enumerate(DATASET.train_batches(BATCH)):
             assert np.array_equal(got.labels[i], batch.labels[j * per : (j + 1) * per])
+    cpu = service.cpu_by_phase()
+    assert cpu["plan_workers"] > 0 and cpu["plan"] > 0  # the workers', then this process's merge
 
 
 async def test_two_services_send_identical_bytes() -> None:
@@ -238,6 +240,10 @@ async def test_metrics_show_the_planner_held_back_by_the_slowest_trainer() -> No
     assert done.by_label("bagpipe_streams_open", "trainer") == {"0": 0, "1": 0}
     assert done.by_label("bagpipe_steps_sent_total", "trainer") == {"0": N, "1": N}
     assert done.value("bagpipe_planner_waiting") == 0
+    cpu = done.by_label("bagpipe_oracle_cpu_seconds_total", "phase")
+    assert set(cpu) == {"read", "plan", "plan_workers", "encode", "serve"}
+    assert cpu["plan_workers"] == 0  # P = 1: the planner is this process's
+    assert all(cpu[phase] > 0 for phase in ("read", "plan", "encode", "serve"))
 
 
 # --------------------------------------------------------------------------- resuming
