@@ -36,7 +36,7 @@ GENERATED = ("bench/results", "docs/benchmarks.md")
 # docs/benchmarks.md shows them.
 BENCHES = (
     "e2e", "cluster", "recovery", "planner", "ps_fetch", "ps_waiting", "abuse", "sync_sum",
-    "data", "export", "linkrate", "gpu_check",
+    "data", "export", "linkrate", "gpu_check", "scale",
 )  # fmt: skip
 
 
@@ -79,11 +79,13 @@ def results_path(name: str, json: Path | None, smoke: bool) -> Path:
 
 
 def write_results(
-    path: Path, *, bench: str, config: Mapping[str, Any], figures: Mapping[str, Any], headline: Table, smoke: bool
+    path: Path, *, bench: str, config: Mapping[str, Any], figures: Mapping[str, Any], headline: Table, smoke: bool,
+    tables: Mapping[str, Table] | None = None,
 ) -> None:
     """Write a script's results to `path`: its `figures` (their keys kept at the top level),
-    its `headline` table, and what they were measured with and on."""
-    reserved = {"bench", "smoke", "command", "config", "machine", "commit", "date", "headline"}
+    its `headline` table and any further `tables` (by title, shown after it), and what they
+    were measured with and on."""
+    reserved = {"bench", "smoke", "command", "config", "machine", "commit", "date", "headline", "tables"}
     if clash := reserved & set(figures):
         raise ValueError(f"figures may not use the keys {sorted(clash)}")
     body = {
@@ -93,6 +95,7 @@ def write_results(
         "command": command(bench.split("/")[0], sys.argv[1:]),  # a variant (e2e/fast-compute) runs its script
         "config": dict(config),
         "headline": headline.to_json(),
+        "tables": {title: table.to_json() for title, table in (tables or {}).items()},
         "machine": machine(),
         "commit": commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

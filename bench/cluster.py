@@ -29,6 +29,11 @@ and trainers are started with the oracle's address alone and never open the data
 
     python bench/cluster.py --quick
     python bench/cluster.py --rates 1gbit,100mbit --modes bagpipe,no-cache,local
+    python bench/cluster.py --quick --modes bagpipe --fault link-down:ps1:60:10 --fault slow-link:ps0:100mbit
+
+`--fault` injects a fault into every run (`bench/faults.py`): a host's link down for a while
+after an iteration, hosts cut from each other (`partition:tr0,tr1:AFTER`: the trainers fail,
+naming each other), or one host's link slower than the others from the start.
 
 `--smoke` runs `bench/e2e.py --smoke`'s small job, bagpipe alone at 1gbit unless `--modes`
 and `--rates` say otherwise.
@@ -56,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import (  # noqa: E402
     SMOKE_RESULTS, Table, add_result_options, config_of, e2e, results_path, torchrec_baseline, write_results,
 )
+from bench.faults import Fault, FaultInjector, parse_fault, shaped  # noqa: E402
 from bench.topology import (  # noqa: E402
     HostSpec, Snapshot, Terminated, Topology, Traffic, parse_rate, stop_processes,
 )
@@ -198,9 +204,11 @@ def _mb(traffic: Traffic, per: int) -> dict[str, dict[str, float]]:
 Starter = Callable[[Topology, Path, Path], list[Role]]
 
 
-def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> tuple[RunSummary, dict]:
-    """One run of `base` with the roles `start` starts: its summary as read back from its
-    report.json, and the MB each host's link carried (`LinkWindow.figures`)."""
+def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter,
+            faults: Sequence[Fault] = ()) -> tuple[RunSummary, dict]:
+    """One run of `base` with the roles `start` starts, `faults` fired as it goes: its
+    summary as read back from its report.json, and the MB each host's link carried
+    (`LinkWindow.figures`)."""
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)  # records append, a PS refuses old snapshots
     (run_dir / "logs").mkdir(parents=True)
@@ -213,13 +221,16 @@ def run_one(net: Topology, name: str, base: dict, out: Path, start: Starter) -> 
     window = LinkWindow(net, run_dir, trainers=2, warmup=warmup, iterations=iterations - max_ahead)
     print(f"running {name} ...", file=sys.stderr, flush=True)
     roles: list[Role] = []
+    injector = FaultInjector(net, faults)
     try:
         roles = start(net, spec, run_dir)
         while not _check(roles):
             window.poll()
+            injector.poll(min(window.done))
             time.sleep(0.1)
         window.poll()
     finally:
+        injector.heal()
         stop_processes([r.process for r in reversed(roles)])
     e2e.drop_saved_tables(run_dir)
     summary = summarise(read_run(run_dir, 2), mode=name, global_batch=base["train"]["batch_size"],
@@ -240,11 +251,13 @@ def link_table(links: Mapping[str, Mapping[str, Mapping[str, Mapping[str, float]
     return "\n".join(lines)
 
 
-def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path | None) -> dict[str, Any]:
-    """Every run in `names` on a fresh topology whose links are shaped to `rate`."""
+def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path | None,
+             faults: Sequence[Fault] = ()) -> dict[str, Any]:
+    """Every run in `names` on a fresh topology whose links are shaped to `rate` (but for
+    the slow links of `faults`), each with `faults` injected."""
     hidden = (out / rate / JOB_FOLDER, *([hide] if hide else []))
     hidden[0].mkdir(parents=True, exist_ok=True)
-    hosts = [HostSpec(name=h, rate=rate, hide_data=hidden if h != "oracle" else ()) for h in HOSTS]
+    hosts = shaped([HostSpec(name=h, rate=rate, hide_data=hidden if h != "oracle" else ()) for h in HOSTS], faults)
     summaries: dict[str, RunSummary] = {}
     links: dict[str, dict] = {}
     with Topology(hosts) as net:
@@ -252,7 +265,7 @@ def run_rate(rate: str, names: Sequence[str], base: dict, out: Path, hide: Path 
             port = 7000 + 10 * k  # a fresh port per run: the last run's sockets may linger
             start = start_torchrec if name == torchrec_baseline.MODE else start_roles
             starter = functools.partial(start, port=port)
-            summaries[name], links[name] = run_one(net, name, base, out / rate, starter)
+            summaries[name], links[name] = run_one(net, name, base, out / rate, starter, faults)
     return {"summaries": summaries, "links": links}
 
 
@@ -285,6 +298,10 @@ def parse_args() -> tuple[argparse.Namespace, e2e.Size]:
     parser.add_argument("--torchrec", action=argparse.BooleanOptionalAction, default=None,
                         help="add the TorchRec baseline (default: when torchrec is importable)")
     parser.add_argument("--hide-data", type=Path, help="a folder to hide from every host but the oracle's")
+    parser.add_argument("--fault", action="append", default=[], metavar="FAULT",
+                        help="inject a fault into every run (repeatable): link-down:HOST:AFTER:SECONDS, "
+                             "partition:HOST,HOST:AFTER (no way through between them), slow-link:HOST:RATE; "
+                             f"hosts {','.join(HOSTS)} (bench/faults.py)")
     parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
                                                  f"with --smoke {SMOKE_RESULTS}/{NAME})")
     add_result_options(parser, NAME, "bench/e2e.py's small job, bagpipe alone at 1gbit")
@@ -300,6 +317,10 @@ def parse_args() -> tuple[argparse.Namespace, e2e.Size]:
             parse_rate(rate)
         except ConfigError as exc:
             parser.error(f"--rates: {exc}")
+    try:
+        args.fault = [parse_fault(text, HOSTS) for text in args.fault]
+    except ConfigError as exc:
+        parser.error(str(exc))
     size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     size = dataclasses.replace(size, iterations=args.iterations or size.iterations)
     if e2e.measured_of(size.iterations, size.max_ahead) < 2:
@@ -318,7 +339,7 @@ def main() -> int:
     results = {}
     try:
         for rate in args.rates:
-            results[rate] = run_rate(rate, names, base, args.out.resolve(), hide)
+            results[rate] = run_rate(rate, names, base, args.out.resolve(), hide, args.fault)
             print_rate(rate, results[rate], base)
     except BagpipeError as exc:
         print(f"cluster.py: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The CUDA path, checked and measured where a GPU is available (DESIGN §5).
+"""The CUDA path, checked and measured where a GPU is available (docs/design.md#cache-and-overlap).
 
 1. **Exactness on CUDA.** Every mode runs in one process (`launcher/inprocess.py`, one trainer
    on the GPU, deterministic kernels) and must end bit-identical to every other mode.

@@ -1,5 +1,5 @@
 """A rate-limited link for the PS processes: their own network namespace, a veth pair to
-the host side, and `tc tbf` at the given rate on both ends (DESIGN §12). Needs root.
+the host side, and `tc tbf` at the given rate on both ends (docs/design.md#benchmarks). Needs root.
 
 `netem` (delay) does not exist on this kernel, so only the rate is shaped; loopback latency
 stays. Everything is removed on exit, also after a failure.

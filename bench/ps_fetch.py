@@ -26,6 +26,16 @@ one such request. No socket, event loop or other process takes part, so it is th
 Python cost per request, steady from run to run where the rates above are not
 (`protocol_h2_us_per_req`, `..._1`, `protocol_handler_us_per_req`).
 
+Then fetches over S shards (`--shards`, default 1 2 4 8): one `PsClient` fetches the same
+batches (4 in flight of 16,384 random keys, d 64) from a table of 2^19 rows split by key % S
+over S shard processes, every S's shards up at once and the rounds alternating over S. Per
+S: the client process's CPU time and the shards' (from /proc) per fetched row
+(`client_cpu_us_per_row`, `shards_cpu_us_per_row`, keyed by S) and each one's flatness, max /
+min over S (`client_cpu_flatness`, `shards_cpu_flatness`). The client's per-shard work is
+numpy (a stable split, a gather and a scatter per shard); what grows with S is each request's
+fixed cost in the pure-Python HTTP/2 stack (a stream opened, headers coded both ways, a few
+frames parsed, whatever their size): S requests of 16,384 / S rows instead of one.
+
 With `--tls` the shard also serves both protocols over TLS (throw-away certificates,
 `launcher.certs`) and every measurement runs over TLS too, alternating with plaintext in
 the same run: `tls_http2_MBps`, `tls_http1_MBps`, `small_tls_http2_rps` and so on; and the headline
@@ -37,7 +47,7 @@ median of the rounds' TLS / plaintext MB/s, with its range).
     python bench/ps_fetch.py --tls
 
 `--smoke`: a shard of 65,536 rows, batches of 1 and 16,384 rows, 0.05 s windows (0.5 s for
-the small fetches), one round.
+the small fetches, 0.2 s over 1 and 2 shards), one round.
 """
 
 from __future__ import annotations
@@ -50,7 +60,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +87,9 @@ TABLE_ROWS = 1 << 20
 SMOKE_ROWS = 1 << 16
 HEADLINE = (16384, 64)
 SMALL_KEYS, SMALL_DIM, SMALL_IN_FLIGHT = 4, 64, 16
+#: Fetches over S shards: one table of this many rows split by key % S; batches of
+#: SHARD_BATCH keys of d SHARD_DIM, SHARD_IN_FLIGHT of them in flight.
+SHARD_TABLE_ROWS, SHARD_BATCH, SHARD_DIM, SHARD_IN_FLIGHT = 1 << 19, 16384, 64, 4
 TRANSPORTS = {"h2": "http2", "http1": "http1"}  # client transport name → figure prefix
 LOADS = ("psclient", "raw")  # PsClient.fetch loops; prepared requests (bench.fetch_load)
 #: Ports the shard serves: (transport, over TLS), in the order `_serve` reports them.
@@ -93,18 +110,20 @@ def _prefix(transport: str, tls: bool) -> str:
     return ("tls_" if tls else "") + TRANSPORTS[transport]
 
 
-def _service(dim: int, rows: int = TABLE_ROWS) -> PsService:
-    """A shard of `rows` rows of `dim`, every row initialised (steady state)."""
-    config = ShardConfig(shard=0, num_shards=1, layout=TableLayout((rows,)), dim=dim, state_width=0)
+def _service(dim: int, rows: int = TABLE_ROWS, shard: int = 0, num_shards: int = 1) -> PsService:
+    """Shard `shard` of `num_shards` over a table of `rows` rows of `dim`, every row it owns
+    initialised (steady state)."""
+    config = ShardConfig(shard=shard, num_shards=num_shards, layout=TableLayout((rows,)), dim=dim, state_width=0)
     store = ShardStore(config)
-    store.gather(np.arange(rows))
+    store.gather(np.arange(store.num_rows))
     return PsService(store, checkpoint_dir=Path("/nonexistent"), fetch_timeout_s=60)
 
 
-def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event, tls_files: TlsSection | None = None) -> None:
+def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event, tls_files: TlsSection | None = None,
+           shard: int = 0, num_shards: int = 1) -> None:
     """The shard: HTTP/2 and HTTP/1.1 ports, and the same over TLS with `tls_files` (`PORTS`)."""
     async def main() -> None:
-        service = _service(dim, rows)
+        service = _service(dim, rows, shard, num_shards)
         tls = _tls(tls_files)
         servers = [
             (H2Server if kind == "h2" else Http1Server)(service.router(), port=0, token=TOKEN, max_body_bytes=1 << 30,
@@ -133,21 +152,27 @@ async def _fetch_rate(
     keys = [rng.integers(0, rows, batch, dtype=np.int64) for _ in range(in_flight)]
     try:
         await asyncio.gather(*(client.fetch(k) for k in keys))  # warm the connection
-        done = 0
-        deadline = time.perf_counter() + seconds
-
-        async def loop(k: np.ndarray) -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                await client.fetch(k)
-                done += 1
-
         started = time.perf_counter()
-        await asyncio.gather(*(loop(k) for k in keys))
+        done = await _fetch_loops(client, keys, started + seconds)
         elapsed = time.perf_counter() - started
     finally:
         await client.close()
     return done * batch * dim * 4 / elapsed
+
+
+async def _fetch_loops(client: PsClient, keys: list[np.ndarray], deadline: float) -> int:
+    """`client.fetch` loops, one per batch of `keys`, until `deadline` (`time.perf_counter`):
+    the fetches done."""
+    done = 0
+
+    async def loop(k: np.ndarray) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await client.fetch(k)
+            done += 1
+
+    await asyncio.gather(*(loop(k) for k in keys))
+    return done
 
 
 def _take_rate(dim: int, batch: int, seconds: float, rows: int) -> float:
@@ -354,6 +379,112 @@ def measure_small(clients: int, rounds: int, seconds: float, rows: int = TABLE_R
     return _small_summary(measured)
 
 
+@dataclass(frozen=True)
+class ShardRound:
+    """One window of `PsClient.fetch` loops against S shards: rows fetched, and the CPU
+    seconds the client process and the S shard processes spent on them."""
+
+    shards: int
+    rows: int
+    client_cpu_s: float
+    shards_cpu_s: float
+
+
+@contextmanager
+def _shard_set(ctx: Any, num_shards: int, rows: int) -> Iterator[tuple[list[int], list[int]]]:
+    """S shard processes over one table of `rows` rows (key % S): their HTTP/2 ports and pids."""
+    stop = ctx.Event()
+    queues = [ctx.Queue() for _ in range(num_shards)]  # one each: the client lists the shards in order
+    procs = [ctx.Process(target=_serve, args=(SHARD_DIM, rows, q, stop, None, s, num_shards), daemon=True)
+             for s, q in enumerate(queues)]
+    for proc in procs:
+        proc.start()
+    try:
+        ports = [q.get(timeout=120)[0] for q in queues]  # each shard's plaintext HTTP/2 port (`PORTS`)
+        yield ports, [proc.pid for proc in procs]
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(30)
+
+
+async def _shard_round(ports: list[int], pids: list[int], keys: list[np.ndarray], seconds: float) -> ShardRound:
+    """`PsClient.fetch` loops, one per batch of `keys`, for `seconds` against shards at `ports`."""
+    client = PsClient([Endpoint(host="127.0.0.1", port=port) for port in ports], token=TOKEN, dim=SHARD_DIM,
+                      state_width=0, transport="h2", timeout_s=120)
+    try:
+        await asyncio.gather(*(client.fetch(k) for k in keys))  # connect and warm up
+        # The client is this process's only work meanwhile: its CPU time is the client's.
+        shards_cpu, client_cpu = sum(map(_server_cpu_s, pids)), time.process_time()
+        done = await _fetch_loops(client, keys, time.perf_counter() + seconds)
+        client_cpu = time.process_time() - client_cpu
+        shards_cpu = sum(map(_server_cpu_s, pids)) - shards_cpu
+    finally:
+        await client.close()
+    return ShardRound(len(ports), done * len(keys[0]), client_cpu, shards_cpu)
+
+
+def measure_shards(counts: list[int], rounds: int, seconds: float, rows: int = SHARD_TABLE_ROWS) -> dict:
+    """One `PsClient` fetching the same batches of `SHARD_BATCH` random keys (d `SHARD_DIM`,
+    `SHARD_IN_FLIGHT` in flight) from S shards, for each S of `counts`: the client's and the
+    shards' CPU per fetched row. Every S's shards run throughout; the rounds alternate over S
+    (reversed every other round) so that the machine's load moves each S alike. The figures
+    are the medians over the rounds, and the flatness ratios max / min over S."""
+    ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(0)
+    keys = [rng.integers(0, rows, SHARD_BATCH, dtype=np.int64) for _ in range(SHARD_IN_FLIGHT)]
+    with ExitStack() as stack:
+        sets = {s: stack.enter_context(_shard_set(ctx, s, rows)) for s in counts}
+        measured: list[ShardRound] = []
+        for i in range(rounds):
+            for s in counts if i % 2 == 0 else counts[::-1]:
+                measured.append(run(_shard_round(*sets[s], keys, seconds)))
+                _print_shard_round(i, measured[-1])
+    return _shard_summary(measured, counts)
+
+
+def _shard_summary(measured: list[ShardRound], counts: list[int]) -> dict:
+    """Per S (keys as strings, for JSON): median microseconds of CPU per fetched row, client
+    and shards, their ranges over the rounds; and each one's flatness, max / min over S."""
+    out: dict[str, Any] = {"shard_counts": counts, "shard_batch": SHARD_BATCH, "shard_dim": SHARD_DIM,
+                           "shard_in_flight": SHARD_IN_FLIGHT,
+                           "shard_rounds": [asdict(r) for r in measured]}
+    for side in ("client", "shards"):
+        medians, ranges = {}, {}
+        for s in counts:
+            us = [getattr(r, f"{side}_cpu_s") / r.rows * 1e6 for r in measured if r.shards == s]
+            medians[str(s)], ranges[str(s)] = statistics.median(us), [min(us), max(us)]
+        out[f"{side}_cpu_us_per_row"] = medians
+        out[f"{side}_cpu_us_per_row_range"] = ranges
+        out[f"{side}_cpu_flatness"] = max(medians.values()) / min(medians.values())
+    return out
+
+
+def _print_shard_round(i: int, r: ShardRound) -> None:
+    print(f"{i:>5} {r.shards:>6} | {r.rows:>10,} | {r.client_cpu_s / r.rows * 1e6:>10.3f} "
+          f"{r.shards_cpu_s / r.rows * 1e6:>10.3f}", flush=True)
+
+
+def _print_shard_summary(s: dict) -> None:
+    rounds = len(s["shard_rounds"]) // len(s["shard_counts"])
+    print(f"\nCPU per fetched row over S shards, median of {rounds} rounds (range), us:")
+    for count in map(str, s["shard_counts"]):
+        (c_lo, c_hi), (s_lo, s_hi) = s["client_cpu_us_per_row_range"][count], s["shards_cpu_us_per_row_range"][count]
+        print(f"  S = {count:>2}: client {s['client_cpu_us_per_row'][count]:.3f} ({c_lo:.3f}-{c_hi:.3f}), "
+              f"shards {s['shards_cpu_us_per_row'][count]:.3f} ({s_lo:.3f}-{s_hi:.3f})")
+    print(f"  flatness (max / min over S): client {s['client_cpu_flatness']:.2f}, "
+          f"shards {s['shards_cpu_flatness']:.2f}")
+
+
+def shards_table(figures: dict) -> Table:
+    """Per S: CPU microseconds per fetched row, client and shards, with the flatness row."""
+    rows: list[tuple[object, ...]] = [
+        (s, figures["client_cpu_us_per_row"][str(s)], figures["shards_cpu_us_per_row"][str(s)])
+        for s in figures["shard_counts"]]
+    rows.append(("max / min", figures["client_cpu_flatness"], figures["shards_cpu_flatness"]))
+    return Table(("shards S", "client CPU us/row", "shards' CPU us/row"), tuple(rows))
+
+
 class _Sink:
     """The transport of a connection driven in-process: what the shard writes is counted."""
 
@@ -501,6 +632,8 @@ def main() -> int:
     parser.add_argument("--small-only", action="store_true", help="only the small-request section")
     parser.add_argument("--clients", type=int, default=2, help="client processes for small fetches")
     parser.add_argument("--rounds", type=int, help="rounds of small fetches per protocol (default 3; 1 with --smoke)")
+    parser.add_argument("--shards", type=int, nargs="+",
+                        help="shard counts S of the fetches over S shards (default 1 2 4 8; 1 2 with --smoke)")
     parser.add_argument("--tls", action="store_true",
                         help="also over TLS (throw-away certificates), alternating with plaintext")
     add_result_options(parser, NAME, f"a shard of {SMOKE_ROWS:,} rows, two batch sizes, 0.05 s windows, one round")
@@ -509,14 +642,15 @@ def main() -> int:
         parser.error(f"--clients must divide the {SMALL_IN_FLIGHT} small fetches in flight")
     rounds = args.rounds or (1 if args.smoke else 3)
     table_rows, requests = (SMOKE_ROWS, 400) if args.smoke else (TABLE_ROWS, 12_000)
+    shard_rows = SMOKE_ROWS if args.smoke else SHARD_TABLE_ROWS
     if args.smoke:
         # The small fetches' window opens 0.1 s after the client processes are told: on a
         # loaded machine a much shorter one may close before a client got to run at all.
-        batches, seconds, small_seconds = [1, HEADLINE[0]], 0.05, 0.5
+        batches, seconds, small_seconds, shard_seconds = [1, HEADLINE[0]], 0.05, 0.5, 0.2
     elif args.quick:
-        batches, seconds, small_seconds = [1, 256, 4096, 16384, 65536], 0.6, 1.2
+        batches, seconds, small_seconds, shard_seconds = [1, 256, 4096, 16384, 65536], 0.6, 1.2, 1.5
     else:
-        batches, seconds, small_seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0, 4.0
+        batches, seconds, small_seconds, shard_seconds = [1, 16, 256, 1024, 4096, 16384, 65536], 2.0, 4.0, 3.0
     with tempfile.TemporaryDirectory(prefix="ps_fetch-tls-") as folder:
         tls_files = _tls_files(Path(folder)) if args.tls else None
         result = {} if args.small_only else _large(batches, args.in_flight, seconds, table_rows, tls_files)
@@ -530,11 +664,20 @@ def main() -> int:
     _print_small_summary(small, args.clients)
     protocol = measure_protocol(rounds, requests, table_rows)
     _print_protocol(protocol, rounds)
+    counts = args.shards or ([1, 2] if args.smoke else [1, 2, 4, 8])
+    print(f"\nFetches over S shards: {SHARD_IN_FLIGHT} x {SHARD_BATCH:,} keys x d {SHARD_DIM} in flight from one "
+          f"PsClient, table of {shard_rows:,} rows split by key % S; CPU us per fetched row")
+    print(f"{'round':>5} {'S':>6} | {'rows':>10} | {'client':>10} {'shards':>10}")
+    shards = measure_shards(counts, rounds, shard_seconds, shard_rows)
+    _print_shard_summary(shards)
     config = config_of(args, rounds=rounds, table_rows=table_rows, batches=batches, seconds=seconds,
-                       small_seconds=small_seconds, protocol_requests=requests)
-    figures = {**result, **small, **protocol}
+                       small_seconds=small_seconds, protocol_requests=requests, shard_counts=counts,
+                       shard_seconds=shard_seconds, shard_table_rows=shard_rows)
+    figures = {**result, **small, **protocol, **shards}
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=figures,
-                  headline=headline(figures), smoke=args.smoke)
+                  headline=headline(figures), smoke=args.smoke,
+                  tables={"CPU per fetched row over S shards (one PsClient; median of the rounds)":
+                          shards_table(figures)})
     return 0
 
 

@@ -75,6 +75,8 @@ def section(name: str, result: Mapping[str, Any] | None) -> str:
         return "\n".join(lines)
     lines += ["```bash", result["command"], "```", ""]
     lines += [markdown_table(Table.from_json(result["headline"])), ""]
+    for title, table in result.get("tables", {}).items():  # files written before tables existed have none
+        lines += [f"{title}:", "", markdown_table(Table.from_json(table)), ""]
     lines += [measured_at(result), ""]
     return "\n".join(lines)
 

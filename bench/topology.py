@@ -237,6 +237,15 @@ class Host:
         told) or bring it back up."""
         _run("ip", "-n", self.namespace, "link", "set", self.interface, "up" if up else "down")
 
+    def block(self, other: Host) -> None:
+        """Drop everything this host sends to `other` (a blackhole route in this host's
+        namespace), while its link, and every other peer, stay up: with `other.block(self)`
+        too, a partition between the two. (tc's drop action is not in this kernel.)"""
+        _run("ip", "-n", self.namespace, "route", "add", "blackhole", f"{other.address}/32")
+
+    def unblock(self, other: Host) -> None:
+        _run("ip", "-n", self.namespace, "route", "del", "blackhole", f"{other.address}/32")
+
     def popen(
         self,
         argv: Sequence[str],

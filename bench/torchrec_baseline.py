@@ -57,10 +57,10 @@ from common.runtime import pin_process, pinned_cpus
 from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
 from launcher.summary import RunSummary, summarise
-from oracle.main import build_workload
-from trainer.records import FinalRecord, IterationRecord, RecordWriter, ThreadsRecord, read_run
+from oracle.startup import build_workload
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
+from trainer.records import FinalRecord, IterationRecord, RecordWriter, ThreadsRecord, read_run
 from trainer.threads import THREADS_EVERY, thread_cpu
 from trainer.timing import PhaseTimer
 
@@ -192,7 +192,7 @@ def _sharded_model(job: Job, world: int) -> DistributedModelParallel:
                for t, n in enumerate(job.layout.sizes)]
     # On the meta device: each rank allocates only its own tables, once sharded.
     tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    torch.manual_seed(job.spec.seed)  # as `trainer.main.seeded_model`: the same dense parameters
+    torch.manual_seed(job.spec.seed)  # as `trainer.startup.seeded_model`: the same dense parameters
     dense = build_model(job.model, job.num_dense, job.layout.num_tables)
     module = PooledDLRM(tables, dense, job.dim)
     sharder = EmbeddingBagCollectionSharder(fused_params={

@@ -7,7 +7,7 @@ With ``[checkpoint] every`` = n > 0, checkpoints are taken after iterations n-1,
 Checkpoint c is made of one snapshot per PS shard (``<dir>/ps-<s>/ckpt-<c>/``), the dense
 model and optimizer of trainer 0 (``<dir>/trainer/dense-<c>.pt``) and, written last, the
 manifest ``<dir>/ckpt-<c>.json``. Only a checkpoint whose manifest and parts all exist is
-complete; recovery ignores the others (DESIGN §9).
+complete; recovery ignores the others (docs/design.md#checkpoints).
 
 A finished run leaves its model in ``<run dir>/final/`` (`final_paths`), its tables as the
 PS shards' snapshot N (the run's length) in the checkpoint directory, or in local mode as one
@@ -86,7 +86,7 @@ def missing_parts(directory: Path, checkpoint_id: int, num_shards: int) -> list[
     """The files checkpoint `checkpoint_id` lacks to be complete (none when it is): the
     manifest and dense state, and the snapshot of every shard whose folder is here. The
     manifest is written only once every shard has saved its snapshot; a shard on another
-    machine keeps its snapshots there, and checks for its own when it resumes (`ps.main`).
+    machine keeps its snapshots there, and checks for its own when it resumes (`ps.startup`).
     The shards are those that took it, as its manifest says (a run may resume with another
     number of shards: `ps.checkpoint.resharded`); `num_shards` where it has none."""
     manifest = manifest_path(directory, checkpoint_id)

@@ -1,10 +1,10 @@
-"""The directive: what the oracle tells trainer j to do around iteration x (DESIGN §4).
+"""The directive: what the oracle tells trainer j to do around iteration x (docs/design.md#the-directive).
 
 One `Directive` per (iteration, trainer). Every array is ordered canonically so two planners
 that agree on the plan emit the same bytes: lists of keys ascend by key, `prefetch_*` ascends by
 (target, key). Slots are indices into the trainer's ``[C, d]`` cache; -1 means "no slot here".
 
-Timing, in the words of DESIGN §4 "The boundary into x" (steps 0-7). A trainer runs, for each
+Timing, in the words of docs/design.md#the-boundary (steps 0-7). A trainer runs, for each
 directive x in order: the boundary into x, then forward/backward on x, then end of x. After the
 last directive N-1 it drains: it runs the boundary into N (steps 1 and 3) and the boundary
 into N+1 (step 1) without receiving a directive, so every held-back write-back is sent.
@@ -33,7 +33,7 @@ WRITE_LAG = 32
 def landed_through(iteration: int, write_lag: int = WRITE_LAG) -> int:
     """The newest version v such that every write-back of a version <= v has reached the PS
     before any trainer issues the fetches of directive `iteration`: such a fetch may ask for
-    version -1, and the oracle may forget those versions (DESIGN §4, "the oracle may forget").
+    version -1, and the oracle may forget those versions (docs/design.md#write-lag-and-forgetting-versions).
 
     A write-back of version v is sent by the boundary into v + 2 at the latest (step 1 there
     sends the rows held back for sync_later(v)), so the first WaitWrites to cover it is the
@@ -100,7 +100,7 @@ class Directive:
     #: its row, so only a flush is sent as one (docs/design.md, "Checkpoints").
     write_flush: np.ndarray
     #: True if x is a checkpoint: after sending this directive's writes (flushes included) the
-    #: trainer saves its dense model and optimizer as checkpoint x (DESIGN §9).
+    #: trainer saves its dense model and optimizer as checkpoint x (docs/design.md#checkpoints).
     checkpoint: bool
 
     _INT32: ClassVar[tuple[str, ...]] = (

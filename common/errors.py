@@ -119,7 +119,7 @@ class Unavailable(BagpipeError):
 class TlsError(BagpipeError):
     """TLS could not be agreed with a peer: one end speaks TLS and the other does not, a
     certificate does not verify, a client certificate is missing. Not retried: only a change
-    of configuration mends it (DESIGN, "Authentication and limits")."""
+    of configuration mends it (docs/design.md#authentication-and-limits)."""
 
     status = 400
     code = "tls"

@@ -1,4 +1,5 @@
-"""The initial value of every embedding row as a pure function of (seed, key) (DESIGN §3).
+"""The initial value of every embedding row as a pure function of (seed, key)
+(docs/design.md#keys-sharding-and-initial-values).
 
 Each element is drawn from a counter-based generator (SplitMix64 over the element's index
 ``key * dim + column`` mixed with the seed), scaled to ``±sqrt(1 / n_t)`` as DLRM does. Any

@@ -52,7 +52,7 @@ class Job:
     @property
     def iterations(self) -> int:
         """The run's length N: write-backs carry iterations below N and the final snapshot
-        is checkpoint N (`trainer.main`), so no request of this run names a larger version."""
+        is checkpoint N (`trainer.final`), so no request of this run names a larger version."""
         return self.facts.iterations
 
     @property

@@ -1,4 +1,4 @@
-"""Global row keys, table offsets and `key % S` sharding (DESIGN §3).
+"""Global row keys, table offsets and `key % S` sharding (docs/design.md#keys-sharding-and-initial-values).
 
 Table t owns keys ``offset_t .. offset_t + n_t - 1``; a key lives on shard ``key % S`` at
 local index ``key // S``. Everything here is vectorised over int64 key arrays.

@@ -62,7 +62,7 @@ def trainer_cpus(available: Iterable[int], trainers: int, threads: int, rank: in
 
     A pinned trainer keeps its caches and is not moved onto the core where the other one
     runs; the PS shards and the oracle still go wherever a core is free. On a small machine
-    shared by every role this is worth several percent (README, "Against TorchRec", where
+    shared by every role this is worth several percent (docs/benchmarks.md#e2e, where
     TorchRec's ranks are pinned the same way).
     """
     cpus = sorted(available)

@@ -22,7 +22,7 @@ from common.errors import ConfigError, quoted
 T = TypeVar("T")
 Transport = Literal["h2", "http1"]
 Mode = Literal["bagpipe", "no-cache", "static-cache", "local"]
-#: The modes in the order DESIGN §8 describes them (tables and charts list them so too).
+#: The modes in the order docs/design.md#modes describes them (tables and charts list them so too).
 MODES: tuple[str, ...] = get_args(Mode)
 TOKEN_ENV = "BAGPIPE_TOKEN"
 

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from common.checkpoints import latest_complete, remove_all
 from common.addresses import free_port
+from common.checkpoints import latest_complete, remove_all
 from common.errors import BagpipeError, ConfigError
 from common.job import Job, build_job
 from common.runtime import pinned_cpus
@@ -47,7 +47,7 @@ from common.transport import load_tls
 from launcher.memory import RSS_FILE, RssRecorder
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
-from oracle.main import check_capacity
+from oracle.startup import check_capacity
 
 if TYPE_CHECKING:
     from common.data.dataset import BackgroundConversion, Dataset

@@ -1,6 +1,6 @@
 """A whole run in one process: T trainers as threads, without servers.
 
-Each trainer is a thread running `trainer.main.build_engine`'s engine over a real gloo
+Each trainer is a thread running `trainer.startup.build_engine`'s engine over a real gloo
 process group built in this process (ranks meet through an in-memory store), so DDP's
 dense all-reduce and the embedding sync are the collectives a cluster runs. The PS is
 `StoreRows`: the production `ShardStore`s behind a lock, a fetch resolved once its rows
@@ -33,15 +33,15 @@ from common.init import initial_rows
 from common.job import Job
 from common.keys import local_index, shard_of
 from common.steps import Step, trainer_steps
-from oracle.main import build_workload, planner_config
 from oracle.planner import Planner
+from oracle.startup import build_workload, planner_config
 from ps.client import Rows
-from ps.main import shard_config
+from ps.startup import shard_config
 from ps.store import ShardStore
 from trainer.collectives import Collectives
 from trainer.device import select_device
 from trainer.engine import Engine, IterationStats
-from trainer.main import build_engine, seeded_model
+from trainer.startup import build_engine, seeded_model
 
 TIMEOUT_S = 60.0  # a collective or fetch that waits longer has deadlocked
 

@@ -29,7 +29,7 @@ _MIN_RING = 1 << 16
 
 
 class BagpipeRules:
-    """DESIGN §4 with lookahead L and lead D, one kernel state for all trainers."""
+    """The planner (docs/design.md#the-planner) with lookahead L and lead D, one kernel state for all trainers."""
 
     # read_partition_pairs and merge_runs: what planning with workers adds (oracle/workers.py)
     kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept, read_partition_pairs, merge_runs)

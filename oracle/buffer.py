@@ -17,7 +17,7 @@ whatever it reads; one that starts past the position waits for the planner like 
 The exception is an oracle restarted alone: the trainers come back wherever they were, so
 each one's first stream sets its position to where it starts.
 
-Iterations are global: a run resumed from a checkpoint starts at `first` (DESIGN §9), and
+Iterations are global: a run resumed from a checkpoint starts at `first` (docs/design.md#resuming-every-role), and
 steps before it were never held here (asking for them answers 409); the run ends at `end`,
 known from the start, so a stream from there on is answered at once, whatever the planner
 is doing.

@@ -22,7 +22,7 @@ MAX_WORKERS = 256
 
 @dataclass(frozen=True, kw_only=True)
 class KeyPartition:
-    """One worker's share of a planner split `count` ways (DESIGN §4, "Parallel planning"):
+    """One worker's share of a planner split `count` ways (docs/design.md#parallel-planning):
     the keys whose hash falls in partition `index` (`oracle.kernels.batch.key_partition`),
     planned in slots [offset, offset + share) of every trainer's cache of C = `capacity`
     slots. The shares cut C into `count` runs differing by one slot at most."""
@@ -42,7 +42,7 @@ class KeyPartition:
 
 @dataclass(frozen=True, kw_only=True)
 class PlannerConfig:
-    """What the planner needs to know (DESIGN §4, §8, §9).
+    """What the planner needs to know (docs/design.md#the-planner, #modes, #checkpoints).
 
     `lookahead` (L) and `prefetch_lead` (D) matter in `bagpipe` mode only: `no-cache` and
     `static-cache` plan with L = D = 0 for the rows they do not pin. `capacity` (C, rows per
@@ -52,7 +52,7 @@ class PlannerConfig:
     marks iterations n-1, 2n-1, ... as checkpoints.
 
     `first_iteration` (F) is the global number of the first batch pushed: a run resumed from
-    checkpoint c plans with F = c + 1 (DESIGN §9). The planner counts its own iterations from
+    checkpoint c plans with F = c + 1 (docs/design.md#resuming-every-role). The planner counts its own iterations from
     0 internally; its directives carry global numbers (iteration, prefetch targets, write
     versions, min_versions >= 0 all shifted by F) and mark checkpoints by global number, so
     a resumed run marks and flushes the same checkpoints as an uninterrupted one. A
@@ -185,8 +185,9 @@ def _non_negative_int(name: str, value: object) -> None:
 def infeasible_capacity(
     iteration: int, trainer: int, need: int, capacity: int, partition: KeyPartition | None = None
 ) -> ConfigError:
-    """The error of DESIGN §4 rule 4: some trainer needs more than C rows at one iteration
-    (with `partition`: more than the share of C of one worker, among that worker's keys)."""
+    """The capacity error (docs/design.md#rule-4-capacity): some trainer needs more than C rows
+    at one iteration (with `partition`: more than the share of C of one worker, among that
+    worker's keys; docs/design.md#parallel-planning)."""
     if partition is not None:
         p = partition
         return ConfigError(

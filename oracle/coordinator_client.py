@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from common.errors import Unauthorized, Unavailable
+from common.errors import TimedOut, Unauthorized, Unavailable
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint
 from common.transport import Tls, TransportKind, connect_client
 from common.transport.retry import RetryBudget
@@ -91,7 +91,7 @@ class CoordinatorClient:
                 # Whether it answers, not what: the health of another version would do.
                 await self._client.call(HEALTH.method, HEALTH.target(), timeout=every_s * 2)
                 lost = None
-            except Unavailable:
+            except (Unavailable, TimedOut):  # a coordinator too busy to answer in time is lost too
                 lost = lost or time.monotonic()
                 if time.monotonic() - lost >= reconnect_s:
                     raise Unavailable(f"the coordinator at {self.endpoint} has been unreachable for "

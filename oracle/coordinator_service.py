@@ -15,7 +15,7 @@ Routes (beside the directive streams of `oracle.service`; their messages are in
   data.
 * ``POST /v1/finished`` ``{"trainer": J}``: trainer J is done; once every trainer is, the
   oracle stops by itself (`finished`), so a batch job completes.
-* Checkpoints (DESIGN §9) are made complete here, whatever machine each role is on: each PS
+* Checkpoints (docs/design.md#checkpoints) are made complete here, whatever machine each role is on: each PS
   shard keeps its snapshots under its own ``[checkpoint] dir``; trainer 0 sends the dense
   state and the figures of checkpoint c once every shard has saved c (``POST
   /v1/checkpoint``), and the oracle writes them and the manifest under its own, then prunes

@@ -1,4 +1,4 @@
-"""The baselines of DESIGN §8 as `Rules`, vectorised with numpy.
+"""The baselines of docs/design.md#modes as `Rules`, vectorised with numpy.
 
 * `StaticRules` (`static-cache`, and `no-cache` = no pinned rows): the pinned hot rows live in
   slots 0..H-1 of every trainer from iteration 0 to the end; every other row a trainer uses

@@ -1,4 +1,4 @@
-"""The sans-IO oracle planner (DESIGN §4, §8): global batches in, final directives out.
+"""The sans-IO oracle planner (docs/design.md#the-planner, #modes): global batches in, final directives out.
 
 Feed global batches in order with `push`; each call returns the directives that became final,
 as a list over iterations of per-trainer lists. Iteration x is planned once batch x+L is read;
@@ -276,7 +276,7 @@ def checked_keys(config: PlannerConfig, keys: np.ndarray, shape: tuple[int, int]
 
 
 def rules_class(mode: Mode) -> type[BagpipeRules | StaticRules | LocalRules]:
-    """The planning rules of `mode` (DESIGN §8)."""
+    """The planning rules of `mode` (docs/design.md#modes)."""
     if mode == "bagpipe":
         return BagpipeRules
     if mode == "local":

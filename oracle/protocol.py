@@ -1,4 +1,4 @@
-"""The oracle's protocol (DESIGN "The coordinator", "Wire format and transport"): every
+"""The oracle's protocol (docs/design.md#the-coordinator, #wire-format-and-transport): every
 message its clients and its two servers exchange, and `ROUTES`, the one table of which
 message goes where.
 

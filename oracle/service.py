@@ -1,5 +1,5 @@
 """The oracle process: reads the data, runs the planner ahead, streams one directive stream
-per trainer (DESIGN §2, §4, §7).
+per trainer (docs/design.md#roles, #the-planner, #wire-format-and-transport).
 
 Routes (their messages are in `oracle.protocol`):
 
@@ -33,7 +33,7 @@ import numpy as np
 from common.data.dataset import Dataset
 from common.errors import ConfigError
 from common.keys import TableLayout
-from common.metrics import FinalScrape, Registry
+from common.prometheus import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
 from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
@@ -49,7 +49,7 @@ class Workload:
     """The training stream the oracle plans: which batches, in which order.
 
     `start` is the first global iteration planned (c + 1 when resuming from checkpoint c,
-    DESIGN §9); `num_iterations` is the length of the whole run, whatever `start` is.
+    docs/design.md#resuming-every-role); `num_iterations` is the length of the whole run, whatever `start` is.
     """
 
     dataset: Dataset

@@ -1,4 +1,4 @@
-"""What the planner counts, per iteration and in total (DESIGN §8).
+"""What the planner counts, per iteration and in total (docs/design.md#modes).
 
 Counts are rows; a caller multiplies by the row size (value + optimizer state) for bytes.
 A *row use* is a (key, trainer) pair of one iteration: trainer j uses key k at x, however many

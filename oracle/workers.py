@@ -1,4 +1,4 @@
-"""Parallel planning (DESIGN §4, "Parallel planning"): P workers, one key partition each,
+"""Parallel planning (docs/design.md#parallel-planning): P workers, one key partition each,
 their directives merged per trainer and iteration.
 
 Worker p plans the keys of partition p (`oracle.kernels.batch.key_partition`, a hash of the

@@ -39,6 +39,7 @@ from common.spec import Endpoint, Transport
 from common.transport import Tls, connect_client
 from common.transport.retry import RetryBudget
 from ps.journal import WriteJournal
+from ps.relaunch import shard_command
 from ps.protocol import (
     FETCH,
     INCARNATION_HEADER,
@@ -86,14 +87,17 @@ class PsClient:
         trainer: int | None = None,
         trainers: int = 0,
         tls: Tls | None = None,
+        coordinator: Endpoint | None = None,
     ) -> None:
-        """`resumed_from`: the checkpoint this client's run resumed from (-1: none), which
+        """`coordinator`: where the shards joined, if they did (the recovery commands this
+        client's errors give then go through it). `resumed_from`: the checkpoint this client's run resumed from (-1: none), which
         every shard must hold. `trainer` (of `trainers`): the trainer this client writes for,
         which reports to a shard restarted alone once it has replayed to it; None: not a
         trainer (tools, benchmarks), which reports nothing."""
         if trainer is not None and not 0 <= trainer < trainers:
             raise ValueError(f"trainer {trainer} is not in 0..{trainers - 1}")
         self.endpoints = tuple(endpoints)
+        self.coordinator = coordinator
         self.trainer = trainer
         self.trainers = trainers
         self.dim = dim
@@ -377,7 +381,7 @@ class PsClient:
             f"{where} came back {held} (process {status.incarnation}), but this trainer's journal only holds "
             f"the write-backs after checkpoint {needs}: the rows written up to it would be lost (was it "
             "started without --rejoin?). Stop that shard and restart it with "
-            f"`python launch.py SPEC --role ps --index {shard} --rejoin` (it reloads its own latest snapshot), "
+            f"`{shard_command(shard, self.coordinator, self.endpoints[shard])} --rejoin` (it reloads its own latest snapshot), "
             "or, if its snapshots are gone, stop every role and start each with --resume",
             shard=shard,
             restored=status.restored,

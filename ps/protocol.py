@@ -1,5 +1,6 @@
-"""The PS protocol (DESIGN §6, §7, §9): every message a PS client and a shard exchange, and
-`ROUTES`, the one table of which message goes where.
+"""The PS protocol: every message a PS client and a shard exchange, and `ROUTES`, the one
+table of which message goes where (docs/design.md#parameter-server,
+#wire-format-and-transport, #checkpoints).
 
 Messages are frozen keyword-only dataclasses, checked when they are built (on either side)
 and carrying their codec: `to_wire()` / `from_wire()`, and `to_parts()` for sending without
@@ -13,7 +14,7 @@ against stored ones) is checked by `ps.store.ShardStore`.
 A shard process has a random *incarnation*. Requests name, in `INCARNATION_HEADER`, the one
 their client last spoke with; on routes marked `incarnation` a restarted shard refuses
 them (409 ``restarted``, `common.errors.Restarted`), so that the client replays its journal
-to it first (DESIGN §9) and then says so (`Rejoined`): a shard restarted alone serves no
+to it first (docs/design.md#a-ps-shard-restarted-alone) and then says so (`Rejoined`): a shard restarted alone serves no
 fetch until every trainer has.
 """
 
@@ -53,7 +54,7 @@ class Message(Protocol):
 
 # --------------------------------------------------------------------------- data plane
 class WriteKind(enum.Enum):
-    """Why a trainer writes rows back (DESIGN §4 rule 3, §9)."""
+    """Why a trainer writes rows back (docs/design.md#rule-3-residency-and-the-keeper, #checkpoints)."""
 
     #: The residency ended: the row leaves every cache, with the version of its last use.
     EVICT = "evict"
@@ -270,7 +271,7 @@ class WriteAck(_JsonMessage):
 @dataclass(frozen=True, kw_only=True)
 class CheckpointReport(_JsonMessage):
     """Trainer `trainer` (of `trainers`) says that all its writes of versions <= `checkpoint`,
-    flushes included, were acknowledged (DESIGN §9).
+    flushes included, were acknowledged (docs/design.md#a-ps-shard-restarted-alone).
 
     The shard snapshots checkpoint `checkpoint` once all `trainers` reported and answers
     every report with the snapshot once it is on disk (507 if it could not be written); a
@@ -293,7 +294,7 @@ class CheckpointReport(_JsonMessage):
 @dataclass(frozen=True, kw_only=True)
 class Rejoined(_JsonMessage):
     """Trainer `trainer` (of `trainers`) has replayed to this shard process every write-back
-    of its journal for the shard (DESIGN §9), or had none to replay.
+    of its journal for the shard (docs/design.md#a-ps-shard-restarted-alone), or had none to replay.
 
     A shard restarted alone (``--rejoin``) answers no fetch until all `trainers` said so:
     until then its snapshot may lack a row whose newest write-back sits in a journal not yet

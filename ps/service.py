@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut, quoted
-from common.metrics import Counter, FinalScrape, Registry
+from common.prometheus import Counter, FinalScrape, Registry
 from common.transport import Handler, Request, Response, Router
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
@@ -152,7 +152,7 @@ class PsService:
         """The rows at once if each has reached its version, else an awaitable of them."""
         wait_s = self.fetch_timeout_s if message.wait_s is None else message.wait_s
         if wait_s > self.fetch_timeout_s:
-            # A wait longer than the spec's fetch timeout is no legitimate one (DESIGN §6);
+            # A wait longer than the spec's fetch timeout is no legitimate one (docs/design.md#fetch-waits);
             # unbounded, it would also hold the request (and its rows) for ever.
             raise BadRequest(
                 f"wait_s must be at most {self.fetch_timeout_s:g} s, got {quoted(wait_s)}", field="wait_s"

@@ -49,7 +49,7 @@ class ShardConfig:
     seed: int = 0
     checkpoint_every: int = 0  # 0: none; which iterations: common.checkpoints.is_checkpoint
     #: The highest version (iteration) and checkpoint id a request may name: what the run
-    #: can produce (`ps.main.shard_config`). A larger one is refused with 400.
+    #: can produce (`ps.startup.shard_config`). A larger one is refused with 400.
     version_limit: int = DEFAULT_VERSION_LIMIT
 
     def __post_init__(self) -> None:

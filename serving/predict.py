@@ -2,9 +2,9 @@
 log loss.
 
 By default it scores the held-out rows of the data the run trained on the way the run's own
-evaluation did (`trainer.main`): the same rows in batches of the run's global batch, the
+evaluation did (`trainer.final`): the same rows in batches of the run's global batch, the
 predictions concatenated in the order the trainers gathered them, scored by the same
-`trainer.metrics.evaluate`. On the CPU it reproduces the run's held-out AUC and log loss
+`trainer.evaluation.evaluate`. On the CPU it reproduces the run's held-out AUC and log loss
 bit for bit. ``--data FILE`` scores every row of another file instead, read with the run's
 data settings (its format unless ``--format`` says otherwise, and its hashing into the
 model's table sizes).
@@ -31,7 +31,7 @@ from common.files import write_atomically
 from serving.manifest import MODEL_FILE, ExportManifest, dense_key, embedding_key
 from serving.safetensors import FormatError, SafetensorsFile
 from common.steps import held_out_share
-from trainer.metrics import EvalResult, MetricAccumulator
+from trainer.evaluation import EvalResult, MetricAccumulator
 from trainer.models import build_model
 
 

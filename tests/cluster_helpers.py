@@ -15,7 +15,7 @@ from common.job import Job, build_job
 from common.spec import load_spec, spec_toml
 from launcher.cluster import ClusterResult, run_cluster
 from launcher.inprocess import FinalModel
-from oracle.main import build_workload
+from oracle.startup import build_workload
 from ps.checkpoint import load_snapshot
 from tests.trainer.reference import ReferenceResult, reference_train
 from trainer.optim import build_embedding_optimizer

@@ -20,13 +20,22 @@ from common.directive import Directive
 from common.errors import Conflict
 from common.job import Job, build_job
 from common.spec import load_spec
-from oracle.main import build_workload, planner_config
 from oracle.planner import Planner
-from ps.main import shard_config
+from oracle.startup import build_workload, planner_config
+from ps.startup import shard_config
 from ps.store import ShardStore, Snapshot
 from tests.cluster_helpers import write_spec
 from tests.oracle.test_mutations import FlushIffCopyStays
-from trainer.boundary import Action, ApplySyncLater, Boundary, CheckpointsWritten, InsertFetched, IssueFetches, Leave, WaitWrites
+from trainer.boundary import (
+    Action,
+    ApplySyncLater,
+    Boundary,
+    CheckpointsWritten,
+    InsertFetched,
+    IssueFetches,
+    Leave,
+    WaitWrites,
+)
 
 
 class _Shards:

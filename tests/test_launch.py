@@ -1,4 +1,4 @@
-"""The launcher's behaviour on failure (DESIGN §10): `python launch.py` as a user runs it.
+"""The launcher's behaviour on failure (docs/design.md#launcher-and-cluster-spec): `python launch.py` as a user runs it.
 
 Every test starts real subprocesses on real ports: a role killed mid-run stops the whole
 cluster, Ctrl-C stops it, killing the launcher itself orphans nothing, a bad spec starts
@@ -26,7 +26,7 @@ import pytest
 
 from common.job import build_job
 from common.spec import load_spec
-from oracle.main import build_workload
+from oracle.startup import build_workload
 from tests.cluster_helpers import write_spec
 
 ROOT = Path(__file__).resolve().parent.parent

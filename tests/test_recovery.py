@@ -1,4 +1,4 @@
-"""Fault tolerance (DESIGN §9): kill -9 a PS, a trainer or the oracle at a random iteration
+"""Fault tolerance (docs/design.md#recovery): kill -9 a PS, a trainer or the oracle at a random iteration
 of a local 2 x 2 run with checkpoints and automatic restart; the run recovers and ends with
 parameters bit-identical to an uninterrupted run. A PS or the oracle comes back alone while
 the trainers wait (or, with ``restart_alone = false``, every role from the latest complete
@@ -117,6 +117,9 @@ def test_kill_a_role_and_recover_bit_identically(tmp_path: Path, uninterrupted: 
             assert replays == (1 if role == "ps-0" and trained_on else 0)
 
 
+# Nightly: in CI, test_kill_a_role_and_recover_bit_identically[trainer-1-0] restarts every role
+# from the checkpoint (a trainer cannot come back alone) and ends bit-identical.
+@pytest.mark.nightly
 @pytest.mark.parametrize("role", ["ps-0", "oracle"])
 def test_with_restart_alone_off_every_role_restarts_from_the_checkpoint(
     tmp_path: Path, uninterrupted: FinalModel, role: str
@@ -142,6 +145,9 @@ def test_kill_the_ps_while_a_checkpoint_is_being_taken(tmp_path: Path, uninterru
     assert_identical(got, uninterrupted)
 
 
+# Nightly: in CI, test_a_full_checkpoint_disk_is_reported_and_the_last_complete_checkpoint_still_recovers
+# fails checkpoint writes the same way (reported, training goes on) and recovers after.
+@pytest.mark.nightly
 def test_an_unwritable_checkpoint_directory_is_reported_and_training_goes_on(tmp_path: Path) -> None:
     blocker = tmp_path / "disk"
     blocker.write_text("a file where the checkpoint folder's parent should be: nothing can be written below it")
@@ -264,6 +270,10 @@ def test_a_ps_restarted_by_hand_without_rejoin_refuses_and_rejoin_recovers(
     assert_identical(final_model(job, result.run_dir), uninterrupted)
 
 
+# Nightly: in CI, tests/ps/test_rejoin.py::test_a_shard_that_came_back_empty_is_refused_at_once_and_never_snapshots
+# (a real shard and trainers' clients) and test_a_ps_restarted_by_hand_without_rejoin_refuses_and_rejoin_recovers
+# (a real cluster) cover a shard that came back empty.
+@pytest.mark.nightly
 def test_a_ps_started_empty_mid_run_stops_the_trainers_and_completes_no_checkpoint(
     tmp_path: Path, uninterrupted: FinalModel
 ) -> None:

@@ -22,10 +22,16 @@ from common.job import build_job
 from common.spec import load_spec
 from launcher.inprocess import run_in_process
 from ps.checkpoint import resharded, save_snapshot, snapshot_shards
-from ps.main import build_service, restore_own_latest
+from ps.startup import build_service, restore_own_latest
 from ps.store import Snapshot
 from tests.cluster_helpers import (
-    as_final, assert_identical, differing_elements, final_model, reference_for, run_spec, write_spec,
+    as_final,
+    assert_identical,
+    differing_elements,
+    final_model,
+    reference_for,
+    run_spec,
+    write_spec,
 )
 
 FIRST, TOTAL, EVERY = 20, 40, 5  # the first run stops after iteration 19, a checkpoint
@@ -44,7 +50,8 @@ def _runs(tmp_path: Path, before: dict, after: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 3])
+# 2 -> 3 shards is nightly: in CI the bagpipe case below resumes 2 -> 3 shards (and 2 -> 4 trainers).
+@pytest.mark.parametrize("shards", [1, pytest.param(3, marks=pytest.mark.nightly)])
 def test_reshard_on_resume_ends_as_the_run_that_never_stopped(tmp_path: Path, shards: int) -> None:
     job, run_dir = _runs(tmp_path, {"ps": {"shards": 2}}, {"ps": {"shards": shards}})
     assert job.spec.ps.num_shards == shards

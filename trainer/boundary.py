@@ -1,4 +1,4 @@
-"""The order of DESIGN §4 ("The boundary into x") as a sans-IO protocol object.
+"""The order of the boundary (docs/design.md#the-boundary) as a sans-IO protocol object.
 
 `Boundary.plan(d)` turns trainer j's directive for iteration x into the ordered actions it
 performs: the boundary into x (steps 0-5), forward and backward (6), the end of x (7).
@@ -50,7 +50,7 @@ class IssueFetches:
 @dataclass(frozen=True, kw_only=True)
 class WaitWrites:
     """Wait until the PS acknowledged every write-back of a version <= `up_to` (the bounded
-    write lag that lets the oracle forget old versions, DESIGN §4 "State")."""
+    write lag that lets the oracle forget old versions, docs/design.md#write-lag-and-forgetting-versions)."""
 
     up_to: int
 
@@ -72,7 +72,7 @@ class ApplySyncLater:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointsWritten:
-    """Every write-back of these checkpoint iterations has been sent (DESIGN §9)."""
+    """Every write-back of these checkpoint iterations has been sent (docs/design.md#checkpoints)."""
 
     iterations: tuple[int, ...]
 

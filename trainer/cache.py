@@ -3,7 +3,7 @@
 Pure tensor code: slots come from the oracle's directives (no hashing here) and rows come
 from whoever holds them (the PS client, a join collective). Fetched rows arrive already on
 the device (`trainer.device.Device.stage`: on CUDA copied on the side stream as soon as they
-arrived), so inserting them only waits for their copy (DESIGN §5).
+arrived), so inserting them only waits for their copy (docs/design.md#cache-and-overlap).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common.addresses import address_towards
+from common.errors import Unavailable
 from common.spec import Endpoint
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -223,6 +224,29 @@ def init_collectives(
                                 world_size=world_size, timeout=timeout)
     background = dist.new_group(backend=backend) if world_size > 1 else None
     return Collectives(world_size=world_size, rank=rank, group=dist.group.WORLD, background=background)
+
+
+#: What gloo (and NCCL) say when a peer does not answer or its connection breaks.
+_PEER_FAILURES = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
+                  "connection refused", "no route to host", "invalid argument", "read error", "write error")
+
+
+def peers_unreachable(exc: BaseException, rank: int, world_size: int, timeout_s: float) -> Unavailable | None:
+    """The clear error for a collective that failed because the other trainers could not be
+    reached (a partition between trainer hosts, a trainer that died), or None for any other
+    failure. gloo's own message names no peer and no setting; this one names both."""
+    if world_size < 2 or not isinstance(exc, RuntimeError):
+        return None
+    detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if not any(sign in detail.lower() for sign in _PEER_FAILURES):
+        return None
+    others = ", ".join(str(r) for r in range(world_size) if r != rank)
+    return Unavailable(
+        f"trainer {rank}: a collective with trainer{'s' if world_size > 2 else ''} {others} failed "
+        f"(they did not answer within {timeout_s:g} s, 4 x cluster.request_timeout_s, or their connection "
+        f"broke): the trainers must reach each other directly, and each must be alive; gloo said: {detail[:200]}",
+        trainer=rank, peers=[r for r in range(world_size) if r != rank], timeout_s=timeout_s,
+    )
 
 
 def gloo_interface(peer_host: str) -> str | None:

@@ -2,7 +2,7 @@
 
 On CUDA, a fetched row block is copied host-to-device the moment its fetch completes, on
 the I/O thread: into a reused pinned staging buffer, then on a side stream, with an event
-recorded after the copy (DESIGN §5). The insertion before forward only makes the compute
+recorded after the copy (docs/design.md#cache-and-overlap). The insertion before forward only makes the compute
 stream wait for that event, so the copy overlaps whatever the GPU is computing meanwhile.
 On the CPU the same calls are no-ops (`torch.cuda.Stream()` raises on a CPU build, hence the
 stand-ins), so the trainer has one code path.

@@ -1,8 +1,8 @@
 """One trainer's iteration loop: executes the actions of `trainer.boundary.Boundary`.
 
-The order (DESIGN §4, "The boundary into x", steps 0-7) lives in `Boundary`; this file only
+The order (docs/design.md#the-boundary, steps 0-7) lives in `Boundary`; this file only
 carries each action out with torch tensors, the PS futures of a `RowSource` and the trainers'
-collectives, and times it. Gradients follow DESIGN §5: each trainer's loss is the mean over
+collectives, and times it. Gradients follow docs/design.md#exact-arithmetic: each trainer's loss is the mean over
 its slice, dense gradients are averaged by DDP, embedding gradients are summed across
 trainers in rank order (`Collectives.sum_rows`) and divided by T, for one-copy keys too.
 """

@@ -2,7 +2,7 @@
 
 Compute stays in the main thread; it hands coroutines to `IoThread.submit` and gets
 `concurrent.futures.Future`s back, which it waits on only when it needs the result. That is
-how prefetches overlap forward/backward (DESIGN §5).
+how prefetches overlap forward/backward (docs/design.md#cache-and-overlap).
 """
 
 from __future__ import annotations

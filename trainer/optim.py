@@ -1,4 +1,4 @@
-"""Row-wise embedding optimizers and the dense optimizer factory (DESIGN §5), built from the
+"""Row-wise embedding optimizers and the dense optimizer factory (docs/design.md#exact-arithmetic), built from the
 `[optimizer]` section (`common/optimizer_spec.py`).
 
 An embedding optimizer updates a set of rows from their gradients, each row on its own:

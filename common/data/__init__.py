@@ -9,16 +9,38 @@ for every format (`dataset.access` decides how each is read). ``python -m common
 
 from __future__ import annotations
 
-from common.data.chunks import MalformedData, RawChunk, Reader
-from common.data.convert import convert, open_reader
-from common.data.dataset import Batch, Dataset, access, cache_path, open_dataset
-from common.data.npy import NpyDaysReader
-from common.data.parquet import ParquetReader
-from common.data.preprocessed import Manifest, Preprocessed, open_preprocessed
-from common.data.raw import RawReader
-from common.data.spec import CRITEO_KAGGLE_SIZES, DataSpec, parse_data_spec
-from common.data.stats import SkewReport, format_table, plot_coverage, skew_stats
-from common.data.synthetic import SyntheticGenerator, calibrate_exponents, overall_top_share
+import importlib
+
+# Loaded on first use (PEP 562): a role that needs only the `[data]` section's parsing
+# (every trainer and PS, through `common.job`) does not load pyarrow and the readers.
+_HOMES = {
+    "MalformedData": "common.data.chunks",
+    "RawChunk": "common.data.chunks",
+    "Reader": "common.data.chunks",
+    "convert": "common.data.convert",
+    "open_reader": "common.data.convert",
+    "Batch": "common.data.dataset",
+    "Dataset": "common.data.dataset",
+    "access": "common.data.dataset",
+    "cache_path": "common.data.dataset",
+    "open_dataset": "common.data.dataset",
+    "NpyDaysReader": "common.data.npy",
+    "ParquetReader": "common.data.parquet",
+    "Manifest": "common.data.preprocessed",
+    "Preprocessed": "common.data.preprocessed",
+    "open_preprocessed": "common.data.preprocessed",
+    "RawReader": "common.data.raw",
+    "CRITEO_KAGGLE_SIZES": "common.data.spec",
+    "DataSpec": "common.data.spec",
+    "parse_data_spec": "common.data.spec",
+    "SkewReport": "common.data.stats",
+    "format_table": "common.data.stats",
+    "plot_coverage": "common.data.stats",
+    "skew_stats": "common.data.stats",
+    "SyntheticGenerator": "common.data.synthetic",
+    "calibrate_exponents": "common.data.synthetic",
+    "overall_top_share": "common.data.synthetic",
+}
 
 __all__ = [
     "CRITEO_KAGGLE_SIZES", "Batch", "DataSpec", "Dataset", "MalformedData", "Manifest",
@@ -27,3 +49,16 @@ __all__ = [
     "format_table", "open_dataset", "open_preprocessed", "open_reader", "overall_top_share",
     "parse_data_spec", "plot_coverage", "skew_stats",
 ]  # fmt: skip
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'common.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

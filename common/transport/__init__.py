@@ -1,4 +1,4 @@
-"""HTTP/2 (h2c, or over TLS) and HTTP/1.1 transport shared by every role (DESIGN §7).
+"""HTTP/2 (h2c, or over TLS) and HTTP/1.1 transport shared by every role (docs/design.md#transport).
 
 Servers serve a `Router` of handlers; clients share one interface (`Client`), so the data
 plane is chosen by name in the cluster spec (`connect_client`). With `[cluster.tls]`, every

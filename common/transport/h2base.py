@@ -43,7 +43,7 @@ from common.transport.hpack_memo import MemoDecoder, MemoEncoder
 
 logger = logging.getLogger(__name__)
 
-# Tuned for large binary bodies on fast links (DESIGN §7: 240 → 760 MB/s with these alone).
+# Tuned for large binary bodies on fast links (docs/design.md#transport: 240 → 760 MB/s with these alone).
 STREAM_WINDOW = 16 * 1024 * 1024
 CONNECTION_WINDOW = 16 * 1024 * 1024
 MAX_FRAME_SIZE = 1024 * 1024

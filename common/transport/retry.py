@@ -1,6 +1,6 @@
 """How long a client keeps trying a peer that went away (a PS shard, the oracle).
 
-A peer restarted alone (DESIGN §9, `launch.py --rejoin`) is back within seconds: a client
+A peer restarted alone (docs/design.md#a-ps-shard-restarted-alone, `launch.py --rejoin`) is back within seconds: a client
 retries at least `retries` times *and* for at least `window_s`, with delays doubling from
 `first_delay_s` up to MAX_BACKOFF_S, so it notices the new process soon after it listens.
 """

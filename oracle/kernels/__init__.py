@@ -1,4 +1,4 @@
-"""The planner's numba kernels: the bagpipe rules of DESIGN §4 compiled per key, and the
+"""The planner's numba kernels: the bagpipe rules of docs/design.md#the-planner compiled per key, and the
 reading of a batch that every mode shares.
 
 Same structure as the specification (tests/oracle/reference_planner.py, steps a-f), with the

@@ -85,6 +85,16 @@ def test_a_benchmark_outside_the_list_still_gets_a_section(tmp_path: Path) -> No
     assert doc.index("## e2e") < doc.index("## newbench") and "(no description)" in doc
 
 
+def test_further_tables_follow_the_headline_under_their_titles(tmp_path: Path) -> None:
+    shards = Table(("shards S", "client CPU us/row"), ((1, 0.25), (8, 0.5)))
+    write_results(tmp_path / "ps_fetch.json", bench="ps_fetch", config={"smoke": False}, figures={},
+                  headline=HEADLINE, smoke=False, tables={"Over S shards": shards})
+    section = render(newest_results(tmp_path), benches=("ps_fetch",)).split("## ps_fetch\n", 1)[1]
+    headline, rest = section.split("Over S shards:\n", 1)
+    assert "| mode | samples/s |" in headline
+    assert rest.startswith("\n| shards S | client CPU us/row |\n|---|---|\n| 1 | 0.25 |\n| 8 | 0.5 |\n")
+
+
 @pytest.mark.parametrize(("value", "cell"), [
     (None, "n/a"), (float("nan"), "n/a"), (True, "yes"), (12345, "12,345"), (12345.6, "12,346"),
     (123.45, "123.5"), (1.2345, "1.23"), (0.0, "0.00"), (0.012345, "0.0123"), ("a|b", "a\\|b"),

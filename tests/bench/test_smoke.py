@@ -66,6 +66,7 @@ SMOKES = (
     Smoke("ps_waiting", slow=False),
     Smoke("abuse"),
     Smoke("sync_sum"),
+    Smoke("scale"),
     Smoke("data", slow=False),
     Smoke("export", needs=_no_gnu_time),
     Smoke("linkrate", needs=_namespaces_unavailable),
@@ -104,7 +105,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 
 def test_the_scripts_are_the_benchmarks_and_their_helpers() -> None:
     """A new script must join BENCHES (and get a smoke run above) or be named a helper here."""
-    helpers = {"__init__", "fetch_load", "netshape", "topology", "torchrec_baseline", "render"}
+    helpers = {"__init__", "faults", "fetch_load", "netshape", "topology", "torchrec_baseline", "render"}
     assert {p.stem for p in (ROOT / "bench").glob("*.py")} == set(BENCHES) | helpers
 
 

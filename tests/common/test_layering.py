@@ -14,6 +14,8 @@ never loads it.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,37 @@ def test_the_oracles_servers_are_imported_in_oracle_only(path: Path) -> None:
     """The coordinator's routes and the directive streams live in oracle/ and are started by
     `oracle.main` alone (the launcher and launch.py go through it)."""
     assert not oracle_modules(path) & ORACLE_SERVERS
+
+
+ROLE_ENTRY_POINTS = frozenset({"oracle.main", "ps.main", "trainer.main"})
+
+
+@pytest.mark.parametrize("path", [p for p in sources(*BELOW_LAUNCHER, "launcher", "bench", "tests")
+                                  if p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") not in ROLE_ENTRY_POINTS],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_but_launch_py_imports_a_roles_entry_point(path: Path) -> None:
+    """A role's main.py starts its process; what others build a role from (the launcher's
+    in-process harness, the tests) lives in the role's own modules (`oracle.startup`,
+    `ps.startup`, `trainer.startup`, ...)."""
+    assert not imported_modules(path.read_text()) & ROLE_ENTRY_POINTS
+
+
+def test_launch_py_starts_every_role_through_its_entry_point() -> None:
+    assert imported_modules((ROOT / "launch.py").read_text()) >= ROLE_ENTRY_POINTS
+
+
+@pytest.mark.parametrize("path", sources("trainer/models"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_models_know_nothing_of_the_cluster(path: Path) -> None:
+    """A model (ours or a user's `[model] factory`) is a plain module: DDP and the
+    collectives wrap it in the engine, so it runs the same in one process and in many."""
+    imported = imported_modules(path.read_text())
+    assert not {m for m in imported if m == "torch.distributed" or m.startswith("torch.distributed.")}
+    assert not imported_packages(path.read_text()) & {"ps", "oracle", "launcher"}
+
+
+def test_the_roles_parse_the_data_section_without_loading_the_readers() -> None:
+    """Every PS shard and trainer parses `[data]` (through `common.job`); the readers, and
+    pyarrow under them, load only where data is read (0.2 s of each role's start-up)."""
+    code = "import sys, common.job, ps.main; print(sorted(m for m in ('pyarrow', 'common.data.convert') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -95,12 +95,21 @@ def _path_parts(node: ast.AST, file: PurePosixPath) -> list[str] | None:
     return None
 
 
+def sibling(name: str) -> bool:
+    """`name` is a file or folder beside the checkout (not the checkout itself)."""
+    return name != ROOT.name and (ROOT.parent / name).exists()
+
+
 def references_outside(name: str, text: str) -> list[str]:
     """Every way `text` (the tracked file `name`) refers to a path outside the repository."""
     found = list(climbing_paths(name, text))
-    around = f"{ROOT.parent}/"  # the folder this checkout sits in, by its absolute name
+    # A sibling of the checkout by its absolute name (`<parent>/shared/...`). Only siblings that
+    # exist count: a made-up path in a test (`/tmp/specs/x.toml`) is not one, even in a
+    # checkout that happens to sit in /tmp.
     if ROOT.parent != Path("/"):
-        found += [line.strip() for line in text.splitlines() if around in line]
+        around = re.compile(re.escape(f"{ROOT.parent}/") + r"([^/\s\"'`)]+)")
+        found += [line.strip() for line in text.splitlines()
+                  if any(sibling(m.group(1)) for m in around.finditer(line))]
     if name.endswith(".py"):
         found += list(python_paths(name, text))
     return found
@@ -159,4 +168,8 @@ def test_references_inside_are_not(name: str, text: str) -> None:
 def test_a_file_naming_the_folder_around_the_checkout_refers_outside() -> None:
     if ROOT.parent == Path("/"):
         pytest.skip("the checkout is at the file system's root: nothing is around it")
-    assert references_outside("notes.txt", f"logs in {ROOT.parent}/other/runs")
+    other = next((p.name for p in ROOT.parent.iterdir() if p.name != ROOT.name), None)
+    if other is None:
+        pytest.skip("nothing is beside the checkout")
+    assert references_outside("notes.txt", f"logs in {ROOT.parent}/{other}/runs")
+    assert not references_outside("notes.txt", f"logs in {ROOT.parent}/no-such-{ROOT.name}-sibling/runs")

@@ -15,7 +15,9 @@ HELD_EXTRA = 8
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("security", ["plain", "tls"])
+# Plaintext is nightly: in CI the TLS case runs the same servers' limits under the same abuse, and
+# tests/bench/test_smoke.py runs bench/abuse.py in plaintext.
+@pytest.mark.parametrize("security", [pytest.param("plain", marks=pytest.mark.nightly), "tls"])
 def test_fetches_stay_fast_and_memory_flat_under_abuse(security: str, tls_files: TlsFiles) -> None:
     rows = measure(seconds=1.5, limits=ConnectionLimits(max_connections=64),
                    held_extra=HELD_EXTRA, tls_files=tls_files.section if security == "tls" else None)

@@ -17,7 +17,7 @@ from common.spec import load_spec
 from launcher.cluster import LocalCluster, run_cluster
 from tests.cluster_helpers import TOKEN, write_spec
 from tests.prometheus_text import Scrape, parse
-from trainer.exporter import COUNTERS
+from trainer.scrape import COUNTERS
 from trainer.records import IterationRecord, MetricsRecord, read_records, read_run
 from trainer.timing import PHASES
 

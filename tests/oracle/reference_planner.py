@@ -1,4 +1,4 @@
-"""The executable specification of DESIGN §4 and §8: a plain, per-key planner.
+"""The executable specification of docs/design.md#the-planner and #modes: a plain, per-key planner.
 
 Slow on purpose (Python dicts and sets, next uses found by scanning the window) and written to
 be read next to the design. The production planner (oracle/planner.py) must emit byte-identical

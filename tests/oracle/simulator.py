@@ -1,10 +1,10 @@
-"""Replays directives against simulated trainers, PS and network, with real values (DESIGN §11).
+"""Replays directives against simulated trainers, PS and network, with real values (docs/design.md#verification).
 
 Each trainer has a cache of C slots holding (key, value[2], adagrad state) in float64. A
 pseudo-gradient depends on (iteration, trainer, key) and on the value read, so a stale read
 changes every later value. A single-process reference applies the same updates to a full table.
 Trainers execute the actions of `trainer.boundary.Boundary` — the production implementation
-of "The boundary into x" (DESIGN §4), which the trainer's engine executes too — in lockstep
+of the boundary (docs/design.md#the-boundary), which the trainer's engine executes too — in lockstep
 (their collectives make them so), checking every index the actions carry; the PS and network
 are asynchronous: write-backs arrive at random times, fetches are served at random times once
 the PS version reaches their `min_version`, from the moment they are issued. A trainer waiting
@@ -74,7 +74,7 @@ WRITE_LAG = 4  # small enough that the bounded write lag (`WaitWrites`) and the 
 
 
 class SimulationError(AssertionError):
-    """A directive stream broke an invariant of DESIGN §4."""
+    """A directive stream broke an invariant of docs/design.md#invariants."""
 
 
 Row = tuple[float, float, float]  # value[0], value[1], adagrad state
@@ -551,7 +551,7 @@ def simulate(
     boundary: type[Boundary] = Boundary,
 ) -> None:
     """Replay `directives` (per iteration, per trainer) for `batches`, the trainers following
-    `boundary`; SimulationError if any invariant of DESIGN §4 breaks."""
+    `boundary`; SimulationError if any invariant of docs/design.md#invariants breaks."""
     Simulation(config, [np.asarray(b, dtype=np.int64) for b in batches], seed, boundary).run(directives)
 
 

@@ -1,4 +1,4 @@
-"""The simulator must catch planners that break one rule of DESIGN §4, and trainers that
+"""The simulator must catch planners that break one rule of docs/design.md#the-planner, and trainers that
 cross the boundary in another order (mutation tests).
 
 Each planner mutant is the reference planner with one rule changed; each boundary mutant is

@@ -1,5 +1,5 @@
 """`PlannerConfig.first_iteration`: a planner started at global iteration F (recovery from
-checkpoint F-1, DESIGN §9) numbers every iteration-valued field from F and marks checkpoints by
+checkpoint F-1, docs/design.md#resuming-every-role) numbers every iteration-valued field from F and marks checkpoints by
 global number, and nothing else changes.
 """
 

@@ -1,6 +1,7 @@
 """Property tests over generated workloads: production == reference byte for byte, and every
-directive stream passes the value-level simulator (DESIGN §4, §11). Parallel planning
-(P = 2, 3 workers, bagpipe) against the reference planner run per key partition and merged.
+directive stream passes the value-level simulator (docs/design.md#invariants, #verification).
+Parallel planning (P = 2, 3 workers, bagpipe; docs/design.md#parallel-planning) against the
+reference planner run per key partition and merged.
 
 Three budgets: the fast tier's cases are derandomized and few; the `slow` ones (in the
 README's test command, which CI runs) add randomized cases on the scale the fast tier once

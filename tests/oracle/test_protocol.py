@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from common.errors import BadRequest, WireError
+from common.errors import BadRequest, Unavailable, WireError
 from common.job import DataFacts
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch
@@ -323,7 +323,7 @@ def _path_literals(path: Path) -> list[str]:
 
 
 #: Files that may spell a route: the two protocols, and the trainer's own metrics target.
-SPELL_ROUTES = {"oracle/protocol.py", "ps/protocol.py", "trainer/exporter.py"}
+SPELL_ROUTES = {"oracle/protocol.py", "ps/protocol.py", "trainer/scrape.py"}
 
 
 def test_no_role_spells_a_route_but_the_protocols() -> None:
@@ -346,14 +346,15 @@ class FakeOracle:
     allow; it records which route every request reached. A client that asks for a path
     not in the table gets 404 and fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, health_delay_s: float = 0.0) -> None:
         self.asked: list[tuple[Route, Any]] = []
+        self.health_delay_s = health_delay_s  # > 0: a coordinator too busy to answer in time
 
     def router(self) -> Router:
         answers: dict[Route, Callable[[Any], Any]] = {
             STREAM: lambda ask: StreamResponse(chunks=self._steps(ask.start)),
             ACKNOWLEDGE: lambda ack: Response(status=204),
-            HEALTH: lambda _: OracleHealth(role="oracle", mode="bagpipe", trainers=1, iterations=2, planned=2),
+            HEALTH: self._health,
             METRICS: lambda _: Response(body=b"", content_type="text/plain"),
             REGISTER: lambda reg: joined(index=reg.index or 0, resumed_from=None),
             EVAL: lambda ask: StreamResponse(chunks=self._eval()),
@@ -366,6 +367,10 @@ class FakeOracle:
         router = Router()
         add_handlers(router, {route: self._recorded(route, answer) for route, answer in answers.items()})
         return router
+
+    async def _health(self, _: Any) -> OracleHealth:
+        await asyncio.sleep(self.health_delay_s)
+        return OracleHealth(role="oracle", mode="bagpipe", trainers=1, iterations=2, planned=2)
 
     def _recorded(self, route: Route, answer: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def handler(message: Any) -> Any:
@@ -387,8 +392,8 @@ class FakeOracle:
 
 
 @contextlib.contextmanager
-def fake_oracle() -> Iterator[tuple[FakeOracle, IoThread, Endpoint]]:
-    oracle, io = FakeOracle(), IoThread()
+def fake_oracle(health_delay_s: float = 0.0) -> Iterator[tuple[FakeOracle, IoThread, Endpoint]]:
+    oracle, io = FakeOracle(health_delay_s), IoThread()
     server = H2Server(oracle.router(), host="127.0.0.1", port=0, token="t")
     io.run(server.start(), timeout=10)
     try:
@@ -396,6 +401,23 @@ def fake_oracle() -> Iterator[tuple[FakeOracle, IoThread, Endpoint]]:
     finally:
         io.run(server.stop(), timeout=10)
         io.close()
+
+
+def test_a_coordinator_too_slow_to_answer_its_health_is_lost_only_after_reconnect_s() -> None:
+    """Each health check times out (every_s * 2 = 0.1 s against 0.3 s): the watch counts
+    that as unreachable, and says so once `reconnect_s` has passed, naming the field; a
+    timeout never escapes as another error (under load it once did, and killed the role)."""
+    with fake_oracle(health_delay_s=0.3) as (_, io, endpoint):
+        coordinator = CoordinatorClient(endpoint, token="t")
+
+        async def watch() -> None:
+            try:
+                await coordinator.watch(reconnect_s=0.5, every_s=0.05)
+            finally:
+                await coordinator.close()
+
+        with pytest.raises(Unavailable, match=r"unreachable for 0.5 s \(cluster.reconnect_s\)"):
+            io.run(watch(), timeout=30)
 
 
 def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:

@@ -8,7 +8,7 @@ each in clear and over TLS, fewer cases). Every case is counted by route and ans
 ``-o log_cli=true --log-cli-level=INFO`` to see them).
 
 Two answers are not failures, by design: a fetch for a version that does not arrive in the
-shard's wait answers 504 ``timeout`` (DESIGN §6), and a checkpoint report naming more than
+shard's wait answers 504 ``timeout`` (docs/design.md#fetch-waits), and a checkpoint report naming more than
 one trainer waits for the others; such a report is counted and not sent.
 """
 

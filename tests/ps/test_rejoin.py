@@ -1,4 +1,4 @@
-"""A PS shard restarted alone (DESIGN §9 extended): it comes back with its latest snapshot
+"""A PS shard restarted alone (docs/design.md#a-ps-shard-restarted-alone): it comes back with its latest snapshot
 and every trainer replays the write-backs the snapshot lacks, in whatever order the
 trainers' requests meet it, then reports that it has; the shard serves no fetch until every
 trainer has, and then holds, serves and snapshots exactly what it would have without the
@@ -22,9 +22,10 @@ from common.transport import H2Client
 from ps.checkpoint import list_checkpoints, load_snapshot, save_snapshot
 from ps.client import PsClient
 from ps.journal import WriteJournal
-from ps.main import launch_command, restore_own_latest, start_fresh
 from ps.protocol import INCARNATION_HEADER, WriteBack, WriteKind
+from ps.relaunch import shard_command
 from ps.service import PsService
+from ps.startup import restore_own_latest, start_fresh
 from ps.store import ShardConfig, ShardStore
 from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server, until
 
@@ -43,12 +44,13 @@ async def waiting_fetch(service: PsService) -> None:
 
 
 def trainer(
-    endpoint: Endpoint, rank: int, journal_bytes: int | None = 1 << 20, resumed_from: int = -1, trainers: int = 2
+    endpoint: Endpoint, rank: int, journal_bytes: int | None = 1 << 20, resumed_from: int = -1, trainers: int = 2,
+    coordinator: Endpoint | None = None,
 ) -> PsClient:
     """Trainer `rank` of `trainers`'s PS client, as `trainer.main` makes it."""
     return PsClient([endpoint], token=TOKEN, dim=DIM, state_width=1, timeout_s=10, retries=20,
                     backoff_s=0.02, journal_bytes=journal_bytes, resumed_from=resumed_from,
-                    trainer=rank, trainers=trainers)
+                    trainer=rank, trainers=trainers, coordinator=coordinator)
 
 
 def tool(endpoint: Endpoint) -> PsClient:
@@ -329,10 +331,24 @@ def test_a_shard_joined_through_the_coordinator_is_told_the_command_it_was_start
     save_snapshot(service.checkpoint_dir, 4, service.store.snapshot(4), {})
     here, oracle = Endpoint(host="10.0.0.5", port=7001), Endpoint(host="10.0.0.1", port=7000)
     with pytest.raises(Conflict) as refused:
-        start_fresh(service, 0, delete=False, command=launch_command(0, oracle, here))
+        start_fresh(service, 0, delete=False, command=shard_command(0, oracle, here))
     message = refused.value.message
     assert "`python launch.py --role ps --coordinator 10.0.0.1:7000 --index 0 --bind 10.0.0.5:7001 --rejoin`" in message
     assert "SPEC" not in message
+
+
+async def test_a_trainer_joined_through_the_coordinator_names_the_joined_command(tmp_path: Path) -> None:
+    """A shard that came back empty under a joined job: the trainer's error gives the
+    command through the coordinator, on the shard's address, never the spec's form."""
+    oracle = Endpoint(host="10.0.0.1", port=7000)
+    async with Shard(tmp_path) as shard:
+        client = trainer(shard.endpoint, 0, resumed_from=9, coordinator=oracle)
+        with pytest.raises(Conflict) as refused:
+            await asyncio.wait_for(client.fetch(KEYS[:2]), 10)
+        message = refused.value.message
+        expected = f"`python launch.py --role ps --coordinator 10.0.0.1:7000 --index 0 --bind {shard.endpoint} --rejoin`"
+        assert expected in message and "SPEC" not in message, message
+        await client.close()
 
 
 async def test_without_a_complete_journal_a_restart_is_a_clear_error(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ the shard byte-identical (rows, state, versions, saved checkpoint rows, counters
 accepted one does what the model says.
 
 The model keeps, per row, every value ever accepted with its version; the table holds the
-newest, and checkpoint c holds the newest at or below c (DESIGN §6, §9).
+newest, and checkpoint c holds the newest at or below c (docs/design.md#version-rules, #checkpoints).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from serving.safetensors import FormatError, SafetensorsFile, StreamedTensor, dt
 from serving.sources import open_final_run
 from tests.serving.conftest import Layout
 from common.steps import held_out_share
-from trainer.metrics import evaluate
+from trainer.evaluation import evaluate
 from trainer.models import build_model
 
 

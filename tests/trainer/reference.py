@@ -2,7 +2,7 @@
 
 Full embedding tables live in memory as one float32 ``[total_rows, d]`` tensor (every row at
 its `common.init.initial_rows` value) with the row-wise optimizer state beside it. Each
-global batch is trained as DESIGN §5 defines: gather rows by key, forward, BCE-with-logits
+global batch is trained as docs/design.md#exact-arithmetic defines: gather rows by key, forward, BCE-with-logits
 loss averaged over the global batch, backward, one dense optimizer step, and one row-wise
 embedding optimizer step per unique key of the batch with the sum of its per-use gradients.
 Rows a batch does not use are not stepped.
@@ -13,7 +13,7 @@ on its own (its loss the mean over the slice); the dense gradients are combined 
 (each scaled by 1/T, then summed) and each row's embedding gradients are summed over the
 slices in rank order and divided by T, as `trainer.collectives.Collectives.sum_rows` does.
 One forward over the global batch rounds differently, and training amplifies the difference
-(DESIGN §11), so only this form can be compared bit for bit with a cluster.
+(docs/design.md#verification), so only this form can be compared bit for bit with a cluster.
 
 torch runs on one thread here (`reference_train` sets it): its intra-op threads split
 reductions into chunks whose partial sums depend on the thread count, so the reference

@@ -1,4 +1,4 @@
-"""A trainer's part of checkpoints (`trainer.main.Checkpointer`), with the PS faked."""
+"""A trainer's part of checkpoints (`trainer.checkpointer.Checkpointer`), with the PS faked."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from common.errors import Unavailable
+from trainer.checkpointer import Checkpointer
 from trainer.io_thread import IoThread
-from trainer.main import Checkpointer
 from trainer.records import RecordWriter
 
 

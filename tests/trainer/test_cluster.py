@@ -12,16 +12,30 @@ import pytest
 
 from common.job import Job, build_job
 from launcher.inprocess import run_in_process
-from tests.cluster_helpers import as_final, assert_identical, final_model, reference_for, run_spec, write_spec
+from tests.cluster_helpers import (
+    as_final,
+    assert_identical,
+    final_model,
+    reference_for,
+    run_spec,
+    write_spec,
+)
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
 from trainer.device import select_device
-from trainer.main import seeded_model
 from trainer.records import CheckpointRecord, IterationRecord, Record, read_run
+from trainer.startup import seeded_model
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The modes whose real clusters CI runs: local (no PS) and bagpipe (every kind of directive).
+# no-cache and static-cache run the same processes and code with other directives; in CI their
+# bits are checked in process (tests/trainer/test_equivalence.py, every mode against the
+# reference), and nightly here.
+CI_MODES = ("local", "bagpipe")
+
+
+@pytest.mark.parametrize("mode", [m if m in CI_MODES else pytest.param(m, marks=pytest.mark.nightly) for m in MODES])
 def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str) -> None:
     overrides = {"oracle": {"mode": mode, "cache_rows": CACHE_ROWS[2]}, "trainers": {"count": 2}}
     job, result = run_spec(write_spec(tmp_path, mode, overrides), tmp_path / "run")

@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.inprocess import _run_ranks, process_groups
-from trainer.collectives import Collectives, ordered_sum
+from trainer.collectives import Collectives, ordered_sum, peers_unreachable
 
 
 def _ranks(world: int, name: str, work: Callable[[Collectives], object]) -> list[object]:
@@ -116,3 +116,21 @@ def test_in_process_groups_serve_cuda_tensors_too() -> None:
     harness's groups must have a backend for CUDA as well as for the CPU."""
     group = process_groups(1, "devices")[0]
     assert group._get_backend(torch.device("cuda")) is group._get_backend(torch.device("cpu"))
+
+
+def test_a_collective_whose_peers_do_not_answer_names_them_and_the_timeout() -> None:
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                        "20000ms for recv operation to complete")
+    error = peers_unreachable(gloo, 1, 3, 20.0)
+    assert error is not None
+    assert error.message.startswith("trainer 1: a collective with trainers 0, 2 failed (they did not answer within 20 s")
+    assert "Timed out waiting 20000ms" in error.message and error.fields["peers"] == [0, 2]
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.4]:123")
+    assert peers_unreachable(reset, 0, 2, 8.0).message.startswith("trainer 0: a collective with trainer 1 failed")
+
+
+@pytest.mark.parametrize("exc", [ValueError("Timed out"), RuntimeError("CUDA out of memory"),
+                                 RuntimeError("expected scalar type Float")])
+def test_other_failures_are_left_as_they_are(exc: BaseException) -> None:
+    assert peers_unreachable(exc, 0, 2, 8.0) is None
+    assert peers_unreachable(RuntimeError("Timed out"), 0, 1, 8.0) is None  # one trainer has no peers

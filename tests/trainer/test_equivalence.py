@@ -18,7 +18,7 @@ import pytest
 from common.job import Job, build_job
 from common.spec import load_spec
 from launcher.inprocess import InProcessRun, run_in_process
-from oracle.main import build_workload
+from oracle.startup import build_workload
 from tests.cluster_helpers import as_final, assert_identical, reference_for, write_spec
 
 MODES = ["bagpipe", "no-cache", "static-cache", "local"]

@@ -28,7 +28,8 @@ HELD_OUT = textwrap.dedent(
     from launcher.inprocess import process_groups
     from trainer.collectives import Collectives
     from trainer.device import select_device
-    from trainer.main import _predict, build_engine, seeded_model
+    from trainer.final import predict_held_out
+    from trainer.startup import build_engine, seeded_model
 
     job = build_job(load_spec(Path(sys.argv[1])))
     device = select_device("cpu", 0)
@@ -39,7 +40,7 @@ HELD_OUT = textwrap.dedent(
         for b in open_dataset(job.data).eval_batches(job.spec.train.batch_size)
     ]
     warnings.simplefilter("error")
-    labels, _ = _predict(batches, engine, None, None).arrays()
+    labels, _ = predict_held_out(batches, engine, None, None).arrays()
     print(labels.size)
     """
 )

@@ -1,6 +1,6 @@
 """A trainer's records as it writes them to ``trainer-<j>.jsonl``.
 
-`write_trainer_run` drives the trainer's own record-writing code (`trainer.main`) with fixed
+`write_trainer_run` drives the trainer's own record-writing code (`trainer.reporting`, `trainer.checkpointer`) with fixed
 inputs and a fixed clock: a run of two trainers and 30 iterations whose process died after
 iteration 21 and resumed after checkpoint 19, so iterations 20 and 21 are logged twice. The
 files it wrote at the commit before records became dataclasses are kept in
@@ -24,10 +24,10 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from trainer import main
+from trainer import checkpointer, reporting
+from trainer.checkpointer import Checkpointer
 from trainer.engine import IterationStats
-from trainer.main import Checkpointer
-from trainer.metrics import MetricAccumulator
+from trainer.evaluation import MetricAccumulator
 from trainer.records import (
     BYTE_KINDS,
     COUNTERS,
@@ -57,7 +57,7 @@ START = 1_700_000_000.0
 
 
 class Clock:
-    """`time.time` and `time.perf_counter` for `trainer.main`: set by hand, read by the code."""
+    """`time.time` and `time.perf_counter` for `trainer.reporting` and `trainer.checkpointer`: set by hand, read by the code."""
 
     def __init__(self) -> None:
         self.now = START
@@ -71,7 +71,7 @@ class Clock:
 
 
 class FixedTimer:
-    """The phase timer an engine hands `_iteration_record`, with preset phases."""
+    """The phase timer an engine hands `iteration_record`, with preset phases."""
 
     def __init__(self, phases: dict[str, float], cpu: dict[str, float]) -> None:
         self._phases, self.compute_cpu = phases, cpu
@@ -96,14 +96,14 @@ def _iterations(rng: np.random.Generator, j: int, first: int, last: int, restart
             sync_later_rows=int(rng.integers(0, 150)), join_rows=int(rng.integers(0, 90)),
         )
         engine = SimpleNamespace(timer=FixedTimer(phases, cpu))
-        with mock.patch.object(main, "time", clock):
-            record = main._iteration_record(stats, engine, ROW_BYTES, GRAD_BYTES, DENSE_BYTES)  # type: ignore[arg-type]
+        with mock.patch.object(reporting, "time", clock):
+            record = reporting.iteration_record(stats, engine, ROW_BYTES, GRAD_BYTES, DENSE_BYTES)  # type: ignore[arg-type]
         records.write(record)
 
 
 def _eval(rng: np.random.Generator, j: int, iteration: int, split: str, clock: Clock, records: RecordWriter,
           one_class: bool = False) -> None:
-    """What `_record_eval` writes at `iteration` on rank `j` (rank 0 alone writes)."""
+    """What `record_eval` writes at `iteration` on rank `j` (rank 0 alone writes)."""
     parts = []
     for _ in range(2):
         labels = np.zeros(200) if one_class else (rng.uniform(size=200) < 0.25).astype(np.float64)
@@ -111,8 +111,8 @@ def _eval(rng: np.random.Generator, j: int, iteration: int, split: str, clock: C
     acc = MetricAccumulator()
     acc.add(*parts[j])
     comm = SimpleNamespace(rank=j, all_gather_objects=lambda _: parts)
-    with mock.patch.object(main, "time", SimpleNamespace(time=lambda: clock.now + 0.01)):
-        main._record_eval(records, comm, acc, iteration, split=split)  # type: ignore[arg-type]
+    with mock.patch.object(reporting, "time", SimpleNamespace(time=lambda: clock.now + 0.01)):
+        reporting.record_eval(records, comm, acc, iteration, split=split)  # type: ignore[arg-type]
 
 
 def _checkpoint(c: int, clock: Clock, records: RecordWriter) -> None:
@@ -126,7 +126,7 @@ def _checkpoint(c: int, clock: Clock, records: RecordWriter) -> None:
     perf = iter([clock.perf, clock.perf + 0.125 + c / 1024])
     # Complete off the critical path, a little after the next iteration started.
     fake = SimpleNamespace(time=lambda: clock.now + 0.02, perf_counter=lambda: next(perf))
-    with mock.patch.object(main, "time", fake):
+    with mock.patch.object(checkpointer, "time", fake):
         asyncio.run(checkpoints._report(c, []))
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError, Unavailable
-from common.metrics import Registry
+from common.prometheus import Registry
 from common.runtime import connection_limits
 from common.spec import ClusterSpec
 from common.transport import Http1Server, Request, Response, Router, Tls

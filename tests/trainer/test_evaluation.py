@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import MetricAccumulator, evaluate, log_loss, roc_auc
+from trainer.evaluation import MetricAccumulator, evaluate, log_loss, roc_auc
 
 
 def test_auc_and_log_loss_by_hand() -> None:

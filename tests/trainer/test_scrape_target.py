@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from common.spec import Endpoint, load_spec
 from tests.cluster_helpers import write_spec
 from tests.prometheus_text import Scrape, parse
-from trainer.exporter import COUNTERS, ScrapeTarget, TrainerMetrics, TrainerTotals, render, serve
+from trainer.scrape import COUNTERS, ScrapeTarget, TrainerMetrics, TrainerTotals, render, serve
 from trainer.io_thread import IoThread
 from trainer.records import IterationRecord
 from trainer.timing import PHASES

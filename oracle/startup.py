@@ -1,0 +1,94 @@
+"""What the oracle builds from a job before it plans: its workload (the data read as global
+batches), its planner's configuration, and the capacity check the launcher runs too."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from common.data.dataset import open_dataset
+from common.errors import ConfigError
+from common.job import Job
+from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
+from oracle.service import Workload
+
+log = logging.getLogger(__name__)
+
+
+def build_workload(job: Job, start: int = 0) -> Workload:
+    train = job.spec.train
+    return Workload(
+        dataset=open_dataset(job.data, progress=True),
+        layout=job.layout,
+        batch_size=train.batch_size,
+        epochs=train.epochs,
+        max_iterations=train.max_iterations,
+        start=start,
+    )
+
+
+def planner_config(job: Job, workload: Workload) -> PlannerConfig:
+    """The planner's parameters from the spec; fails at start-up when C cannot work."""
+    check_capacity(job)
+    config = PlannerConfig(**_planner_fields(job, workload.start))
+    if config.mode != "static-cache":
+        return config
+    # FAE-style: pin the hottest rows, keep room for one iteration's other rows.
+    count = config.capacity - capacity_bound(config, workload.batch_size, job.layout.num_tables)
+    # The hot set of the whole run, also when resuming: the plan does not depend on where it starts.
+    hot = hottest_keys((keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches()), count)
+    log.info("static cache pins the %d hottest rows", len(hot))
+    return dataclasses.replace(config, hot_keys=np.sort(hot))
+
+
+def check_capacity(job: Job) -> None:
+    """The capacity rule (docs/design.md#rule-4-capacity, #modes): ConfigError naming `oracle.cache_rows` and
+    the C this run needs. The launcher calls it before it starts any role, the oracle before
+    it plans; it judges the whole run, also when resuming, so that both always agree.
+
+    static-cache needs room for one iteration's rows besides at least one pinned row; the
+    other caching modes need each trainer's distinct rows of any one iteration, which the
+    safe bound (B/T) x F answers without reading the data, and a pass over it otherwise.
+    With P planner workers each worker's share of C must hold its keys' part of them: the
+    safe bound is P x (B/T) x F, and the pass finds P x the largest part.
+    """
+    config = PlannerConfig(**_planner_fields(job, 0))  # checks each field (C where used)
+    bound = capacity_bound(config, job.spec.train.batch_size, job.layout.num_tables)  # and B
+    if config.mode == "local":
+        return
+    if config.mode == "static-cache":
+        if config.capacity <= bound:
+            raise ConfigError(
+                "oracle.cache_rows",
+                f"C = {config.capacity} leaves no row to pin: static-cache keeps room for one "
+                f"iteration's other rows ((B/T) x F = {bound}), so it needs C >= {bound + 1}",
+            )
+        return
+    if config.capacity >= config.workers * bound:
+        return
+    need = required_capacity(config, (keys for keys, _, _ in build_workload(job).key_batches()))
+    if config.capacity < need:
+        workers = f" with oracle.planner_workers = {config.workers}" if config.workers > 1 else ""
+        raise ConfigError(
+            "oracle.cache_rows",
+            f"C = {config.capacity} cannot hold one iteration's rows{workers}: this data needs C >= {need}",
+        )
+
+
+def _planner_fields(job: Job, first_iteration: int) -> dict[str, Any]:
+    """PlannerConfig's fields from the spec, without the static cache's hot set."""
+    spec = job.spec
+    return dict(
+        num_trainers=spec.trainers.count,
+        lookahead=spec.oracle.lookahead,
+        prefetch_lead=spec.oracle.prefetch_lead,
+        capacity=spec.oracle.cache_rows,
+        mode=spec.oracle.mode,
+        workers=spec.oracle.planner_workers,
+        checkpoint_every=spec.checkpoint.every,
+        total_rows=job.layout.total_rows,
+        first_iteration=first_iteration,
+    )
