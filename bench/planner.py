@@ -15,14 +15,15 @@ with each T and each P (`oracle.planner_workers`), C = 4 x the largest per-train
 that T (so the cache of one trainer holds about as many of its keys at every T), in `--rounds`
 rounds that alternate the settings (the machine is shared: each figure is the median of its
 rounds). Wall-clock key uses/s from the first push to `finish` (P > 1 plans in worker
-processes, whose CPU this process's clock would miss; their start is left out, a second once
-per run), the CPU of every process per key use, and the bagpipe hit rate. What a batch costs
+processes, whose CPU this process's clock would miss; their start, seconds once per run while
+they load the kernels, is left out), the CPU of every process per key use (the workers' own
+count of their planning), and the bagpipe hit rate. What a batch costs
 the planner: its key uses (reading the batch, every input's slot) and its distinct (key,
 trainer) pairs (each trainer's copy of a key it uses: planning, the directives' lists), the
 shared keys' rows of T slots in the sync lists, and, for each trainer that evicts, a pass
-over its C slots (the victims' heap); with C per trainer falling as T grows, the cache as a
-whole (T x C) stays about the same. The pairs of a batch grow with T on a stream whose hot
-keys every trainer uses (about 1.9 x from T = 2 to 32 here).
+over its C slots (the victims' heap), the whole cache T x C. On a stream whose hot keys every
+trainer uses, the pairs of a batch grow with T (1.9 x from T = 2 to 32 here: 51,758 to 96,698
+of 425,984 key uses), and with C = 4 x the working set so does T x C (2.1 x).
 
 Hit rates (bagpipe vs static-cache vs no-cache at the same C, T = 2): on the real Criteo
 Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of rows = 92% of
