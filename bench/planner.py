@@ -1,6 +1,6 @@
-"""Planner benchmark: key uses planned per second per mode, and hit rates at equal C.
+"""Planner benchmark: key uses planned per second per mode, per trainer count T and per planner worker count P, and hit rates at equal C.
 
-    .venv/bin/python bench/planner.py [--quick] [--criteo PATH]
+    .venv/bin/python bench/planner.py [--quick] [--criteo PATH] [--trainers 2 8 32] [--workers 1 2] [--rounds 3]
 
 Throughput: the stream is Criteo-like and synthetic, generated inline (26 tables, global batch
 16,384, T = 4, L = 200): per table, 92% of the accesses go to the hottest 1% of rows
@@ -9,6 +9,21 @@ multiplicative hash. One key use = one (sample, feature) id planned. Each mode p
 stream twice, a fresh planner each time: the first pass also pays for the fresh pages of
 the planner's state (20 to 35% of it); `steady`, the second, is what a running oracle plans
 at, and the JSON's `key_uses_per_s`.
+
+Scaling (bagpipe; `--trainers`, `--workers`): the same stream (the same global batches) planned
+with each T and each P (`oracle.planner_workers`), C = 4 x the largest per-trainer working set at
+that T (so the cache of one trainer holds about as many of its keys at every T), in `--rounds`
+rounds that alternate the settings (the machine is shared: each figure is the median of its
+rounds). Wall-clock key uses/s from the first push to `finish` (P > 1 plans in worker
+processes, whose CPU this process's clock would miss; their start, seconds once per run while
+they load the kernels, is left out), the CPU of every process per key use (the workers' own
+count of their planning), and the bagpipe hit rate. What a batch costs
+the planner: its key uses (reading the batch, every input's slot) and its distinct (key,
+trainer) pairs (each trainer's copy of a key it uses: planning, the directives' lists), the
+shared keys' rows of T slots in the sync lists, and, for each trainer that evicts, a pass
+over its C slots (the victims' heap), the whole cache T x C. On a stream whose hot keys every
+trainer uses, the pairs of a batch grow with T (1.9 x from T = 2 to 32 here: 51,758 to 96,698
+of 425,984 key uses), and with C = 4 x the working set so does T x C (2.1 x).
 
 Hit rates (bagpipe vs static-cache vs no-cache at the same C, T = 2): on the real Criteo
 Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of rows = 92% of
@@ -21,13 +36,14 @@ Memory (bagpipe and no-cache, the settings of `bench/e2e.py --batch 256`: T = 2,
 along a long inline stream, beside the distinct keys read so far, which is what a planner that
 remembered every write-back's version would hold.
 
-`--smoke`: 4 iterations of 1,024 for the throughput, 8,192 synthetic rows beside the sample
-for the hit rates, 100 iterations of the memory stream.
+`--smoke`: 4 iterations of 1,024 for the throughput and the scaling (one round, T = 2, 8), 8,192
+synthetic rows beside the sample for the hit rates, 100 iterations of the memory stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,6 +116,57 @@ def throughput(mode: str, batches: list[np.ndarray], capacity: int, lookahead: i
         planner.finish()
         rates[run] = sum(b.size for b in batches) / (time.process_time() - start)
     return rates
+
+
+def scaled_run(batches: list[np.ndarray], trainers: int, workers: int, capacity: int) -> dict[str, float]:
+    """One fresh bagpipe planner of `trainers` and `workers` over the stream: wall-clock key
+    uses/s, CPU seconds of every process per million key uses, and the hit rate."""
+    config = PlannerConfig(num_trainers=trainers, lookahead=200, prefetch_lead=8, capacity=capacity, workers=workers)
+    planner = Planner(config)  # P > 1: the workers start here, before the clock
+    uses = sum(b.size for b in batches)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for b in batches:
+        planner.push(b)
+    planner.finish()
+    wall = time.perf_counter() - wall
+    cpu = time.process_time() - cpu + planner.worker_cpu_s
+    return {"key_uses_per_s": uses / wall, "cpu_s_per_m_uses": cpu / uses * 1e6, "hit_rate": planner.stats.hit_rate}
+
+
+def scaling(batches: list[np.ndarray], trainers: list[int], workers: list[int], rounds: int) -> dict[str, object]:
+    """Every (T, P) in `rounds` alternating rounds (module docstring): the medians, and every
+    round's figures."""
+    compile_planner("bagpipe")
+    capacity = {}
+    for t in trainers:
+        base = PlannerConfig(num_trainers=t, lookahead=0, prefetch_lead=0, capacity=1 << 30)
+        capacity[t] = 4 * required_capacity(base, batches[:8])
+    runs: dict[tuple[int, int], list[dict[str, float]]] = {(t, p): [] for t in trainers for p in workers}
+    for r in range(rounds):
+        settings = list(runs)
+        for t, p in settings if r % 2 == 0 else settings[::-1]:  # alternate the order too
+            runs[t, p].append(scaled_run(batches, t, p, capacity[t]))
+    rows = []
+    for (t, p), figures in runs.items():
+        median = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+        rows.append({"trainers": t, "workers": p, "capacity": capacity[t], "pairs_per_batch": pairs_of(batches[0], t),
+                     **median, "rounds": figures})
+    return {"rounds": rounds, "rows": rows}
+
+
+def pairs_of(batch: np.ndarray, trainers: int) -> int:
+    """The batch's distinct (key, trainer) pairs: each trainer's distinct keys, summed."""
+    per = batch.shape[0] // trainers
+    return sum(np.unique(batch[j * per : (j + 1) * per]).size for j in range(trainers))
+
+
+def print_scaling(result: dict[str, object], iterations: int, batch: int) -> None:
+    print(f"\nscaling (bagpipe): the same inline stream, {iterations} iterations x {batch:,} x 26 keys, L=200, D=8, "
+          f"C = 4 x per-trainer working set; medians of {result['rounds']} alternating rounds")
+    print(f"{'T':>4}{'P':>4}{'C':>9}{'pairs/batch':>13}{'M key uses/s':>14}{'CPU s/M uses':>14}{'hit rate':>10}")
+    for r in result["rows"]:  # type: ignore[attr-defined]
+        print(f"{r['trainers']:>4}{r['workers']:>4}{r['capacity']:>9,}{r['pairs_per_batch']:>13,}"
+              f"{r['key_uses_per_s'] / 1e6:>14.2f}{r['cpu_s_per_m_uses']:>14.3f}{r['hit_rate']:>10.2%}")
 
 
 def keys_held(mode: str, iterations: int, every: int) -> list[dict[str, int]]:
@@ -185,8 +252,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams (under a minute)")
     parser.add_argument("--criteo", type=Path, default=CRITEO_KAGGLE, help="Criteo Kaggle sample (raw TSV)")
-    add_result_options(parser, NAME, "short streams of small batches")
+    parser.add_argument("--trainers", type=int, nargs="+", default=[2, 8, 32], help="T of the scaling runs")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="P (oracle.planner_workers) of the scaling runs")
+    parser.add_argument("--rounds", type=int, help="alternating rounds of the scaling runs (default 3; 1 with --smoke)")
+    add_result_options(parser, NAME, "short streams of small batches, one scaling round at T = 2, 8")
     args = parser.parse_args()
+    rounds = args.rounds or (1 if args.smoke else 3)
+    trainers = [t for t in args.trainers if t <= 8] if args.smoke else args.trainers
     iterations, batch, synthetic_rows, held_iterations, every = SIZES[
         "smoke" if args.smoke else "quick" if args.quick else "full"]
     rng = np.random.default_rng(0)
@@ -202,6 +274,8 @@ def main() -> None:
     print(f"{'mode':<14}{'first pass':>16}{'steady':>16}")
     for mode, rates in throughput_results.items():
         print(f"{mode:<14}{rates['first_pass'] / 1e6:>16.2f}{rates['steady'] / 1e6:>16.2f}")
+    scaled = scaling(batches, trainers, args.workers, rounds)
+    print_scaling(scaled, iterations, batch)
     rows = hit_rate_table(args.criteo, synthetic_rows)
     print_hit_rates(rows)
     held = {mode: keys_held(mode, held_iterations, every) for mode in MEMORY_MODES}
@@ -216,23 +290,28 @@ def main() -> None:
             "rows": rows,
         },
         "keys_held": held,
+        "scaling": scaled,
     }
     config = config_of(args, iterations=iterations, batch=batch, capacity=capacity, synthetic_rows=synthetic_rows,
-                       memory_iterations=held_iterations)
+                       memory_iterations=held_iterations, scaling_trainers=trainers, scaling_rounds=rounds)
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=results,
                   headline=headline(results), smoke=args.smoke)
 
 
 def headline(results: dict) -> Table:
-    """Per mode: M key uses planned per CPU second (steady), and its hit rate on each stream
-    at C = 2 and 4 times the working set."""
+    """Per mode: M key uses planned per CPU second (steady, T = 4), and its hit rate on each
+    stream at C = 2 and 4 times the working set; then bagpipe per T and P (the scaling
+    runs: wall-clock key uses/s, and the hit rate on their stream)."""
     streams = [(r["stream"], r["factor"]) for r in results["hit_rates"]["rows"]]
-    columns = ("mode", "M key uses/s", *(f"hit rate % {s}, C = {f}W" for s, f in streams))
+    columns = ("mode", "M key uses/s", *(f"hit rate % {s}, C = {f}W" for s, f in streams), "hit rate % inline stream")
     rows = []
     for mode, rate in results["throughput"].items():
         # local mode holds every row: no hit rate of its own
         hits = [100 * r[mode] if mode in r else None for r in results["hit_rates"]["rows"]]
-        rows.append((mode, rate["key_uses_per_s"] / 1e6, *hits))
+        rows.append((mode, rate["key_uses_per_s"] / 1e6, *hits, None))
+    for r in results["scaling"]["rows"]:
+        rows.append((f"bagpipe T={r['trainers']} P={r['workers']} (wall)", r["key_uses_per_s"] / 1e6,
+                     *(None for _ in streams), 100 * r["hit_rate"]))
     return Table(columns, tuple(rows))
 
 

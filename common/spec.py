@@ -116,6 +116,8 @@ class OracleSection:
     prefetch_lead: int = 8
     cache_rows: int = 65536
     max_ahead: int = 64
+    #: Planner worker processes, each planning one key partition (bagpipe mode).
+    planner_workers: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +294,7 @@ def _oracle(s: _Section) -> OracleSection:
         prefetch_lead=s.int("prefetch_lead", 8, low=0),
         cache_rows=s.int("cache_rows", 65536, low=1),
         max_ahead=s.int("max_ahead", 64, low=1),
+        planner_workers=s.int("planner_workers", 1, low=1),
     )
 
 

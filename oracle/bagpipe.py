@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.config import PlannerConfig
-from oracle.kernels.batch import read_pairs
+from oracle.kernels.batch import read_pairs, read_partition_pairs
 from oracle.kernels.ingest import ingest
 from oracle.kernels.intmap import index_kept, rehashed
 from oracle.kernels.layout import (
@@ -20,8 +20,9 @@ from oracle.kernels.layout import (
     N_WRITE_PREV,
     RING_SIZE,
 )
+from oracle.kernels.merge import merge_runs
 from oracle.kernels.plan import plan_iteration
-from oracle.kernels.state import grow_ring, new_events, new_state, pow2, reserve_entries
+from oracle.kernels.state import grow_ring, grow_store, new_events, new_state, pow2, reserve_keys
 from oracle.rules import Batch, Planned, check_feasible
 
 _MIN_RING = 1 << 16
@@ -30,12 +31,13 @@ _MIN_RING = 1 << 16
 class BagpipeRules:
     """The planner (docs/design.md#the-planner) with lookahead L and lead D, one kernel state for all trainers."""
 
-    kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept)
+    # read_partition_pairs and merge_runs: what planning with workers adds (oracle/workers.py)
+    kernels = (read_pairs, ingest, plan_iteration, rehashed, index_kept, read_partition_pairs, merge_runs)
 
     def __init__(self, config: PlannerConfig) -> None:
         self._config = config
         # room for every key resident and three times as many more in the window, in memory
-        # touched only as keys come; the window's keys grow it beyond that
+        # touched only as keys come; the window's keys and pairs grow it beyond that
         entries = 4 * config.num_trainers * config.capacity
         self._state = new_state(config.num_trainers, config.capacity, _MIN_RING, entries)
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
@@ -51,9 +53,14 @@ class BagpipeRules:
         # a key read from now on is fetched by directive max(0, x - D) or later, x the next planned
         first_directive = max(0, self._planned - self._config.prefetch_lead)
         forget_through = self._config.landed_through(first_directive)
-        self._state = reserve_entries(self._state, batch.used_keys.size, forget_through)
+        self._state = reserve_keys(self._state, batch.used_keys.size, forget_through)
         self._base[z] = self._next_id
-        ingest(self._state, z, batch.pairs, self._next_id, self._config.num_trainers)
+        t, read = self._config.num_trainers, 0
+        while True:  # it stops early only where the store has no room left
+            read = ingest(self._state, z, batch.pairs, batch.used_keys, self._next_id, t, read)
+            if read == batch.used_keys.size:
+                break
+            self._state = grow_store(self._state)
         self._next_id = live_to
 
     @property
@@ -66,7 +73,7 @@ class BagpipeRules:
         check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
         flush = x > 0 and cfg.is_local_checkpoint(x - 1)
         flush_rows = t * cfg.capacity if flush else 0  # one per resident key at most
-        ev = new_events(batch.pairs.size, batch.used_keys.size, t, flush_rows)
+        ev = new_events(batch.pairs.size, batch.used_keys.size, t, cfg.capacity, flush_rows)
         base = self._base.pop(x)
         self._planned = x + 1
         plan_iteration(

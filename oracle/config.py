@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -11,9 +12,32 @@ from common.checkpoints import is_checkpoint
 from common.directive import WRITE_LAG, landed_through
 from common.errors import ConfigError
 from common.spec import MODES, Mode
+from oracle.kernels.batch import key_partitions
 
 #: Pair ids are ``key * T + trainer`` in int64; this bound keeps them exact.
 MAX_TRAINERS = 1 << 12
+#: Planner worker processes (`oracle.planner_workers`): more than cores only costs.
+MAX_WORKERS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyPartition:
+    """One worker's share of a planner split `count` ways (docs/design.md#parallel-planning):
+    the keys whose hash falls in partition `index` (`oracle.kernels.batch.key_partition`),
+    planned in slots [offset, offset + share) of every trainer's cache of C = `capacity`
+    slots. The shares cut C into `count` runs differing by one slot at most."""
+
+    index: int
+    count: int
+    capacity: int  # C of the whole planner
+
+    @property
+    def offset(self) -> int:
+        return self.index * self.capacity // self.count
+
+    @property
+    def share(self) -> int:
+        return (self.index + 1) * self.capacity // self.count - self.offset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +62,11 @@ class PlannerConfig:
     `write_lag` (W) is the trainers' write-back lag (`common.directive.WRITE_LAG`); a
     trainer must not run with a larger one. Tests make it small so that the rule acts in
     short streams.
+
+    `workers` (P, `oracle.planner_workers`, bagpipe mode only) splits the keys among P
+    processes, each planning its keys in its share of every trainer's cache
+    (`KeyPartition`); their directives are merged. `partition` is set in the config of one
+    such worker (`for_partition`), whose `capacity` is then its share.
     """
 
     num_trainers: int
@@ -49,6 +78,8 @@ class PlannerConfig:
     first_iteration: int = 0
     total_rows: int = 0
     write_lag: int = WRITE_LAG
+    workers: int = 1
+    partition: KeyPartition | None = None
     hot_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False)
 
     def __post_init__(self) -> None:
@@ -76,7 +107,31 @@ class PlannerConfig:
             _positive_int("oracle.cache_rows", self.capacity)
             if self.capacity > np.iinfo(np.int32).max:
                 raise ConfigError("oracle.cache_rows", "slots must fit in int32")
+        self._check_workers()
         object.__setattr__(self, "hot_keys", self._checked_hot_keys())
+
+    def _check_workers(self) -> None:
+        _positive_int("oracle.planner_workers", self.workers)
+        if self.workers > MAX_WORKERS:
+            raise ConfigError("oracle.planner_workers", f"at most {MAX_WORKERS}, got {self.workers}")
+        if self.workers > 1 and self.mode != "bagpipe":
+            raise ConfigError(
+                "oracle.planner_workers",
+                f"only bagpipe mode plans in parallel; {self.mode!r} needs planner_workers = 1",
+            )
+        if self.workers > self.capacity:
+            raise ConfigError(
+                "oracle.cache_rows",
+                f"C = {self.capacity} < oracle.planner_workers = {self.workers}: each worker "
+                "needs a share of every trainer's cache",
+            )
+        if self.partition is not None and self.workers != 1:
+            raise ValueError("a partition's config plans alone (workers = 1)")
+
+    def for_partition(self, index: int) -> PlannerConfig:
+        """The config of worker `index` of `workers`: its share of C."""
+        part = KeyPartition(index=index, count=self.workers, capacity=self.capacity)
+        return dataclasses.replace(self, capacity=part.share, workers=1, partition=part)
 
     def _checked_hot_keys(self) -> np.ndarray:
         hot = np.asarray(self.hot_keys)
@@ -127,8 +182,21 @@ def _non_negative_int(name: str, value: object) -> None:
         raise ConfigError(name, f"must be a non-negative integer, got {value!r}")
 
 
-def infeasible_capacity(iteration: int, trainer: int, need: int, capacity: int) -> ConfigError:
-    """The capacity error (docs/design.md#rule-4-capacity): some trainer needs more than C rows at one iteration."""
+def infeasible_capacity(
+    iteration: int, trainer: int, need: int, capacity: int, partition: KeyPartition | None = None
+) -> ConfigError:
+    """The capacity error (docs/design.md#rule-4-capacity): some trainer needs more than C rows
+    at one iteration (with `partition`: more than the share of C of one worker, among that
+    worker's keys; docs/design.md#parallel-planning)."""
+    if partition is not None:
+        p = partition
+        return ConfigError(
+            "oracle.cache_rows",
+            f"C = {p.capacity} is infeasible with oracle.planner_workers = {p.count}: worker "
+            f"{p.index} plans its keys in {p.share} slots of each trainer, and trainer {trainer} "
+            f"uses {need} distinct rows of them at iteration {iteration}; C >= {p.count * need} "
+            "needed",
+        )
     return ConfigError(
         "oracle.cache_rows",
         f"C = {capacity} is infeasible: trainer {trainer} uses {need} distinct rows at iteration "
@@ -154,15 +222,22 @@ def check_batch_size(config: PlannerConfig, batch_size: int) -> int:
 
 
 def required_capacity(config: PlannerConfig, batches: Iterable[np.ndarray]) -> int:
-    """The smallest feasible C for a known stream: hot rows + max over x, j of |U_x[j] \\ hot|."""
+    """The smallest feasible C for a known stream: hot rows + max over x, j of |U_x[j] \\ hot|;
+    with P = `config.workers`, P x the most rows one trainer uses at one iteration among the
+    keys of one worker (C = P n gives every worker a share of n)."""
     need = 0
     hot = config.hot_keys
+    workers = config.workers
     for batch in batches:
         per = check_batch_size(config, batch.shape[0])
         for j in range(config.num_trainers):
             used = np.unique(batch[j * per : (j + 1) * per])
-            need = max(need, int(np.count_nonzero(~np.isin(used, hot))))
-    return int(hot.size) + need
+            used = used[~np.isin(used, hot)]
+            if workers > 1:
+                need = max(need, int(np.bincount(key_partitions(used, workers), minlength=workers).max()))
+            else:
+                need = max(need, used.size)
+    return int(hot.size) + workers * need
 
 
 def hottest_keys(batches: Iterable[np.ndarray], count: int) -> np.ndarray:

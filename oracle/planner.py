@@ -44,6 +44,7 @@ from oracle.kernels.layout import (
     STAT_USES,
 )
 from oracle.modes import LocalRules, StaticRules
+from oracle.parts import IterationParts, assemble
 from oracle.rules import Batch, Planned, Rules
 from oracle.stats import IterationStats, PlannerStats
 
@@ -76,11 +77,24 @@ class _Pending:
 
 
 class Planner:
-    """One planner per run; not thread-safe (the service calls it from one task)."""
+    """One planner per run; not thread-safe (the service calls it from one task).
+
+    With `config.workers` = P > 1 it plans in P worker processes, one key partition each
+    (oracle/workers.py), which start with it and end with `finish` (or `close`, or when it
+    is collected). `push` then returns the directives that were final one batch earlier:
+    the workers plan batch z while this process merges what batch z - 1 made final.
+    Concatenated, the output is the same as when each batch's directives come with it.
+    """
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.stats = PlannerStats(num_trainers=config.num_trainers)
+        self._parallel = None
+        if config.workers > 1:
+            from oracle.workers import ParallelPlanner, ProcessPool  # imports this module
+
+            self._parallel = ParallelPlanner(config, ProcessPool(config), self.stats)
+            return
         self._lead = config.effective_lead
         self._rules: Rules = rules_class(config.mode)(config)
         self._pending: dict[int, _Pending] = {}
@@ -92,6 +106,12 @@ class Planner:
 
     def push(self, keys: np.ndarray) -> list[list[Directive]]:
         """Read the next global batch: int64 ``[B, F]`` keys, sample i on trainer i // (B/T)."""
+        if self._parallel is not None:
+            return self._parallel.push(keys)
+        return self._assembled(self.push_parts(keys))
+
+    def push_parts(self, keys: np.ndarray) -> list[IterationParts]:
+        """`push`, the directives left as parts (what a worker of a key partition sends)."""
         if self._finished:
             raise RuntimeError("push after finish")
         batch = self._read_batch(keys)
@@ -101,17 +121,36 @@ class Planner:
         self._read += 1
         while self._planned + self.config.effective_lookahead < self._read:
             self._plan_next()
-        return self._emit(self._planned - max(self._lead, 1))
+        return self._emit_parts(self._planned - max(self._lead, 1))
 
     @property
     def keys_held(self) -> int:
         """Keys the planner keeps state for: in the window, cached, or with a write-back
         version a fetch may still need (and, in bagpipe mode, versions left for the index's
         next rehash to forget). Bounded by the window and the caches, not the run."""
+        if self._parallel is not None:
+            return self._parallel.keys_held
         return self._rules.keys_held
+
+    @property
+    def worker_cpu_s(self) -> float:
+        """CPU seconds the planner's worker processes have spent planning (P > 1; 0 at
+        P = 1, where this process plans); as of the last batch's directives returned."""
+        return self._parallel.worker_cpu_s if self._parallel is not None else 0.0
 
     def finish(self) -> list[list[Directive]]:
         """End of stream: plan and return everything left."""
+        if self._parallel is not None:
+            return self._parallel.finish()
+        return self._assembled(self.finish_parts())
+
+    def close(self) -> None:
+        """Stop the worker processes, if any, without planning further (`finish` does too)."""
+        if self._parallel is not None:
+            self._parallel.close()
+
+    def finish_parts(self) -> list[IterationParts]:
+        """`finish`, the directives left as parts."""
         if self._finished:
             return []
         self._finished = True
@@ -122,26 +161,13 @@ class Planner:
             if closing is not None:
                 self._pending[self._read - 1].leave.append(closing.leave_now)
                 self._pending[self._read - 1].write.append(_flagged(closing.write_now, 0))
-        return self._emit(self._read)
+        return self._emit_parts(self._read)
 
     # ----------------------------------------------------------------- internals
     def _read_batch(self, keys: np.ndarray) -> Batch:
-        # Keys come from the data through the table layout, never from a spec: a malformed
-        # batch is the caller's bug (ValueError); a batch size that does not split is a
-        # spec error (ConfigError from `check_batch_size`).
-        keys = np.asarray(keys)
-        if keys.ndim != 2 or not np.issubdtype(keys.dtype, np.integer):
-            raise ValueError(f"keys must be a 2-d integer array, got {keys.dtype} {keys.shape}")
-        if self._shape is not None and keys.shape != self._shape:
-            raise ValueError(f"batch shape {keys.shape} differs from {self._shape}")
-        check_batch_size(self.config, keys.shape[0])
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        if keys.size and keys.min() < 0:
-            raise ValueError("keys must be non-negative")
-        if self.config.mode == "local" and keys.size and keys.max() >= self.config.total_rows:
-            raise ValueError(f"key {int(keys.max())} >= total_rows {self.config.total_rows}")
+        keys = checked_keys(self.config, keys, self._shape)
         self._shape = keys.shape
-        return Batch.read(keys, self.config.num_trainers)
+        return Batch.read(keys, self.config.num_trainers, self.config.partition)
 
     def _plan_next(self) -> None:
         x = self._planned
@@ -165,21 +191,29 @@ class Planner:
             self._pending[x - 1].write.append(_flagged(planned.write_prev, 0))
             self._pending[x - 1].write.append(_flagged(planned.flush_prev, 1))
 
-    def _emit(self, upto: int) -> list[list[Directive]]:
+    def _assembled(self, final: list[IterationParts]) -> list[list[Directive]]:
+        out = []
+        for parts in final:
+            out.append(assemble(parts))
+            self.stats.add(parts.stats)
+        return out
+
+    def _emit_parts(self, upto: int) -> list[IterationParts]:
         out = []
         while self._emitted < upto:
             e = self._emitted
             nxt = self._pending[e + 1].batch.used_keys if e + 1 < self._read else np.zeros(0, np.int64)
-            out.append(self._directives(e, self._pending.pop(e), nxt))
+            out.append(self._parts(e, self._pending.pop(e), nxt))
             self._emitted += 1
         return out
 
-    def _directives(self, e: int, p: _Pending, next_keys: np.ndarray) -> list[Directive]:
-        t, first = self.config.num_trainers, self.config.first_iteration
+    def _parts(self, e: int, p: _Pending, next_keys: np.ndarray) -> IterationParts:
+        """Directive e of every trainer, from the events filed under it; a key partition's
+        with its slots moved into its share of the cache."""
+        cfg = self.config
+        t, first = cfg.num_trainers, cfg.first_iteration
         g = first + e  # the global iteration of local e
         assert p.pair_slot is not None and p.group_keys is not None and p.group_slots is not None
-        slots = np.take(p.pair_slot, p.batch.inverse).reshape(p.batch.keys.shape)
-        per = slots.shape[0] // t
         # each event list sorted once, then cut per trainer: [at[j], at[j + 1]) is trainer j's
         fetch, fetch_at = _by_trainer(_cat(p.fetch, 5), t, by_target=True)
         leave, leave_at = _by_trainer(_cat(p.leave, 3), t)
@@ -188,39 +222,57 @@ class Planner:
         join_keys, send, recv = _joins(_cat(p.join_src, 3), join_dst, t)
         now = in_sorted(p.group_keys, next_keys)
         later = ~now
-        now_keys, later_keys = p.group_keys[now], p.group_keys[later]  # shared, as join_keys
         now_slots = np.ascontiguousarray(p.group_slots[now].T, dtype=np.int32)  # [T, n]
         later_slots = np.ascontiguousarray(p.group_slots[later].T, dtype=np.int32)
-        directives = []
-        for j in range(t):
-            f = fetch[fetch_at[j] : fetch_at[j + 1]]
-            lv = leave[leave_at[j] : leave_at[j + 1]]
-            wr = write[write_at[j] : write_at[j + 1]]
-            directives.append(
-                Directive(
-                    iteration=g,
-                    trainer=j,
-                    input_slots=np.ascontiguousarray(slots[j * per : (j + 1) * per], dtype=np.int32),
-                    prefetch_keys=f[:, EV_KEY].copy(),
-                    prefetch_slots=f[:, EV_SLOT].astype(np.int32),
-                    prefetch_min_versions=_min_versions(f[:, EV_MIN_VERSION], self.config.landed_through(e), first),
-                    prefetch_targets=(f[:, EV_TARGET] + first).astype(np.int32),
-                    join_keys=join_keys,
-                    join_send_slots=send[j],
-                    join_recv_slots=recv[j],
-                    sync_now_keys=now_keys,
-                    sync_now_slots=now_slots[j],
-                    sync_later_keys=later_keys,
-                    sync_later_slots=later_slots[j],
-                    leave_slots=lv[:, EV_SLOT].astype(np.int32),
-                    write_keys=wr[:, EV_KEY].copy(),
-                    write_slots=wr[:, EV_SLOT].astype(np.int32),
-                    write_flush=wr[:, EV_FLUSH].astype(np.uint8),
-                    checkpoint=self.config.is_checkpoint(g),
-                )
-            )
-        self.stats.add(_iteration_stats(g, p, fetch, join_dst, write, now))
-        return directives
+        inputs = np.take(p.pair_slot, p.batch.inverse)
+        off = cfg.partition.offset if cfg.partition is not None else 0
+        return IterationParts(
+            iteration=g,
+            checkpoint=cfg.is_checkpoint(g),
+            input_slots=inputs.reshape(p.batch.shape) if p.batch.positions is None else None,
+            input_positions=p.batch.positions,
+            input_values=_moved(inputs, off) if p.batch.positions is not None else None,
+            fetch_keys=fetch[:, EV_KEY].copy(),
+            fetch_slots=_moved(fetch[:, EV_SLOT].astype(np.int32), off),
+            fetch_min_versions=_min_versions(fetch[:, EV_MIN_VERSION], cfg.landed_through(e), first),
+            fetch_targets=(fetch[:, EV_TARGET] + first).astype(np.int32),
+            fetch_at=fetch_at,
+            leave_keys=leave[:, EV_KEY].copy(),
+            leave_slots=_moved(leave[:, EV_SLOT].astype(np.int32), off),
+            leave_at=leave_at,
+            write_keys=write[:, EV_KEY].copy(),
+            write_slots=_moved(write[:, EV_SLOT].astype(np.int32), off),
+            write_flush=write[:, EV_FLUSH].astype(np.uint8),
+            write_at=write_at,
+            join_keys=join_keys,
+            join_send=_moved(send, off),
+            join_recv=_moved(recv, off),
+            now_keys=p.group_keys[now],
+            now_slots=_moved(now_slots, off),
+            later_keys=p.group_keys[later],
+            later_slots=_moved(later_slots, off),
+            stats=_iteration_stats(g, p, fetch, join_dst, write, now),
+        )
+
+
+def checked_keys(config: PlannerConfig, keys: np.ndarray, shape: tuple[int, int] | None) -> np.ndarray:
+    """A global batch as int64, C-contiguous; `shape` that of the batches so far, if any.
+
+    Keys come from the data through the table layout, never from a spec: a malformed batch
+    is the caller's bug (ValueError); a batch size that does not split is a spec error
+    (ConfigError from `check_batch_size`)."""
+    keys = np.asarray(keys)
+    if keys.ndim != 2 or not np.issubdtype(keys.dtype, np.integer):
+        raise ValueError(f"keys must be a 2-d integer array, got {keys.dtype} {keys.shape}")
+    if shape is not None and keys.shape != shape:
+        raise ValueError(f"batch shape {keys.shape} differs from {shape}")
+    check_batch_size(config, keys.shape[0])
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if keys.size and keys.min() < 0:
+        raise ValueError("keys must be non-negative")
+    if config.mode == "local" and keys.size and keys.max() >= config.total_rows:
+        raise ValueError(f"key {int(keys.max())} >= total_rows {config.total_rows}")
+    return keys
 
 
 def rules_class(mode: Mode) -> type[BagpipeRules | StaticRules | LocalRules]:
@@ -236,6 +288,13 @@ def _min_versions(versions: np.ndarray, landed: int, first: int) -> np.ndarray:
     """A directive's fetch versions, local, as global min_versions: -1 for none since the
     planner started and for those `landed` (`PlannerConfig.landed_through`)."""
     return np.where(versions > max(landed, -1), versions + first, -1)
+
+
+def _moved(slots: np.ndarray, offset: int) -> np.ndarray:
+    """Slots of a key partition's share of the cache, as slots of the whole (-1 stays)."""
+    if offset == 0:
+        return slots
+    return np.where(slots >= 0, slots + offset, slots).astype(slots.dtype, copy=False)
 
 
 def _flagged(writes: np.ndarray, flush: int) -> np.ndarray:

@@ -13,30 +13,37 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from oracle.config import PlannerConfig, infeasible_capacity
-from oracle.kernels.batch import read_pairs
+from oracle.config import KeyPartition, PlannerConfig, infeasible_capacity
+from oracle.kernels.batch import read_pairs, read_partition_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
 class Batch:
-    """One global batch, read: keys ``int64 [B, F]`` and its (key, trainer) pairs.
+    """One global batch of keys ``int64 [B, F]`` (`shape`), read into its (key, trainer) pairs.
 
     A pair id is ``key * T + trainer``; `pairs` is sorted and unique, so pairs come in key
-    order, then trainer order. ``pairs[inverse]`` is the pair of every input.
+    order, then trainer order. ``pairs[inverse]`` is the pair of every input, or, read for
+    a key partition, of the inputs at the flat `positions` (those of its keys). The batch
+    keeps no reference to the keys it was read from: the window holds L batches.
     """
 
-    keys: np.ndarray
+    shape: tuple[int, int]
     pairs: np.ndarray
     inverse: np.ndarray
     used_keys: np.ndarray
+    positions: np.ndarray | None = None  # int32: None, every input
 
     @classmethod
-    def read(cls, keys: np.ndarray, num_trainers: int) -> Batch:
-        """`keys` int64, C-contiguous."""
-        pairs, inverse = read_pairs(keys, num_trainers)
+    def read(cls, keys: np.ndarray, num_trainers: int, partition: KeyPartition | None = None) -> Batch:
+        """`keys` int64, C-contiguous; only those of `partition` if given."""
+        positions = None
+        if partition is None:
+            pairs, inverse = read_pairs(keys, num_trainers)
+        else:
+            pairs, inverse, positions = read_partition_pairs(keys, num_trainers, partition.index, partition.count)
         used = pairs // num_trainers
         used_keys = used[np.concatenate(([True], used[1:] != used[:-1]))] if used.size else used
-        return cls(keys=keys, pairs=pairs, inverse=inverse, used_keys=used_keys)
+        return cls(shape=keys.shape, pairs=pairs, inverse=inverse, used_keys=used_keys, positions=positions)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,4 +92,4 @@ def check_feasible(config: PlannerConfig, x: int, need: np.ndarray) -> None:
     """ConfigError naming the first trainer whose `need` (rows at x) exceeds C (rule 4)."""
     if need.size and need.max() > config.capacity:
         j = int(np.argmax(need))
-        raise infeasible_capacity(x, j, int(need[j]), config.capacity)
+        raise infeasible_capacity(x, j, int(need[j]), config.capacity, config.partition)

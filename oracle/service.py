@@ -79,6 +79,9 @@ class Workload:
             yield self.layout.to_keys(batch.sparse), batch.labels, batch.dense
 
 
+_KeyBatch = tuple[np.ndarray, np.ndarray, np.ndarray]  # what `Workload.key_batches` yields
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannerProgress:
     """What the planning thread has done so far. It publishes a new one after each step (one
@@ -89,6 +92,11 @@ class PlannerProgress:
     planning_s: float = 0.0  # inside the planner: its own work, not waiting for data or trainers
     waited_s: float = 0.0  # blocked because the trainers were max_ahead behind (back-pressure)
     waiting_since: float | None = None  # perf_counter() when the current wait began
+    # CPU seconds of the planning thread by phase (what a sample costs the oracle where)
+    read_cpu_s: float = 0.0  # the data: the next batch read and turned into keys
+    plan_cpu_s: float = 0.0  # the planner in this thread (with workers: checks and merging)
+    workers_cpu_s: float = 0.0  # the planner's worker processes (oracle.planner_workers > 1)
+    encode_cpu_s: float = 0.0  # each trainer's step (batch rows and directive) encoded
 
     @property
     def key_uses_per_s(self) -> float:
@@ -133,6 +141,7 @@ class OracleService:
         self.buffer: StepBuffer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._loop_clock: int | None = None
         self.failed: asyncio.Future[BaseException] | None = None
 
     def router(self) -> Router:
@@ -144,6 +153,7 @@ class OracleService:
     def start(self) -> None:
         """Start planning in a background thread (call from the event loop)."""
         loop = asyncio.get_running_loop()
+        self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())  # the serving thread's CPU
         first = self.workload.start
         self.buffer = StepBuffer(
             self.config.num_trainers, self.max_ahead, loop, first=first,
@@ -168,25 +178,39 @@ class OracleService:
         batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
             start = self.workload.start
-            for x, (keys, labels, dense) in enumerate(self.workload.key_batches(), start=start):
+            for x, (keys, labels, dense) in enumerate(self._read(self.workload.key_batches()), start=start):
                 if self._stop.is_set():
                     return
                 batches[x] = (labels, dense)
-                self._publish(self._timed(lambda: planner.push(keys), keys.size), batches)
-            self._publish(self._timed(planner.finish, 0), batches)
+                self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
+            self._publish(self._timed(planner, planner.finish, 0), batches)
             log.info("planned all %d iterations", self.workload.num_iterations)
         except Exception as exc:
             log.exception("planner failed")
             self.buffer.fail(exc)
             assert self.failed is not None
             self.failed.get_loop().call_soon_threadsafe(_set_once, self.failed, exc)
+        finally:
+            planner.close()  # its worker processes, if any (oracle.planner_workers), on stop too
 
-    def _timed(self, plan: Callable[[], list], key_uses: int) -> list:
-        started = time.perf_counter()
+    def _read(self, batches: Iterator[_KeyBatch]) -> Iterator[_KeyBatch]:
+        """`batches`, the CPU of reading each counted (`PlannerProgress.read_cpu_s`)."""
+        while True:
+            started = time.thread_time()
+            batch = next(batches, None)
+            p = self.progress
+            self.progress = dataclasses.replace(p, read_cpu_s=p.read_cpu_s + time.thread_time() - started)
+            if batch is None:
+                return
+            yield batch
+
+    def _timed(self, planner: Planner, plan: Callable[[], list], key_uses: int) -> list:
+        started, cpu = time.perf_counter(), time.thread_time()
         final = plan()
         p = self.progress
         self.progress = dataclasses.replace(
-            p, key_uses=p.key_uses + key_uses, planning_s=p.planning_s + time.perf_counter() - started
+            p, key_uses=p.key_uses + key_uses, planning_s=p.planning_s + time.perf_counter() - started,
+            plan_cpu_s=p.plan_cpu_s + time.thread_time() - cpu, workers_cpu_s=planner.worker_cpu_s,
         )
         return final
 
@@ -194,9 +218,13 @@ class OracleService:
         assert self.buffer is not None
         for directives in final:
             x = directives[0].iteration
+            cpu = time.thread_time()
             steps = trainer_steps(directives, *batches.pop(x))
             messages = [encode_message(s.batch.to_wire()) + encode_message(s.directive.to_wire()) for s in steps]
-            self.progress = dataclasses.replace(self.progress, waiting_since=time.perf_counter())
+            p = self.progress
+            self.progress = dataclasses.replace(
+                p, encode_cpu_s=p.encode_cpu_s + time.thread_time() - cpu, waiting_since=time.perf_counter()
+            )
             self.buffer.put(x, messages)
             p = self.progress
             self.progress = dataclasses.replace(
@@ -249,6 +277,16 @@ class OracleService:
         self.final_scrape.scraped()
         return Response(body=body, content_type="text/plain; version=0.0.4")
 
+    def cpu_by_phase(self) -> dict[str, float]:
+        """CPU seconds so far by phase: reading the data, planning (this process, then the
+        planner's workers), encoding the steps, and serving them (the event loop's thread:
+        sending the steps, the acknowledgements, scrapes). Divided by the samples planned
+        (iterations x train.batch_size), what a sample costs the oracle where."""
+        p = self.progress
+        serve = time.clock_gettime(self._loop_clock) if self._loop_clock is not None else 0.0
+        return {"read": p.read_cpu_s, "plan": p.plan_cpu_s, "plan_workers": p.workers_cpu_s,
+                "encode": p.encode_cpu_s, "serve": serve}
+
     def _copy_progress(self) -> None:
         """Copy what the planning thread and the buffer hold into the registry (which only
         this event loop touches)."""
@@ -263,6 +301,9 @@ class OracleService:
                     help="Seconds the planner waited because the slowest trainer was max_ahead behind")
         m.set("planner_waiting", int(p.waiting_since is not None),
               help="1 while the planner waits for the slowest trainer (back-pressure)")
+        for phase, seconds in self.cpu_by_phase().items():
+            m.set_total("oracle_cpu_seconds_total", seconds, {"phase": phase},
+                        help="CPU seconds of the oracle by phase: read, plan, plan_workers, encode, serve")
         if self.buffer is None:
             return
         depths = self.buffer.depths()

@@ -52,6 +52,8 @@ def check_capacity(job: Job) -> None:
     static-cache needs room for one iteration's rows besides at least one pinned row; the
     other caching modes need each trainer's distinct rows of any one iteration, which the
     safe bound (B/T) x F answers without reading the data, and a pass over it otherwise.
+    With P planner workers each worker's share of C must hold its keys' part of them: the
+    safe bound is P x (B/T) x F, and the pass finds P x the largest part.
     """
     config = PlannerConfig(**_planner_fields(job, 0))  # checks each field (C where used)
     bound = capacity_bound(config, job.spec.train.batch_size, job.layout.num_tables)  # and B
@@ -65,13 +67,14 @@ def check_capacity(job: Job) -> None:
                 f"iteration's other rows ((B/T) x F = {bound}), so it needs C >= {bound + 1}",
             )
         return
-    if config.capacity >= bound:
+    if config.capacity >= config.workers * bound:
         return
     need = required_capacity(config, (keys for keys, _, _ in build_workload(job).key_batches()))
     if config.capacity < need:
+        workers = f" with oracle.planner_workers = {config.workers}" if config.workers > 1 else ""
         raise ConfigError(
             "oracle.cache_rows",
-            f"C = {config.capacity} cannot hold one iteration's rows: this data needs C >= {need}",
+            f"C = {config.capacity} cannot hold one iteration's rows{workers}: this data needs C >= {need}",
         )
 
 
@@ -84,6 +87,7 @@ def _planner_fields(job: Job, first_iteration: int) -> dict[str, Any]:
         prefetch_lead=spec.oracle.prefetch_lead,
         capacity=spec.oracle.cache_rows,
         mode=spec.oracle.mode,
+        workers=spec.oracle.planner_workers,
         checkpoint_every=spec.checkpoint.every,
         total_rows=job.layout.total_rows,
         first_iteration=first_iteration,

@@ -7,13 +7,15 @@ slow parts replaced by indexable state:
 * keys: every key read and not yet planned to its last use has an *entry*, found through a
   hash index (`intmap.IntMap`). A key with copies always has one, since a copy stays only
   while some trainer uses its key in the window. The entry holds the version of the key's
-  last planned write-back and, per trainer, the copy's slot and the iteration of the
-  trainer's earliest unplanned use (``head``, NEVER if none). A key whose entry is gone
-  keeps its index cell, which then holds that version until no fetch can need it
-  (`intmap.reserve_index`): one lookup when a key comes and one when it goes;
+  last planned write-back and its *records*: one per trainer that holds a copy of the key
+  or has an unplanned use of it, ascending by trainer, with the copy's slot and the
+  iteration of the trainer's earliest unplanned use (``head``, NEVER if none). A trainer
+  with neither has no record, so a key costs what it has, whatever T is (`records`). A key
+  whose entry is gone keeps its index cell, which then holds that version until no fetch
+  can need it (`intmap.reserve_index`): one lookup when a key comes and one when it goes;
 * next uses: every (key, trainer) *pair* read but not yet planned is an occurrence in a ring
   that knows its key's entry and, once the pair is read again, that next occurrence's
-  iteration. The entry holds each pair's latest occurrence (``tail``), so reading a batch
+  iteration. The pair's record holds its latest occurrence (``tail``), so reading a batch
   links each pair (`ingest`), and planning moves each pair's head (`plan`), without a hash
   lookup per pair;
 * copies: each slot holds its key, its entry, its trainer's next use of the key (NEVER if
@@ -22,8 +24,9 @@ slow parts replaced by indexable state:
 * Belady victims: one max-heap per trainer, built only when that trainer must evict at x
   (`heaps`).
 
-Everything is sized by the caches (T x C) or by the keys in the window, and the index also
-by the keys whose last write-back may still be in flight (`state`). The kernels append
+Everything is sized by the caches (T x C) or by the keys and pairs in the window, and the
+index also by the keys whose last write-back may still be in flight (`state`); nothing by T
+per key. The kernels append
 events to preallocated arrays and return counts; oracle/planner.py turns them into
 directives.
 
@@ -36,6 +39,7 @@ The files, each importing only those above it:
 * `batch`: a global batch read into its sorted distinct (key, trainer) pairs (`read_pairs`,
   every mode);
 * `state`: the planner's state and the event buffers: made, and grown between batches;
+* `records`: entries and their records in the state's store: homes, blocks, free lists;
 * `heaps`: free slots and victims;
 * `copies`: a copy comes and goes; the events the planning steps emit;
 * `ingest`: batch z read into the window (`ingest`);
@@ -51,9 +55,13 @@ planning is one function, called once per iteration, that takes the state's arra
 the helpers it calls per key or per pair take arrays, never the state, and are inlined
 (`jit.inlined`, numba's ``inline="always"``). A slice or a view costs the same: hot code
 indexes cells one at a time. The per-key loops prefetch the entries of the keys a few steps
-ahead (`cpu_prefetch.prefetch_row`). Where a helper or a constant sits makes no difference
-to the code: numba inlines a helper of another file, and compiles in a constant of another
-file, as it does one of its own.
+ahead, the cache lines each step reads (`records.prefetch_entry`), and the blocks of those
+nearer, once their entries are in. That second stage reads the entry, and stalls the loop
+if it has not arrived, so it is left out where no key can have a block (T <= HOME_RECORDS).
+Entries and records are aligned to cache lines (`state.aligned_empty`): an entry is three
+lines, its cells, its home and its leavers' cells. Where a helper or a constant sits makes
+no difference to the code: numba inlines a helper of another file, and compiles in a
+constant of another file, as it does one of its own.
 
 Cache. numba's on-disk cache notices only edits to a kernel's own file, while these kernels
 inline helpers and read constants of other files. So each kernel is cached in a folder

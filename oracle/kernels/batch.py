@@ -1,12 +1,21 @@
 """Reading a global batch into its sorted distinct (key, trainer) pairs (`read_pairs`), which
-every mode's rules plan from: a hash table per trainer, then a radix sort."""
+every mode's rules plan from: a hash table per trainer, then a radix sort. A planner of one
+key partition reads only its keys' inputs (`read_partition_pairs`, `key_partition`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from oracle.kernels.intmap import CELL_KEY, CELL_VALUE, KEEP_ALL, map_find, rehashed
-from oracle.kernels.jit import kernel
+from oracle.kernels.jit import inlined, kernel
+
+# SplitMix64's finaliser (Steele, Lea and Flood 2014): every bit of a key moves every bit of
+# the hash, so keys that are table offsets plus rows spread evenly over any partition count,
+# and not in step with the index's Fibonacci hashing (intmap).
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_U30, _U27, _U31, _U32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
 
 
 @kernel
@@ -24,6 +33,43 @@ def read_pairs(keys: np.ndarray, num_trainers: int) -> tuple[np.ndarray, np.ndar
     for i in range(number.size):
         inverse[i] = rank[number[i]]
     return pair_of[order], inverse
+
+
+@inlined
+def key_partition(key: int, count: int) -> int:
+    """The partition (0 .. count-1) of a non-negative key: the top 32 bits of its hash,
+    scaled to the count (Lemire's multiply-shift, no division)."""
+    z = np.uint64(key) + _GAMMA
+    z = (z ^ (z >> _U30)) * _MIX1
+    z = (z ^ (z >> _U27)) * _MIX2
+    z = z ^ (z >> _U31)
+    return np.int64(((z >> _U32) * np.uint64(count)) >> _U32)
+
+
+@kernel
+def key_partitions(keys: np.ndarray, count: int) -> np.ndarray:
+    """`key_partition` of every key of a flat int64 array (int32)."""
+    out = np.empty(keys.shape[0], np.int32)
+    for i in range(keys.shape[0]):
+        out[i] = key_partition(keys[i], count)
+    return out
+
+
+@kernel
+def read_partition_pairs(
+    keys: np.ndarray, num_trainers: int, part: int, count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`read_pairs` of the inputs whose key is in partition `part` of `count`: their pairs,
+    the pair of each such input (int32) and its flat position in the batch (int32)."""
+    number, pair_of, positions = _number_pairs_of(keys, num_trainers, part, count)
+    order = _radix_order(pair_of)
+    rank = np.empty(order.size, np.int32)
+    for r in range(order.size):
+        rank[order[r]] = r
+    inverse = np.empty(number.size, np.int32)
+    for i in range(number.size):
+        inverse[i] = rank[number[i]]
+    return pair_of[order], inverse, positions
 
 
 @kernel
@@ -79,3 +125,41 @@ def _radix_order(values: np.ndarray) -> np.ndarray:
         order, spare = spare, order
         shift += 11
     return order
+
+
+@kernel
+def _number_pairs_of(
+    keys: np.ndarray, num_trainers: int, part: int, count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_number_pairs` of the inputs whose key is in partition `part` of `count`, and where
+    each such input is."""
+    b, f = keys.shape
+    per = b // num_trainers
+    number = np.empty(b * f, np.int32)
+    positions = np.empty(b * f, np.int32)
+    pair_of = np.empty(b * f, np.int64)
+    n = 0
+    kept = 0
+    for j in range(num_trainers):
+        cells = rehashed(np.empty((0, 2), np.int64), 1 << 12, KEEP_ALL)
+        held = 0
+        for i in range(j * per, (j + 1) * per):
+            for c in range(f):
+                key = keys[i, c]
+                if key_partition(key, count) != part:
+                    continue
+                p = key * num_trainers + j
+                cell = map_find(cells, p)
+                if cells[cell, CELL_KEY] < 0:
+                    if 2 * (held + 1) > cells.shape[0]:
+                        cells = rehashed(cells, 2 * cells.shape[0], KEEP_ALL)
+                        cell = map_find(cells, p)
+                    cells[cell, CELL_KEY] = p
+                    cells[cell, CELL_VALUE] = n
+                    pair_of[n] = p
+                    n += 1
+                    held += 1
+                number[kept] = cells[cell, CELL_VALUE]
+                positions[kept] = i * f + c
+                kept += 1
+    return number[:kept], pair_of[:n], positions[:kept]

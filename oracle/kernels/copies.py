@@ -2,8 +2,8 @@
 planning steps (oracle/kernels/plan.py), inlined into them.
 
 Each slot holds its key, its entry, its trainer's next use of the key (NEVER if none is
-read yet) and when it was last used or filled (`layout`: SLOT_*); the entry holds, per
-trainer, the copy's slot (PAIR_SLOT) and the number of copies.
+read yet) and when it was last used or filled (`layout`: SLOT_*); the trainer's record of
+the key (`records`) holds the copy's slot (REC_SLOT), and the entry the number of copies.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from oracle.kernels.layout import (
     LEFT_SLOT,
     LEFT_TRAINER,
     N_FETCH,
-    PAIR_HEAD,
-    PAIR_SLOT,
+    REC_HEAD,
+    REC_SLOT,
     SLOT_ENTRY,
     SLOT_KEY,
     SLOT_NEXT,
@@ -35,43 +35,36 @@ from oracle.kernels.layout import (
 
 @inlined
 def add_copy(
-    entry: np.ndarray, entry_pair: np.ndarray, slot: np.ndarray, e: int, j: int, s: int, x: int
+    entry: np.ndarray, pool: np.ndarray, slot: np.ndarray, e: int, r: int, j: int, s: int, x: int
 ) -> None:
-    """Trainer j holds a copy of entry e's key in slot s, filled for x."""
-    entry_pair[e, j, PAIR_SLOT] = s
+    """Trainer j (record r of entry e) holds a copy of the entry's key in slot s, filled for x."""
+    pool[r, REC_SLOT] = s
     entry[e, ENTRY_COPIES] += 1
     slot[j, s, SLOT_KEY] = entry[e, ENTRY_KEY]
     slot[j, s, SLOT_ENTRY] = e
-    slot[j, s, SLOT_NEXT] = entry_pair[e, j, PAIR_HEAD]
+    slot[j, s, SLOT_NEXT] = pool[r, REC_HEAD]
     slot[j, s, SLOT_STAMP] = x
 
 
 @inlined
 def remove_copy(
     entry: np.ndarray,
-    entry_pair: np.ndarray,
+    pool: np.ndarray,
     slot: np.ndarray,
     heap: np.ndarray,
     heap_size: np.ndarray,
     e: int,
+    r: int,
     j: int,
     s: int,
 ) -> None:
-    """The copy leaves; its slot is free (callers decide from which iteration on)."""
-    entry_pair[e, j, PAIR_SLOT] = -1
+    """Trainer j's copy (record r of entry e) leaves slot s; the slot is free (callers
+    decide from which iteration on). The record stays until `records.compact_records`."""
+    pool[r, REC_SLOT] = -1
     entry[e, ENTRY_COPIES] -= 1
     slot[j, s, SLOT_KEY] = -1
     slot[j, s, SLOT_ENTRY] = -1
     push_free_slot(heap, heap_size, j, s)
-
-
-@inlined
-def lowest_holder(entry_pair: np.ndarray, e: int) -> int:
-    """The lowest-index trainer with a copy of the entry's key, or -1."""
-    for t in range(entry_pair.shape[1]):
-        if entry_pair[e, t, PAIR_SLOT] >= 0:
-            return t
-    return -1
 
 
 @inlined

@@ -91,11 +91,17 @@ def rehashed(cells: np.ndarray, capacity: int, forget_through: int) -> np.ndarra
 
 
 @inlined
+def map_home(cells: np.ndarray, key: int) -> int:
+    """The cell where the probe for `key` starts (to prefetch it)."""
+    h = key * _MIX
+    return (h ^ (h >> 32)) & (cells.shape[0] - 1)
+
+
+@inlined
 def map_find(cells: np.ndarray, key: int) -> int:
     """The cell of `key` in a map's cells, or the empty cell where it would go."""
     mask = cells.shape[0] - 1
-    h = key * _MIX
-    i = (h ^ (h >> 32)) & mask
+    i = map_home(cells, key)
     while cells[i, CELL_KEY] != key and cells[i, CELL_KEY] >= 0:
         i = (i + 1) & mask
     return i

@@ -11,32 +11,56 @@ import numpy as np
 
 NEVER = np.int64(1 << 62)  # the iteration of a use that is not read yet, or not at all
 
-# counters, int64 [3]: the state's scalars, in an array so that kernels can change them.
+# counters, int64 [NUM_COUNTERS]: the state's scalars, in an array so that kernels can change
+# them.
 FREED_ENTRIES = 0  # entries on the entry_free stack, handed out again first
-USED_ENTRIES = 1  # entries ever handed out: [USED_ENTRIES, E) are untouched memory
-RING_SIZE = 2  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
+RING_SIZE = 1  # entries of the occurrence ring (occ_entry, occ_next_use), a power of two
+POOL_USED = 2  # rows of the store ever handed out (entries and blocks): the rest is untouched
+POOL_CLASSES = 3  # a bit set: bit c is set while pool_free[c] holds a block
+NUM_COUNTERS = 4
 
 # slot, int64 [T, C, NUM_SLOT]: the cells of each trainer's cache slot.
 SLOT_KEY = 0  # -1: free
 SLOT_ENTRY = 1
-SLOT_NEXT = 2  # the pair's PAIR_HEAD, kept here too for the victim scan
+SLOT_NEXT = 2  # its record's REC_HEAD, kept here too for the victim scan
 SLOT_STAMP = 3  # the last iteration that used or filled the slot
 NUM_SLOT = 4
 
-# entry, int64 [E, NUM_ENTRY]: a key's own cells.
+# pool, int64 [R, NUM_REC]: the store's rows, half a cache line each. A key's *records*, one
+# per trainer that holds a copy of it or has an unplanned use of it, ascending by trainer,
+# are rows of its entry's home or of a block (`records`). A trainer without a record is one
+# with no copy and no unplanned use: NEVER, -1, -1 below.
+REC_TRAINER = 0
+REC_HEAD = 1  # the iteration of the pair's earliest unplanned use, NEVER if none
+REC_TAIL = 2  # its latest occurrence read, -1 if none is unplanned
+REC_SLOT = 3  # the trainer's copy of the key, -1 if none
+NUM_REC = 4
+REC_NEXT_FREE = 0  # a free block's first row: the next free block of its size, -1 none
+
+# entry, int64 [R / ENTRY_ROWS, NUM_ENTRY]: the same store seen as entries of ENTRY_ROWS rows,
+# three cache lines: a key's cells that every step reads, then its *home*, room for
+# HOME_RECORDS records (so that a key used by one or two trainers has its records in the
+# line after its cells: no second lookup), then the cells of copies leaving.
 ENTRY_KEY = 0
 ENTRY_COPIES = 1
-ENTRY_LAST_USE = 2  # the last iteration planned that used the key
-ENTRY_LAST_WB = 3  # the version of its last planned write-back, -1 none
-ENTRY_DROP = 4  # 3 cells, LEFT_*: the residency's first rule-3 leaver
-ENTRY_VIC = 7  # 3 cells, LEFT_*: the residency's lowest capacity victim
-NUM_ENTRY = 10
+ENTRY_BLOCK = 2  # the pool row of its first record: its home, or a block
+ENTRY_RECORDS = 3  # its records, in pool rows [ENTRY_BLOCK, ENTRY_BLOCK + ENTRY_RECORDS)
+ENTRY_CLASS = 4  # its block has 2 ** ENTRY_CLASS rows; HOME_CLASS: its records are at home
+ENTRY_LAST_USE = 5  # the last iteration planned that used the key
+ENTRY_LAST_WB = 6  # the version of its last planned write-back, -1 none
+ENTRY_DROP = 16  # 3 cells, LEFT_*: the residency's first rule-3 leaver
+ENTRY_VIC = 19  # 3 cells, LEFT_*: the residency's lowest capacity victim
+ENTRY_ROWS = 6
+HOME_ROW = 2  # entry e's home is pool rows ENTRY_ROWS * e + HOME_ROW ...
+HOME_RECORDS = 2
+HOME_CLASS = -1
+NUM_ENTRY = ENTRY_ROWS * NUM_REC
+ENTRY_LINES = 3  # cache lines: the cells, the home, the leavers'
 
-# entry_pair, int64 [E, T, NUM_PAIR]: per trainer, the (key, trainer) pair's cells.
-PAIR_HEAD = 0  # the iteration of its earliest unplanned use, NEVER if none
-PAIR_TAIL = 1  # its latest occurrence read, -1 if none is unplanned
-PAIR_SLOT = 2  # the trainer's copy of the key, -1 if none
-NUM_PAIR = 3
+# pool_free, int64 [NUM_CLASSES]: per size class c (blocks of 2 ** c rows), the first free
+# block, -1 none. Blocks hold more than HOME_RECORDS records, and a key at most
+# T <= 2 ** 12 (oracle.config.MAX_TRAINERS).
+NUM_CLASSES = 13
 
 # Offsets from ENTRY_DROP and ENTRY_VIC. Both are stamped with the x being planned: rule-3
 # leavers leave after x, victims after x-1.

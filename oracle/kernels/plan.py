@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.kernels.copies import add_copy, emit, emit_fetch, lowest_holder, remove_copy, stamp_left
-from oracle.kernels.cpu_prefetch import prefetch_row
+from oracle.kernels.copies import add_copy, emit, emit_fetch, remove_copy, stamp_left
 from oracle.kernels.heaps import pop_free_slot, pop_victim, top_victim
 from oracle.kernels.intmap import CELL_VALUE, map_find
 from oracle.kernels.jit import inlined, kernel
 from oracle.kernels.layout import (
+    ENTRY_BLOCK,
+    ENTRY_CLASS,
     ENTRY_COPIES,
     ENTRY_DROP,
     ENTRY_KEY,
     ENTRY_LAST_USE,
     ENTRY_LAST_WB,
+    ENTRY_RECORDS,
+    ENTRY_LINES,
     ENTRY_VIC,
-    FREED_ENTRIES,
+    HOME_CLASS,
+    HOME_RECORDS,
     LEFT_ITERATION,
     LEFT_SLOT,
     LEFT_TRAINER,
@@ -34,9 +38,10 @@ from oracle.kernels.layout import (
     N_WRITE_NOW,
     N_WRITE_PREV,
     NEVER,
-    PAIR_HEAD,
-    PAIR_SLOT,
-    PAIR_TAIL,
+    REC_HEAD,
+    REC_SLOT,
+    REC_TAIL,
+    REC_TRAINER,
     RING_SIZE,
     SLOT_ENTRY,
     SLOT_KEY,
@@ -48,6 +53,15 @@ from oracle.kernels.layout import (
     STAT_OCCUPANCY,
     STAT_USES,
     VICTIM_NEXT,
+)
+from oracle.kernels.records import (
+    compact_records,
+    give_block,
+    give_entry,
+    lowest_holder,
+    prefetch_block,
+    prefetch_entry,
+    record_of,
 )
 from oracle.kernels.state import BagpipeState, Events
 
@@ -93,15 +107,16 @@ def plan_iteration(
     horizon = x + lookahead
     # a. classify keys
     groups = np.empty((pairs.shape[0] + 1, NUM_GROUP), np.int64)
+    pair_rec = np.empty(pairs.shape[0], np.int64)  # each pair's record: blocks stay put while planning
     need = np.zeros(num_trainers, np.int64)
-    n_groups = _classify(st, ev, x, pairs, base, groups, need)
+    n_groups = _classify(st, ev, x, pairs, base, groups, pair_rec, need)
     groups = groups[: n_groups + 1]
     flush_rows = _flush_candidates(st, flush, flush_after)
     # b. mandatory victims, then slots for the new copies in key order
     ended = np.empty(ev.fetch.shape[0] + 1, np.int64)
     ended[VIC_COUNT] = 0
     _evict_for(st, ev, x, horizon, need, ended)
-    _assign_new(st, ev, x, pairs, groups)
+    _assign_new(st, ev, x, pairs, groups, pair_rec)
     # c. admission prefetches for later uses in the window
     _prefetch_later(st, ev, x, horizon, groups, ended)
     # d. residencies whose last copies were victims end after x-1; checkpoint flushes
@@ -112,7 +127,7 @@ def plan_iteration(
         ev.stats[j, STAT_OCCUPANCY] = capacity - st.heap_size[j]
     # e, f. G_x and residency after the use; then forget the keys that are done
     done = np.empty(n_groups, np.int64)
-    n_done = _after_use(st, ev, x, pairs, base, horizon, groups, done)
+    n_done = _after_use(st, ev, x, pairs, base, horizon, groups, pair_rec, done)
     _free_entries(st, done, n_done)
 
 
@@ -124,42 +139,53 @@ def _classify(
     pairs: np.ndarray,
     base: int,
     groups: np.ndarray,
+    pair_rec: np.ndarray,
     need: np.ndarray,
 ) -> int:
     """Rules 1-2: per key, its entry and the lowest-index holder at the end of x-1 with its
-    slot (the join source, read before any victim leaves), or -1: admitted. Fills `groups`
-    and each trainer's `need` of new copies; returns the number of keys."""
-    occ_entry, entry_pair, slot = st.occ_entry, st.entry_pair, st.slot
+    slot (the join source, read before any victim leaves), or -1: admitted. Fills `groups`,
+    each pair's record (`pair_rec`) and each trainer's `need` of new copies; returns the
+    number of keys."""
+    occ_entry, entry, pool, slot = st.occ_entry, st.entry, st.pool, st.slot
     pair_slot, stats = ev.pair_slot, ev.stats
     t_count = slot.shape[0]
     mask = st.counters[RING_SIZE] - 1
+    n = pairs.shape[0]
     n_groups = 0
     e = -1
+    r = -1
     last_key = -1
-    for i in range(pairs.shape[0]):
+    for i in range(n):
         key = pairs[i] // t_count
         j = pairs[i] % t_count
-        if i + _AHEAD_PAIRS < pairs.shape[0]:
-            prefetch_row(entry_pair, occ_entry[(base + i + _AHEAD_PAIRS) & mask])
+        # the entries (with their homes) far ahead, then the blocks of those nearer
+        if i + _AHEAD_PAIRS < n:
+            prefetch_entry(entry, pool, occ_entry[(base + i + _AHEAD_PAIRS) & mask], 2)
+        if t_count > HOME_RECORDS and i + _AHEAD_PAIRS // 2 < n:
+            prefetch_block(entry, pool, occ_entry[(base + i + _AHEAD_PAIRS // 2) & mask])
         if key != last_key:
             last_key = key
             e = occ_entry[(base + i) & mask]
-            holder = lowest_holder(entry_pair, e)
+            r = entry[e, ENTRY_BLOCK]
+            holder = lowest_holder(pool, entry, e)
             groups[n_groups, GROUP_START] = i
             groups[n_groups, GROUP_ENTRY] = e
-            groups[n_groups, GROUP_SRC] = holder
+            groups[n_groups, GROUP_SRC] = pool[holder, REC_TRAINER] if holder >= 0 else -1
             if holder >= 0:
-                groups[n_groups, GROUP_SRC_SLOT] = entry_pair[e, holder, PAIR_SLOT]
+                groups[n_groups, GROUP_SRC_SLOT] = pool[holder, REC_SLOT]
             n_groups += 1
+        while pool[r, REC_TRAINER] < j:  # every pair read and not planned has a record
+            r += 1
+        pair_rec[i] = r
         stats[j, STAT_USES] += 1
-        s = entry_pair[e, j, PAIR_SLOT]
+        s = pool[r, REC_SLOT]
         if s >= 0:
             pair_slot[i] = s
             slot[j, s, SLOT_STAMP] = x
             stats[j, STAT_HITS] += 1
         else:
             need[j] += 1
-    groups[n_groups, GROUP_START] = pairs.shape[0]
+    groups[n_groups, GROUP_START] = n
     return n_groups
 
 
@@ -167,7 +193,7 @@ def _classify(
 def _flush_candidates(st: BagpipeState, flush: bool, flush_after: int) -> np.ndarray:
     """Rows [entry, trainer, key, slot]: residencies at the end of x-1 used after
     `flush_after`, with their lowest-index copy as writer."""
-    slot, entry, entry_pair = st.slot, st.entry, st.entry_pair
+    slot, entry, pool = st.slot, st.entry, st.pool
     t_count, capacity = slot.shape[0], slot.shape[1]
     if not flush:
         return np.empty((0, 4), np.int64)
@@ -179,7 +205,7 @@ def _flush_candidates(st: BagpipeState, flush: bool, flush_after: int) -> np.nda
             if (
                 e < 0
                 or entry[e, ENTRY_LAST_USE] <= flush_after
-                or lowest_holder(entry_pair, e) != j
+                or pool[lowest_holder(pool, entry, e), REC_TRAINER] != j
             ):
                 continue
             out[n, FLUSH_ENTRY] = e
@@ -195,20 +221,20 @@ def _evict_for(
     st: BagpipeState, ev: Events, x: int, horizon: int, need: np.ndarray, ended: np.ndarray
 ) -> None:
     """Rule 4: each trainer evicts until its `need` new copies at x fit."""
-    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
     heaps, info, leave_prev, counts = st.victims, st.victims_info, ev.leave_prev, ev.counts
     for j in range(need.shape[0]):
         for _ in range(need[j] - heap_size[j]):
             top_victim(slot, heaps, info, j, x, horizon)  # builds the heap on the first call
             s = pop_victim(heaps, info, j)
-            _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
+            _evict(entry, pool, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
 
 
 @inlined
 def _evict(
     entry: np.ndarray,
-    entry_pair: np.ndarray,
+    pool: np.ndarray,
     slot: np.ndarray,
     heap: np.ndarray,
     heap_size: np.ndarray,
@@ -223,7 +249,7 @@ def _evict(
     for x, and its residency may end (`ended`: VIC_COUNT, then the entries)."""
     e = slot[j, s, SLOT_ENTRY]
     emit(leave_prev, counts, N_LEAVE_PREV, j, slot[j, s, SLOT_KEY], s)
-    remove_copy(entry, entry_pair, slot, heap, heap_size, e, j, s)
+    remove_copy(entry, pool, slot, heap, heap_size, e, record_of(pool, entry, e, j), j, s)
     if entry[e, ENTRY_VIC + LEFT_ITERATION] != x:
         ended[ended[VIC_COUNT] + 1] = e
         ended[VIC_COUNT] += 1
@@ -234,10 +260,15 @@ def _evict(
 
 @kernel
 def _assign_new(
-    st: BagpipeState, ev: Events, x: int, pairs: np.ndarray, groups: np.ndarray
+    st: BagpipeState,
+    ev: Events,
+    x: int,
+    pairs: np.ndarray,
+    groups: np.ndarray,
+    pair_rec: np.ndarray,
 ) -> None:
     """Rule 5 for the mandatory new copies (fetches and joins), in key order."""
-    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
     pair_slot, fetch, join_src, join_dst = ev.pair_slot, ev.fetch, ev.join_src, ev.join_dst
     counts, stats = ev.counts, ev.stats
@@ -259,7 +290,7 @@ def _assign_new(
             if not admitted and not joined:
                 emit(join_src, counts, N_JOIN_SRC, src, key, groups[g, GROUP_SRC_SLOT])
                 joined = True
-            add_copy(entry, entry_pair, slot, e, j, s, x)
+            add_copy(entry, pool, slot, e, pair_rec[i], j, s, x)
             pair_slot[i] = s
             if admitted:
                 emit_fetch(fetch, counts, entry, j, e, s)
@@ -274,8 +305,9 @@ def _prefetch_later(
     st: BagpipeState, ev: Events, x: int, horizon: int, groups: np.ndarray, ended: np.ndarray
 ) -> None:
     """Rule 1: a trainer using an admitted key at u in (x, x+L] fetches it now if it has a
-    free slot or a victim whose next use is strictly later than u."""
-    entry, entry_pair, slot, heap = st.entry, st.entry_pair, st.slot, st.heap
+    free slot or a victim whose next use is strictly later than u. Such a trainer has a
+    record of the key (an unplanned use), so only the key's records are looked at."""
+    entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
     heaps, info, fetch, leave_prev = st.victims, st.victims_info, ev.fetch, ev.leave_prev
     counts = ev.counts
@@ -283,11 +315,13 @@ def _prefetch_later(
         if groups[g, GROUP_SRC] >= 0:
             continue
         e = groups[g, GROUP_ENTRY]
-        for j in range(slot.shape[0]):
+        first = entry[e, ENTRY_BLOCK]
+        for r in range(first, first + entry[e, ENTRY_RECORDS]):
             # heads are not advanced yet: a trainer using the key at x has u == x
-            u = entry_pair[e, j, PAIR_HEAD]
+            u = pool[r, REC_HEAD]
             if u <= x or u > horizon:
                 continue
+            j = pool[r, REC_TRAINER]
             if heap_size[j] == 0:
                 if (
                     top_victim(slot, heaps, info, j, x, horizon) < 0
@@ -295,9 +329,9 @@ def _prefetch_later(
                 ):
                     continue
                 s = pop_victim(heaps, info, j)
-                _evict(entry, entry_pair, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
+                _evict(entry, pool, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
             s = pop_free_slot(heap, heap_size, j)
-            add_copy(entry, entry_pair, slot, e, j, s, x)
+            add_copy(entry, pool, slot, e, r, j, s, x)
             emit_fetch(fetch, counts, entry, j, e, s)
 
 
@@ -343,49 +377,57 @@ def _after_use(
     base: int,
     horizon: int,
     groups: np.ndarray,
+    pair_rec: np.ndarray,
     done: np.ndarray,
 ) -> int:
     """Per key used at x, while its cells are in cache (no key's steps read another key's
     cells): rule 6, G_x; its pairs move to their next occurrences; rule 3, which copies leave
-    after x. Returns how many keys are done (no copies, no unplanned use), listed in `done`."""
-    occ_next_use, entry, entry_pair, slot = st.occ_next_use, st.entry, st.entry_pair, st.slot
+    after x; records left with neither a copy nor an unplanned use are dropped. Returns how
+    many keys are done (no copies, no unplanned use), listed in `done`."""
+    occ_next_use, entry, pool, slot = st.occ_next_use, st.entry, st.pool, st.slot
     heap, heap_size = st.heap, st.heap_size
     pair_slot, group_keys, group_slots = ev.pair_slot, ev.group_keys, ev.group_slots
     leave_now, write_now, counts = ev.leave_now, ev.write_now, ev.counts
     t_count = slot.shape[0]
     mask = st.counters[RING_SIZE] - 1
+    n_groups = groups.shape[0] - 1
     n_done = 0
-    for g in range(groups.shape[0] - 1):
-        if g + _AHEAD_KEYS < groups.shape[0] - 1:
-            prefetch_row(entry, groups[g + _AHEAD_KEYS, GROUP_ENTRY])
-            prefetch_row(entry_pair, groups[g + _AHEAD_KEYS, GROUP_ENTRY])
+    for g in range(n_groups):
+        if g + _AHEAD_KEYS < n_groups:
+            prefetch_entry(entry, pool, groups[g + _AHEAD_KEYS, GROUP_ENTRY], ENTRY_LINES)
+        if t_count > HOME_RECORDS and g + _AHEAD_KEYS // 2 < n_groups:
+            prefetch_block(entry, pool, groups[g + _AHEAD_KEYS // 2, GROUP_ENTRY])
         e = groups[g, GROUP_ENTRY]
         key = entry[e, ENTRY_KEY]
         if entry[e, ENTRY_COPIES] >= 2:
-            _group(group_keys, group_slots, counts, entry, entry_pair, e)
+            _group(group_keys, group_slots, counts, entry, pool, e)
         for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
             j = pairs[i] % t_count
+            r = pair_rec[i]
             nxt = occ_next_use[(base + i) & mask]
-            entry_pair[e, j, PAIR_HEAD] = nxt
+            pool[r, REC_HEAD] = nxt
             if nxt == NEVER:  # this was also the latest occurrence read
-                entry_pair[e, j, PAIR_TAIL] = -1
+                pool[r, REC_TAIL] = -1
             slot[j, pair_slot[i], SLOT_NEXT] = nxt
-        keeper = _keeper(entry_pair, e, horizon)
+        keeper = _keeper(pool, entry, e, horizon)
         first = -1
-        for t in range(t_count):
-            s = entry_pair[e, t, PAIR_SLOT]
-            if s < 0 or t == keeper or entry_pair[e, t, PAIR_HEAD] <= horizon:
+        block = entry[e, ENTRY_BLOCK]
+        for r in range(block, block + entry[e, ENTRY_RECORDS]):
+            s = pool[r, REC_SLOT]
+            t = pool[r, REC_TRAINER]
+            if s < 0 or t == keeper or pool[r, REC_HEAD] <= horizon:
                 continue
             emit(leave_now, counts, N_LEAVE_NOW, t, key, s)
-            remove_copy(entry, entry_pair, slot, heap, heap_size, e, t, s)
+            remove_copy(entry, pool, slot, heap, heap_size, e, r, t, s)
             if first < 0:
                 first = t
                 stamp_left(entry, e, ENTRY_DROP, x, t, s)
         entry[e, ENTRY_LAST_USE] = x
+        left = compact_records(pool, entry, e)
         if entry[e, ENTRY_COPIES] == 0:  # the residency ends: its first leaver writes
             emit(write_now, counts, N_WRITE_NOW, first, key, entry[e, ENTRY_DROP + LEFT_SLOT])
             entry[e, ENTRY_LAST_WB] = x
-            if not _unplanned_use(entry_pair, e):
+            if left == 0:  # no copy, so the records left are unplanned uses: none
                 done[n_done] = e
                 n_done += 1
     return n_done
@@ -397,49 +439,50 @@ def _group(
     group_slots: np.ndarray,
     counts: np.ndarray,
     entry: np.ndarray,
-    entry_pair: np.ndarray,
+    pool: np.ndarray,
     e: int,
 ) -> None:
-    """Add the entry's key to G_x, with every trainer's slot."""
+    """Add the entry's key to G_x, with every trainer's slot: -1 but for its copies (a row
+    of T, as the directives' sync lists give every trainer a position for every key)."""
     n = counts[N_GROUPS]
     group_keys[n] = entry[e, ENTRY_KEY]
     for t in range(group_slots.shape[1]):
-        group_slots[n, t] = entry_pair[e, t, PAIR_SLOT]
+        group_slots[n, t] = -1
+    first = entry[e, ENTRY_BLOCK]
+    for r in range(first, first + entry[e, ENTRY_RECORDS]):
+        if pool[r, REC_SLOT] >= 0:
+            group_slots[n, pool[r, REC_TRAINER]] = pool[r, REC_SLOT]
     counts[N_GROUPS] = n + 1
 
 
 @inlined
-def _keeper(entry_pair: np.ndarray, e: int, horizon: int) -> int:
+def _keeper(pool: np.ndarray, entry: np.ndarray, e: int, horizon: int) -> int:
     """Rule 3's keeper after the use: if no copy has a use by its own trainer in the window
-    but some trainer uses the key there, the lowest-index copy's trainer; else -1."""
+    but some trainer uses the key there, the lowest-index copy's trainer; else -1. A
+    trainer without a record has neither a copy nor a use."""
     holder = -1
     used_later = False
-    for t in range(entry_pair.shape[1]):
-        in_window = entry_pair[e, t, PAIR_HEAD] <= horizon
-        if entry_pair[e, t, PAIR_SLOT] >= 0:
+    first = entry[e, ENTRY_BLOCK]
+    for r in range(first, first + entry[e, ENTRY_RECORDS]):
+        in_window = pool[r, REC_HEAD] <= horizon
+        if pool[r, REC_SLOT] >= 0:
             if in_window:
                 return -1
             if holder < 0:
-                holder = t
+                holder = pool[r, REC_TRAINER]
         used_later |= in_window
     return holder if used_later else -1
-
-
-@inlined
-def _unplanned_use(entry_pair: np.ndarray, e: int) -> bool:
-    for t in range(entry_pair.shape[1]):
-        if entry_pair[e, t, PAIR_TAIL] >= 0:
-            return True
-    return False
 
 
 @kernel
 def _free_entries(st: BagpipeState, done: np.ndarray, n: int) -> None:
     """Keys without copies or unplanned occurrences: their index cells keep only the version
-    of their last write-back."""
-    cells, entry, freed, counters = st.index.cells, st.entry, st.entry_free, st.counters
+    of their last write-back; their entries and blocks are free."""
+    cells, entry, entry_free, counters = st.index.cells, st.entry, st.entry_free, st.counters
+    pool, pool_free = st.pool, st.pool_free
     for i in range(n):
         e = done[i]
         cells[map_find(cells, entry[e, ENTRY_KEY]), CELL_VALUE] = -2 - entry[e, ENTRY_LAST_WB]
-        freed[counters[FREED_ENTRIES]] = e
-        counters[FREED_ENTRIES] += 1
+        if entry[e, ENTRY_CLASS] != HOME_CLASS:
+            give_block(pool, pool_free, counters, entry[e, ENTRY_BLOCK], entry[e, ENTRY_CLASS])
+        give_entry(entry, entry_free, counters, e)

@@ -1,11 +1,13 @@
 """The planner's state and the event buffers of one planned iteration: all arrays
 (`BagpipeState`, `Events`), their columns named in `layout`, made and grown here.
 
-Everything is sized by the caches (T x C) or by the keys in the window, and the index also
-by the keys whose last write-back may still be in flight: when it must grow, it forgets the
-versions that every fetch from then on would ask for as -1 (`intmap.reserve_index`). The
-Python side (oracle/bagpipe.py) grows the index, the entries and the ring before a batch
-that needs more (`reserve_entries`, `grow_ring`).
+Everything is sized by the caches (T x C) or by the keys and pairs in the window, and the
+index also by the keys whose last write-back may still be in flight: when it must grow, it
+forgets the versions that every fetch from then on would ask for as -1
+(`intmap.reserve_index`). Nothing is sized by T per key: a key's trainers are its records
+(`records`). The Python side (oracle/bagpipe.py) grows the index and the ring before a
+batch that needs more (`reserve_keys`, `grow_ring`), and the store of entries and records
+when reading a batch runs out of it (`grow_store`).
 """
 
 from __future__ import annotations
@@ -16,20 +18,22 @@ import numpy as np
 
 from oracle.kernels.intmap import IntMap, new_map, reserve_index
 from oracle.kernels.layout import (
-    FREED_ENTRIES,
+    ENTRY_ROWS,
     NEVER,
+    NUM_CLASSES,
+    NUM_COUNTERS,
     NUM_COUNTS,
     NUM_ENTRY,
-    NUM_PAIR,
+    NUM_REC,
     NUM_SLOT,
     NUM_STATS,
     NUM_VICTIM,
+    POOL_USED,
     RING_SIZE,
     SLOT_ENTRY,
     SLOT_KEY,
     SLOT_NEXT,
     SLOT_STAMP,
-    USED_ENTRIES,
 )
 
 
@@ -42,22 +46,25 @@ class BagpipeState(NamedTuple):
     victims: np.ndarray  # int64 [T, C, NUM_VICTIM]: VICTIM_*
     victims_info: np.ndarray  # int64 [T, 2]: VICTIMS_*
     index: IntMap  # key -> entry, or its last write-back (intmap: CELL_VALUE)
-    entry: np.ndarray  # int64 [E, NUM_ENTRY]: ENTRY_*
-    entry_pair: np.ndarray  # int64 [E, T, NUM_PAIR]: PAIR_*
-    entry_free: np.ndarray  # int64 [E] stack of freed entries
-    counters: np.ndarray  # int64 [3]: FREED_ENTRIES, USED_ENTRIES, RING_SIZE
+    pool: np.ndarray  # int64 [R, NUM_REC]: the store's rows: records (REC_*), in homes and blocks
+    entry: np.ndarray  # int64 [R / ENTRY_ROWS, NUM_ENTRY]: the same store as entries (ENTRY_*)
+    entry_free: np.ndarray  # int64 [R / ENTRY_ROWS] stack of freed entries
+    pool_free: np.ndarray  # int64 [NUM_CLASSES]: free blocks of each size class
+    counters: np.ndarray  # int64 [NUM_COUNTERS]: FREED_ENTRIES, RING_SIZE, POOL_USED, POOL_CLASSES
     occ_entry: np.ndarray  # int64 [ring] entry of occurrence id % ring
     occ_next_use: np.ndarray  # int64 [ring] iteration of the pair's next occurrence, NEVER none yet
 
 
 def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> BagpipeState:
-    """Empty caches: every slot free; room for `entries` keys in the window (memory that is
-    only touched as keys come) and `ring` occurrences (a power of two); an index with room
-    for the keys of full caches."""
+    """Empty caches: every slot free; a store with room for `entries` keys in the window with
+    their records at home (memory that is only touched as keys come) and `ring` occurrences
+    (a power of two); an index with room for the keys of full caches."""
     t, c = num_trainers, capacity
-    slot = np.empty((t, c, NUM_SLOT), np.int64)
+    slot = aligned_empty((t, c, NUM_SLOT))
     slot[:, :, SLOT_KEY] = slot[:, :, SLOT_ENTRY] = slot[:, :, SLOT_STAMP] = -1
     slot[:, :, SLOT_NEXT] = NEVER
+    counters = np.zeros(NUM_COUNTERS, np.int64)
+    counters[RING_SIZE] = ring
     return BagpipeState(
         slot=slot,
         heap=np.tile(np.arange(c, dtype=np.int32), (t, 1)),
@@ -65,12 +72,36 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Bagp
         victims=np.zeros((t, c, NUM_VICTIM), np.int64),
         victims_info=np.full((t, 2), -1, np.int64),
         index=new_map(pow2(2 * t * c)),
-        **_entry_arrays(entries, t),
-        entry_free=np.empty(entries, np.int64),
-        counters=np.array([0, 0, ring], np.int64),
+        **_store(aligned_empty((ENTRY_ROWS * max(entries, 1) * NUM_REC,))),  # filled as handed out
+        entry_free=np.empty(max(entries, 1), np.int64),
+        pool_free=np.full(NUM_CLASSES, -1, np.int64),
+        counters=counters,
         occ_entry=np.empty(ring, np.int64),  # ingest writes an occurrence before any read
         occ_next_use=np.empty(ring, np.int64),
     )
+
+
+def _store(cells: np.ndarray) -> dict[str, np.ndarray]:
+    """The store's two views: rows of records, and entries of ENTRY_ROWS rows."""
+    rows = cells.size // NUM_REC
+    entries = rows // ENTRY_ROWS
+    return {
+        "pool": cells.reshape(rows, NUM_REC),
+        "entry": cells[: entries * NUM_ENTRY].reshape(entries, NUM_ENTRY),
+    }
+
+
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised int64 array whose first cell starts a cache line, so that rows of a
+    whole number of lines (entries) or of half a line (records, slots) never straddle one:
+    numpy promises 16 bytes."""
+    size = int(np.prod(shape))
+    raw = np.empty(size + _LINE // 8, np.int64)
+    skip = (-raw.ctypes.data % _LINE) // 8
+    return raw[skip : skip + size].reshape(shape)
+
+
+_LINE = 64  # bytes
 
 
 def pow2(n: int) -> int:
@@ -78,28 +109,21 @@ def pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-def _entry_arrays(n: int, t: int) -> dict[str, np.ndarray]:
-    # uninitialised: ingest fills an entry's cells when it hands the entry out
-    return {
-        "entry": np.empty((n, NUM_ENTRY), np.int64),
-        "entry_pair": np.empty((n, t, NUM_PAIR), np.int64),
-    }
+def reserve_keys(state: BagpipeState, more: int, forget_through: int) -> BagpipeState:
+    """The same state with an index at most half full with `more` new keys
+    (`reserve_index`); their entries come from the store (`grow_store`)."""
+    return state._replace(index=reserve_index(state.index, more, forget_through))
 
 
-def reserve_entries(state: BagpipeState, more: int, forget_through: int) -> BagpipeState:
-    """The same state with room for `more` new keys: free entries, and an index at most half
-    full with them (`reserve_index`)."""
-    freed, used = int(state.counters[FREED_ENTRIES]), int(state.counters[USED_ENTRIES])
-    state = state._replace(index=reserve_index(state.index, more, forget_through))
-    old = state.entry.shape[0]
-    if freed + old - used >= more:
-        return state
-    n = max(2 * old, used + more)
-    grown = _entry_arrays(n, state.entry_pair.shape[1])
-    for name, array in grown.items():
-        array[:used] = getattr(state, name)[:used]
-    stack = np.empty(n, np.int64)
-    stack[:freed] = state.entry_free[:freed]
+def grow_store(state: BagpipeState) -> BagpipeState:
+    """The same state with twice the store's rows (those handed out kept in place, so that
+    entry numbers and pool rows stay valid)."""
+    used = int(state.counters[POOL_USED])
+    cells = aligned_empty((2 * state.pool.size,))
+    cells[: used * NUM_REC] = state.pool.reshape(-1)[: used * NUM_REC]
+    grown = _store(cells)
+    stack = np.empty(grown["entry"].shape[0], np.int64)
+    stack[: state.entry_free.size] = state.entry_free
     return state._replace(**grown, entry_free=stack)
 
 
@@ -140,17 +164,21 @@ class Events(NamedTuple):
     counts: np.ndarray  # int64 [NUM_COUNTS]: N_*
 
 
-def new_events(num_pairs: int, num_keys: int, num_trainers: int, flush_rows: int) -> Events:
-    """Buffers large enough for any iteration with these many pairs and keys."""
+def new_events(
+    num_pairs: int, num_keys: int, num_trainers: int, capacity: int, flush_rows: int
+) -> Events:
+    """Buffers large enough for any iteration with these many pairs and keys (untouched
+    memory beyond what the iteration fills): a copy not used at x is one of the T x C."""
     t = num_trainers
-    fetches = num_pairs + num_keys * t
+    copies = min(num_keys * t, t * capacity)
+    fetches = num_pairs + copies
     return Events(
         pair_slot=np.full(num_pairs, -1, np.int32),
         fetch=np.empty((fetches, 4), np.int64),
         join_dst=np.empty((num_pairs, 3), np.int64),
         join_src=np.empty((num_keys, 3), np.int64),
         leave_prev=np.empty((fetches, 3), np.int64),
-        leave_now=np.empty((num_keys * t, 3), np.int64),
+        leave_now=np.empty((copies, 3), np.int64),
         write_prev=np.empty((fetches, 3), np.int64),
         write_now=np.empty((num_keys, 3), np.int64),
         flush_prev=np.empty((flush_rows, 3), np.int64),

@@ -37,6 +37,8 @@ def test_values_are_read_and_typed() -> None:
     )
     assert spec.cluster.request_timeout_s == 5.0 and spec.cluster.max_body_bytes == 8 << 20
     assert spec.oracle.lookahead == 10 and spec.oracle.prefetch_lead == 0
+    assert spec.oracle.planner_workers == 1
+    assert parse_spec({"oracle": {"planner_workers": 3}}, SRC).oracle.planner_workers == 3
     assert spec.ps.addresses[1] == Endpoint(host="::1", port=7001)
     assert spec.trainers.rendezvous == Endpoint(host="host", port=29500) and not spec.trainers.pin_cpus
     assert spec.sections["model"] == {"name": "dlrm"}
@@ -49,6 +51,8 @@ def test_values_are_read_and_typed() -> None:
         ({"oracle": {"lookahead": -1}}, "oracle.lookahead"),
         ({"oracle": {"mode": "fast"}}, "oracle.mode"),
         ({"oracle": {"cache_rows": "many"}}, "oracle.cache_rows"),
+        ({"oracle": {"planner_workers": 0}}, "oracle.planner_workers"),
+        ({"oracle": {"planner_workers": 1.5}}, "oracle.planner_workers"),
         ({"oracle": {"lookahed": 3}}, "oracle.lookahed"),
         ({"cluster": {"transport": "h3"}}, "cluster.transport"),
         ({"cluster": {"request_timeout_s": 0}}, "cluster.request_timeout_s"),

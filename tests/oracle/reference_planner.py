@@ -18,6 +18,12 @@ f. residency after the use (rule 3): which copies leave after x; residencies tha
 
 Iterations count from 0 here; `directive` numbers them from `cfg.first_iteration` (a run
 resumed from a checkpoint), and checkpoints follow the global number.
+
+Parallel planning (P = `cfg.workers` > 1): one planner per key partition, each planning the
+keys of its partition only (`cfg.for_partition`: its share of C) exactly as above, and
+their directives merged per iteration and trainer (`merged_directive`): every list is the
+union of the partitions' lists, each partition's slots moved into its share of the cache,
+in the canonical order.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from common.directive import Directive
 from common.errors import ConfigError
 from oracle.config import PlannerConfig, check_batch_size, infeasible_capacity
+from oracle.kernels.batch import key_partitions
 
 NEVER = 1 << 62
 
@@ -59,7 +66,7 @@ class ReferencePlanner:
         self.N = len(self.batches)
         self.per = check_batch_size(config, self.batches[0].shape[0]) if self.batches else 1
         self.uses: list[list[set[int]]] = [
-            [set(int(k) for k in np.unique(b[j * self.per : (j + 1) * self.per])) for j in range(self.T)]
+            [set(int(k) for k in self.planned(np.unique(b[j * self.per : (j + 1) * self.per]))) for j in range(self.T)]
             for b in self.batches
         ]
         self.acc = [[_Acc() for _ in range(self.T)] for _ in range(self.N)]
@@ -81,6 +88,13 @@ class ReferencePlanner:
         return [[self.directive(x, j) for j in range(self.T)] for x in range(self.N)]
 
     # ----------------------------------------------------------------- helpers
+    def planned(self, keys: np.ndarray) -> np.ndarray:
+        """The keys this planner plans: all, or those of its key partition."""
+        part = self.cfg.partition
+        if part is None:
+            return keys
+        return keys[key_partitions(np.asarray(keys, dtype=np.int64).reshape(-1), part.count) == part.index]
+
     def next_use(self, key: int, trainer: int, x: int) -> int:
         """First y in (x, x+L] (within the stream) where `trainer` uses `key`, else NEVER."""
         for y in range(x + 1, min(x + self.L, self.N - 1) + 1):
@@ -230,9 +244,11 @@ class ReferencePlanner:
         }
 
     def record_inputs(self, x: int) -> None:
+        """Each input's slot; -1 for another partition's key."""
         for j in range(self.T):
             part = self.batches[x][j * self.per : (j + 1) * self.per]
-            slots = [[self.copies[int(k)][j] for k in row] for row in part]
+            alone = self.cfg.partition is None  # plans every key: each has a copy
+            slots = [[self.copies[int(k)][j] if alone or int(k) in self.copies else -1 for k in row] for row in part]
             self.acc[x][j].input_slots = np.array(slots, dtype=np.int32).reshape(part.shape)
 
     # ----------------------------------------------------------------- static cache (§8)
@@ -323,4 +339,57 @@ class ReferencePlanner:
 
 def reference_plan(config: PlannerConfig, batches: list[np.ndarray]) -> list[list[Directive]]:
     """Directives of the whole stream, per iteration and trainer, by the specification."""
-    return ReferencePlanner(config, batches).plan()
+    if config.workers == 1:
+        return ReferencePlanner(config, batches).plan()
+    planners = [ReferencePlanner(config.for_partition(p), batches) for p in range(config.workers)]
+    for planner in planners:
+        planner.plan()
+    n, t = len(batches), config.num_trainers
+    return [[merged_directive(planners, x, j) for j in range(t)] for x in range(n)]
+
+
+def merged_directive(planners: list[ReferencePlanner], x: int, j: int) -> Directive:
+    """Trainer j's directive of iteration x from the planners of every key partition."""
+    first = planners[0].cfg.first_iteration
+    offsets = [p.cfg.partition.offset if p.cfg.partition else 0 for p in planners]
+
+    def moved(slot: int, off: int) -> int:
+        return slot + off if slot >= 0 else slot
+
+    inputs = np.full(planners[0].acc[x][j].input_slots.shape, -1, np.int32)
+    for p, off in zip(planners, offsets):
+        own = p.acc[x][j].input_slots
+        inputs = np.where(own >= 0, own + off, inputs).astype(np.int32)
+    pairs = list(zip(planners, offsets))
+    prefetch = sorted((t, k, moved(s, off), v) for p, off in pairs for t, k, s, v in p.acc[x][j].prefetch)
+    join_keys = sorted({k for p in planners for i in range(p.T) for k in p.acc[x][i].join_recv})
+    send = {k: moved(s, off) for p, off in pairs for k, s in p.acc[x][j].join_send.items()}
+    recv = {k: moved(s, off) for p, off in pairs for k, s in p.acc[x][j].join_recv.items()}
+    groups = sorted((k, moved(slots[j], off)) for p, off in pairs for k, slots in p.groups[x])
+    nxt = set().union(*(p.used_next(x) for p in planners))
+    now = [(k, s) for k, s in groups if k in nxt]
+    later = [(k, s) for k, s in groups if k not in nxt]
+    leave = sorted((k, moved(s, off)) for p, off in pairs for k, s in p.acc[x][j].leave)
+    write = sorted((k, moved(s, off), f) for p, off in pairs for k, s, f in p.acc[x][j].write)
+    i32, i64 = np.int32, np.int64
+    return Directive(
+        iteration=first + x,
+        trainer=j,
+        input_slots=inputs,
+        prefetch_keys=np.array([p[1] for p in prefetch], dtype=i64),
+        prefetch_slots=np.array([p[2] for p in prefetch], dtype=i32),
+        prefetch_min_versions=np.array([v + first if v >= 0 else v for _, _, _, v in prefetch], dtype=i64),
+        prefetch_targets=np.array([first + p[0] for p in prefetch], dtype=i32),
+        join_keys=np.array(join_keys, dtype=i64),
+        join_send_slots=np.array([send.get(k, -1) for k in join_keys], dtype=i32),
+        join_recv_slots=np.array([recv.get(k, -1) for k in join_keys], dtype=i32),
+        sync_now_keys=np.array([k for k, _ in now], dtype=i64),
+        sync_now_slots=np.array([s for _, s in now], dtype=i32),
+        sync_later_keys=np.array([k for k, _ in later], dtype=i64),
+        sync_later_slots=np.array([s for _, s in later], dtype=i32),
+        leave_slots=np.array([s for _, s in leave], dtype=i32),
+        write_keys=np.array([k for k, _, _ in write], dtype=i64),
+        write_slots=np.array([s for _, s, _ in write], dtype=i32),
+        write_flush=np.array([f for _, _, f in write], dtype=np.uint8),
+        checkpoint=planners[0].cfg.is_checkpoint(first + x),
+    )

@@ -115,7 +115,7 @@ def test_an_edit_to_one_kernel_file_recompiles_the_kernels_of_the_others(tmp_pat
 
         cached = is_cached(ingest)
         state = new_state(2, 4, 16, 8)
-        ingest(state, 0, np.array([0, 3]), 0, 2)  # keys 0 and 1, one pair each, read once
+        ingest(state, 0, np.array([0, 3]), np.array([0, 1]), 0, 2, 0)  # keys 0 and 1, one pair each
         compiled = sum(ingest.stats.cache_misses.values())
         print(cached, compiled, state.occ_next_use[0], plain())
     """

@@ -33,6 +33,10 @@ def config(**kw: object) -> PlannerConfig:
         ({"mode": "local"}, "data.table_sizes"),
         ({"hot_keys": np.array([3, 1])}, "oracle.mode"),
         ({"mode": "static-cache", "hot_keys": np.arange(9)}, "oracle.cache_rows"),
+        ({"workers": 0}, "oracle.planner_workers"),
+        ({"workers": 1 << 9}, "oracle.planner_workers"),
+        ({"workers": 2, "mode": "no-cache"}, "oracle.planner_workers"),
+        ({"workers": 9}, "oracle.cache_rows"),
     ],
 )
 def test_config_errors_name_the_spec_field(kw: dict[str, object], field: str) -> None:

@@ -1,5 +1,7 @@
 """Property tests over generated workloads: production == reference byte for byte, and every
 directive stream passes the value-level simulator (docs/design.md#invariants, #verification).
+Parallel planning (P = 2, 3 workers, bagpipe; docs/design.md#parallel-planning) against the
+reference planner run per key partition and merged.
 
 Three budgets: the fast tier's cases are derandomized and few; the `slow` ones (in the
 README's test command, which CI runs) add randomized cases on the scale the fast tier once
@@ -25,11 +27,16 @@ FAST = settings(
 
 @st.composite
 def workloads(
-    draw: st.DrawFn, modes: tuple[str, ...] = MODES, max_trainers: int = 8, checkpointed: bool = False
+    draw: st.DrawFn,
+    modes: tuple[str, ...] = MODES,
+    max_trainers: int = 8,
+    checkpointed: bool = False,
+    parallel: bool = False,
 ) -> Workload:
     """Random workloads; `checkpointed` ones take a checkpoint every 1 to 10 iterations over
-    one to four epochs of their stream, where shared keys come and go across checkpoints."""
-    mode = draw(st.sampled_from(modes))
+    one to four epochs of their stream, where shared keys come and go across checkpoints;
+    `parallel` ones plan bagpipe with 2 or 3 workers."""
+    mode = "bagpipe" if parallel else draw(st.sampled_from(modes))
     return Workload(
         trainers=draw(st.integers(2 if checkpointed else 1, max_trainers)),
         per_trainer=draw(st.integers(1, 3)),
@@ -46,6 +53,7 @@ def workloads(
         seed=draw(st.integers(0, 2**31)),
         write_lag=draw(st.integers(1, 6)),
         epochs=draw(st.integers(1, 4)) if checkpointed else 1,
+        workers=draw(st.integers(2, 3)) if parallel else 1,
     )
 
 
@@ -93,6 +101,26 @@ def test_baselines_with_checkpoints_pass_simulation(w: Workload) -> None:
 @given(workloads(max_trainers=6, checkpointed=True))
 def test_production_matches_reference_with_checkpoints(w: Workload) -> None:
     check_equivalence(w)
+
+
+@settings(FAST, max_examples=150)
+@given(workloads(parallel=True, checkpointed=True))
+def test_parallel_planning_passes_simulation(w: Workload) -> None:
+    check_simulation(w)
+
+
+@settings(FAST, max_examples=150)
+@given(workloads(parallel=True, checkpointed=True))
+def test_parallel_planning_matches_the_reference_per_partition(w: Workload) -> None:
+    check_equivalence(w)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=500, derandomize=False)
+@given(workloads(parallel=True, checkpointed=True))
+def test_parallel_planning_more(w: Workload) -> None:
+    check_equivalence(w)
+    check_simulation(w)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from common.steps import EndOfStream, TrainBatch, kind_of
 from common.transport import H2Client, H2Server, read_messages
 from oracle.planner import Planner, PlannerConfig
 from oracle.service import OracleService, Workload
+from tests.oracle.simulator import plan_incrementally, wire
 from tests.prometheus_text import Scrape, parse
 from trainer.io_thread import IoThread
 from trainer.remote import DirectiveStream
@@ -164,6 +166,25 @@ async def test_each_trainer_streams_the_planners_directives_and_its_rows() -> No
     assert service.progress.iterations == N
 
 
+async def test_planner_workers_stream_the_merged_plan_and_the_same_rows() -> None:
+    # P = 2 worker processes behind the service: each trainer's stream carries the plan of
+    # the two key partitions merged (what the in-process pool and the reference make), the
+    # same labels and dense rows, and every step, though the directives come a batch later
+    parallel = dataclasses.replace(config(capacity=32), workers=2)
+    expected = wire(plan_incrementally(parallel, [keys for keys, _, _ in workload().key_batches()]))
+    service = OracleService(parallel, workload(), max_ahead=4)
+    async with serving(service) as client:
+        streams = await asyncio.gather(*(read(client, j, 0) for j in range(T)))
+    for j, got in enumerate(streams):
+        assert got.iterations == list(range(N)) and got.end == N
+        assert [d.to_wire() for d in got.directives] == [ds[j] for ds in expected]
+        per = BATCH // T
+        for i, batch in enumerate(DATASET.train_batches(BATCH)):
+            assert np.array_equal(got.labels[i], batch.labels[j * per : (j + 1) * per])
+    cpu = service.cpu_by_phase()
+    assert cpu["plan_workers"] > 0 and cpu["plan"] > 0  # the workers', then this process's merge
+
+
 async def test_two_services_send_identical_bytes() -> None:
     raw = []
     for _ in range(2):
@@ -219,6 +240,10 @@ async def test_metrics_show_the_planner_held_back_by_the_slowest_trainer() -> No
     assert done.by_label("bagpipe_streams_open", "trainer") == {"0": 0, "1": 0}
     assert done.by_label("bagpipe_steps_sent_total", "trainer") == {"0": N, "1": N}
     assert done.value("bagpipe_planner_waiting") == 0
+    cpu = done.by_label("bagpipe_oracle_cpu_seconds_total", "phase")
+    assert set(cpu) == {"read", "plan", "plan_workers", "encode", "serve"}
+    assert cpu["plan_workers"] == 0  # P = 1: the planner is this process's
+    assert all(cpu[phase] > 0 for phase in ("read", "plan", "encode", "serve"))
 
 
 # --------------------------------------------------------------------------- resuming
