@@ -121,8 +121,16 @@ def _plain(value: object) -> object:
 
 
 def config_of(args: argparse.Namespace, **settings: Any) -> dict[str, Any]:
-    """A run's `config`: its arguments, then the settings they led to."""
-    return {**{k: v for k, v in vars(args).items() if k != "json"}, **settings}
+    """A run's `config`: its arguments, then the settings they led to. A path inside the
+    repository is kept relative to it: results are committed, and must not name the folder
+    of the checkout that measured them."""
+    return {**{k: _portable(v) for k, v in vars(args).items() if k != "json"}, **settings}
+
+
+def _portable(value: Any) -> Any:
+    if isinstance(value, Path) and value.is_absolute() and value.is_relative_to(ROOT):
+        return str(value.relative_to(ROOT))
+    return value
 
 
 def command(bench: str, argv: Sequence[str]) -> str:
