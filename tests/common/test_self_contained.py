@@ -5,7 +5,7 @@ demo's spec finds them.
 A reference reaches outside when a relative path climbs above the repository root (from the
 file's folder and from the root, where commands run), when a path built from ``__file__``
 in Python does (``Path(__file__).resolve().parents[3] / ".."``), or when a file names the
-folder the checkout sits in (a sibling folder such as ``shared/`` beside a clone).
+folder the checkout sits in (a sibling folder such as ``data/`` beside a clone).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from common.job import build_job
 from common.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-# A relative path of one or more `..` steps, in any text: `../x`, `../../shared/data`.
+# A relative path of one or more `..` steps, in any text: `../x`, `../../elsewhere/data`.
 CLIMB = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]*)")
 
 
@@ -103,7 +103,7 @@ def sibling(name: str) -> bool:
 def references_outside(name: str, text: str) -> list[str]:
     """Every way `text` (the tracked file `name`) refers to a path outside the repository."""
     found = list(climbing_paths(name, text))
-    # A sibling of the checkout by its absolute name (`<parent>/shared/...`). Only siblings that
+    # A sibling of the checkout by its absolute name (`<parent>/data/...`). Only siblings that
     # exist count: a made-up path in a test (`/tmp/specs/x.toml`) is not one, even in a
     # checkout that happens to sit in /tmp.
     if ROOT.parent != Path("/"):
@@ -143,11 +143,11 @@ def test_the_demo_reads_the_shipped_criteo_sample() -> None:
 
 
 @pytest.mark.parametrize(("name", "text"), [
-    ("README.md", "python -m common.data stats --path ../shared/data/x.tsv"),
-    ("examples/a.toml", 'path = "../../shared/data/x.tsv"'),
-    ("tests/x/conftest.py", 'D = Path(__file__).resolve().parents[2] / ".." / "shared"'),
-    ("tests/x/conftest.py", 'D = Path(__file__).resolve().parents[3] / "shared"'),
-    ("bench/x.py", 'D = Path(__file__).resolve().parent.parent.parent / "shared"'),
+    ("README.md", "python -m common.data stats --path ../elsewhere/data/x.tsv"),
+    ("examples/a.toml", 'path = "../../elsewhere/data/x.tsv"'),
+    ("tests/x/conftest.py", 'D = Path(__file__).resolve().parents[2] / ".." / "elsewhere"'),
+    ("tests/x/conftest.py", 'D = Path(__file__).resolve().parents[3] / "elsewhere"'),
+    ("bench/x.py", 'D = Path(__file__).resolve().parent.parent.parent / "elsewhere"'),
     ("bench/x.py", 'D = Path(__file__).parents[0] / "../../x"'),
 ])
 def test_references_outside_are_found(name: str, text: str) -> None:
