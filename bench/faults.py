@@ -11,6 +11,7 @@ host's link slowed. Used by `bench/cluster.py --fault` and the link tests.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,22 +89,19 @@ class FaultInjector:
         for fault in [f for f in self.pending if done >= f.after]:
             self.pending.remove(fault)
             self._fire(fault, now)
-        for host, until in list(self._down.items()):
-            if now >= until:
-                self.net[host].set_link(up=True)
-                del self._down[host]
+        self._bring_up(due=now)
 
     def heal(self) -> None:
-        for host in list(self._down):
-            self.net[host].set_link(up=True)
-            del self._down[host]
+        self._bring_up(due=math.inf)
         while self._blocked:
             source, target = self._blocked.pop()
             self.net[source].unblock(self.net[target])
 
-    @property
-    def links_down(self) -> bool:
-        return bool(self._down)
+    def _bring_up(self, *, due: float) -> None:
+        """Bring back every link whose outage ends by `due`."""
+        for host in [h for h, until in self._down.items() if until <= due]:
+            self.net[host].set_link(up=True)
+            del self._down[host]
 
     def _fire(self, fault: Fault, now: float) -> None:
         if isinstance(fault, LinkDown):

@@ -19,6 +19,7 @@ import argparse
 import ast
 import math
 import re
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -150,7 +151,8 @@ def headline(results: Mapping[str, Mapping[str, Any]]) -> str:
             continue
         ratio = None
         if torchrec and here.get("rounds_samples_per_s") and mode != "torchrec":
-            ratio = _median([a / b for a, b in zip(here["rounds_samples_per_s"], torchrec)])
+            # the lower of the middle two of an even count, as bench/e2e.py reports its rounds
+            ratio = statistics.median_low([a / b for a, b in zip(here["rounds_samples_per_s"], torchrec)])
         hit = here.get("hit_rate", there.get("hit_rate"))
         rows.append((mode, here.get("median_samples_per_s"), ratio, there.get("samples_per_s"),
                      None if hit is None or mode in ("torchrec", "local") else 100 * hit))
@@ -164,11 +166,6 @@ def headline(results: Mapping[str, Mapping[str, Any]]) -> str:
             lines.append(f"{what}: `{results[name]['command']}`. {measured_at(results[name])}")
             lines.append("")
     return "\n".join(lines)
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]  # the lower of the middle two, as bench/e2e.py reports
 
 
 def with_headline(readme: str, results: Mapping[str, Mapping[str, Any]]) -> str:

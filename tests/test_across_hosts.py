@@ -24,7 +24,7 @@ from common.spec import load_spec
 from launcher.inprocess import run_in_process
 from tests.bench.test_topology import needs_namespaces
 from tests.cluster_helpers import differing_elements, final_model, write_spec
-from trainer.records import IterationRecord, read_records, trainer_log_path
+from trainer.records import IterationRecord, RunTail, read_records, trainer_log_path
 
 pytestmark = [pytest.mark.slow, needs_namespaces]
 DATA = {"format": "synthetic", "rows": 9000, "table_sizes": [50, 200, 1000, 5000], "num_dense": 4,
@@ -64,9 +64,12 @@ def run_with_faults(tmp_path: Path, spec: Path, faults: Sequence[Fault], *, unti
         faults_in = FaultInjector(net, faults)
         deadline = time.monotonic() + until_s
         trainers = [r for r in roles if r.name.startswith("trainer-")]
+        tail, done = RunTail(run_dir, len(trainers)), [0] * len(trainers)  # new records only, each poll
         while time.monotonic() < deadline and not all(r.process.poll() is not None for r in trainers):
-            faults_in.poll(min(len(iteration_times(run_dir, j)) for j in range(len(trainers))))
-            time.sleep(0.05)
+            for j, records in tail.poll().items():
+                done[j] += sum(isinstance(r, IterationRecord) for r in records)
+            faults_in.poll(min(done))
+            time.sleep(0.05)  # a poll interval: what it waits for is in the records and exit codes
         faults_in.heal()
         codes = {r.name: r.process.poll() for r in trainers}
         if all(code == 0 for code in codes.values()):  # the services exit by themselves once trainers have

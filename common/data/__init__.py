@@ -42,13 +42,7 @@ _HOMES = {
     "overall_top_share": "common.data.synthetic",
 }
 
-__all__ = [
-    "CRITEO_KAGGLE_SIZES", "Batch", "DataSpec", "Dataset", "MalformedData", "Manifest",
-    "NpyDaysReader", "ParquetReader", "Preprocessed", "RawChunk", "RawReader", "Reader",
-    "SkewReport", "SyntheticGenerator", "access", "cache_path", "calibrate_exponents", "convert",
-    "format_table", "open_dataset", "open_preprocessed", "open_reader", "overall_top_share",
-    "parse_data_spec", "plot_coverage", "skew_stats",
-]  # fmt: skip
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> object:

@@ -313,27 +313,9 @@ class ReferencePlanner:
         join_keys = sorted(set().union(*(set(self.acc[x][i].join_recv) for i in range(self.T))))
         leave = sorted(acc.leave)
         write = sorted(acc.write)
-        i32, i64 = np.int32, np.int64
-        return Directive(
-            iteration=first + x,
-            trainer=j,
-            input_slots=np.asarray(acc.input_slots, dtype=i32),
-            prefetch_keys=np.array([p[1] for p in prefetch], dtype=i64),
-            prefetch_slots=np.array([p[2] for p in prefetch], dtype=i32),
-            prefetch_min_versions=np.array([v + first if v >= 0 else v for _, _, _, v in prefetch], dtype=i64),
-            prefetch_targets=np.array([first + p[0] for p in prefetch], dtype=i32),
-            join_keys=np.array(join_keys, dtype=i64),
-            join_send_slots=np.array([acc.join_send.get(k, -1) for k in join_keys], dtype=i32),
-            join_recv_slots=np.array([acc.join_recv.get(k, -1) for k in join_keys], dtype=i32),
-            sync_now_keys=np.array([k for k, _ in now], dtype=i64),
-            sync_now_slots=np.array([s for _, s in now], dtype=i32),
-            sync_later_keys=np.array([k for k, _ in later], dtype=i64),
-            sync_later_slots=np.array([s for _, s in later], dtype=i32),
-            leave_slots=np.array([s for _, s in leave], dtype=i32),
-            write_keys=np.array([k for k, _, _ in write], dtype=i64),
-            write_slots=np.array([s for _, s, _ in write], dtype=i32),
-            write_flush=np.array([f for _, _, f in write], dtype=np.uint8),
-            checkpoint=self.cfg.is_checkpoint(first + x),
+        return lists_to_directive(
+            first, x, j, np.asarray(acc.input_slots, dtype=np.int32), prefetch, join_keys, acc.join_send,
+            acc.join_recv, now, later, leave, write, checkpoint=self.cfg.is_checkpoint(first + x),
         )
 
 
@@ -371,18 +353,30 @@ def merged_directive(planners: list[ReferencePlanner], x: int, j: int) -> Direct
     later = [(k, s) for k, s in groups if k not in nxt]
     leave = sorted((k, moved(s, off)) for p, off in pairs for k, s in p.acc[x][j].leave)
     write = sorted((k, moved(s, off), f) for p, off in pairs for k, s, f in p.acc[x][j].write)
+    return lists_to_directive(first, x, j, inputs, prefetch, join_keys, send, recv, now, later, leave, write,
+                              checkpoint=planners[0].cfg.is_checkpoint(first + x))
+
+
+def lists_to_directive(
+    first: int, x: int, trainer: int, input_slots: np.ndarray, prefetch: list, join_keys: list, join_send: dict,
+    join_recv: dict, now: list, later: list, leave: list, write: list, *, checkpoint: bool,
+) -> Directive:
+    """A directive from the specification's sorted lists: prefetch (target, key, slot,
+    min version), joins by key with each key's send and receive slot (-1: none), sync
+    (key, slot) pairs, leave (key, slot), write (key, slot, flush). Iteration x, prefetch
+    targets and min versions count from this planner's 0; the directive's from `first`."""
     i32, i64 = np.int32, np.int64
     return Directive(
         iteration=first + x,
-        trainer=j,
-        input_slots=inputs,
+        trainer=trainer,
+        input_slots=input_slots,
         prefetch_keys=np.array([p[1] for p in prefetch], dtype=i64),
         prefetch_slots=np.array([p[2] for p in prefetch], dtype=i32),
         prefetch_min_versions=np.array([v + first if v >= 0 else v for _, _, _, v in prefetch], dtype=i64),
         prefetch_targets=np.array([first + p[0] for p in prefetch], dtype=i32),
         join_keys=np.array(join_keys, dtype=i64),
-        join_send_slots=np.array([send.get(k, -1) for k in join_keys], dtype=i32),
-        join_recv_slots=np.array([recv.get(k, -1) for k in join_keys], dtype=i32),
+        join_send_slots=np.array([join_send.get(k, -1) for k in join_keys], dtype=i32),
+        join_recv_slots=np.array([join_recv.get(k, -1) for k in join_keys], dtype=i32),
         sync_now_keys=np.array([k for k, _ in now], dtype=i64),
         sync_now_slots=np.array([s for _, s in now], dtype=i32),
         sync_later_keys=np.array([k for k, _ in later], dtype=i64),
@@ -391,5 +385,5 @@ def merged_directive(planners: list[ReferencePlanner], x: int, j: int) -> Direct
         write_keys=np.array([k for k, _, _ in write], dtype=i64),
         write_slots=np.array([s for _, s, _ in write], dtype=i32),
         write_flush=np.array([f for _, _, f in write], dtype=np.uint8),
-        checkpoint=planners[0].cfg.is_checkpoint(first + x),
+        checkpoint=checkpoint,
     )
