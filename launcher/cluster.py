@@ -5,7 +5,9 @@ in dependency order (PS shards and oracle, then trainers), each told the ports t
 the launcher shows progress from the trainers' records and, when they finish, stops the
 services and reports. If any role dies, or on Ctrl-C, every role is stopped within seconds
 and the message names the role and shows its last log lines. Children get SIGTERM if the
-launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned. A role beside the launcher is
+forked from a zygote that has imported its modules once (`launcher.zygote`): it starts in
+milliseconds and is, to everyone else, the child a cold start would be.
 
 With ``checkpoint.restart``, a dead role is brought back: a PS shard (when checkpoints are
 taken) or the oracle alone, on its old port, while the trainers wait and reconnect
@@ -45,6 +47,7 @@ from common.runtime import pinned_cpus
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, TlsSection, load_spec
 from common.transport import load_tls
 from launcher.memory import RSS_FILE, RssRecorder
+from launcher.zygote import ZYGOTES, RoleProcess, RoleStart
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
 from oracle.startup import check_capacity
@@ -75,7 +78,7 @@ class Restart:
 @dataclass
 class Role:
     name: str
-    process: subprocess.Popen
+    process: RoleProcess
     log_path: Path
     ready_file: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -164,6 +167,9 @@ class LocalCluster:
         if self.resume:
             latest = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
             self.first_iteration = 0 if latest is None else latest + 1
+        # every kind of role imports in its zygote at once, while the first ones start
+        kinds = ["ps"] if ps_shards(spec) and self.ps_host is None else []
+        ZYGOTES.warm([*kinds, "oracle", "trainer"], self._env())
         ps_args = []
         if self.ps_host is not None:
             ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
@@ -263,20 +269,30 @@ class LocalCluster:
         ready_file = self.run_dir / f".{name}.ready" if ready else None
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
-        argv = [*prefix, sys.executable, str(LAUNCH), str(self.job.spec.source), *args, *tls_arguments(self.tls)]
+        launch_args = [str(self.job.spec.source), *args, *tls_arguments(self.tls)]
         if ready_file is not None:
-            argv += ["--ready-file", str(ready_file)]
+            launch_args += ["--ready-file", str(ready_file)]
         if self.resume if resume is None else resume:
-            argv.append("--resume")
-        env = {**os.environ, TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as out:
-            process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-            )
+            launch_args.append("--resume")
+        env = self._env()
+        process: RoleProcess | None = None
+        if not prefix:  # a role beside the launcher: forked warm (launcher.zygote)
+            start = RoleStart(script=str(LAUNCH), argv=launch_args, env=env, cwd=os.getcwd(), log=str(log_path),
+                              name=name, launcher=os.getpid())
+            process = ZYGOTES.start(args[args.index("--role") + 1], start)
+        if process is None:
+            with open(log_path, "ab") as out:
+                process = subprocess.Popen(
+                    [*prefix, sys.executable, str(LAUNCH), *launch_args], stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                )
         role = Role(name, process, log_path, ready_file)
         self.roles.append(role)
         return role
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
 
     def _wait_ready(self, role: Role) -> Endpoint:
         assert role.ready_file is not None

@@ -217,7 +217,7 @@ def assert_all_gone(procs: list[Proc], timeout_s: float = STOP_S) -> None:
 def assert_stopped_by(launcher: subprocess.Popen, procs: list[Proc]) -> None:
     """The launcher stopped and waited for every role before it exited itself (rather than
     leaving them to PR_SET_PDEATHSIG), then nothing of the run is left."""
-    roles = [p for p in procs if p.ppid == launcher.pid]
+    roles = [p for p in procs if p.ppid == launcher.pid and "--role" in p.cmdline]  # not its zygotes
     assert len(roles) == 5, roles  # 2 PS, the oracle, 2 trainers
     assert all(reaped(p) for p in roles), [p.cmdline for p in roles if not reaped(p)]
     assert_all_gone(procs)

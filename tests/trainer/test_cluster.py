@@ -12,6 +12,7 @@ import pytest
 
 from common.job import Job, build_job
 from launcher.inprocess import run_in_process
+from launcher.zygote import COLD_START_ENV
 from tests.cluster_helpers import (
     as_final,
     assert_identical,
@@ -36,7 +37,9 @@ CI_MODES = ("local", "bagpipe")
 
 
 @pytest.mark.parametrize("mode", [m if m in CI_MODES else pytest.param(m, marks=pytest.mark.nightly) for m in MODES])
-def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str) -> None:
+def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode == "local":  # its roles start as fresh interpreters; every other cluster forks them warm
+        monkeypatch.setenv(COLD_START_ENV, "1")
     overrides = {"oracle": {"mode": mode, "cache_rows": CACHE_ROWS[2]}, "trainers": {"count": 2}}
     job, result = run_spec(write_spec(tmp_path, mode, overrides), tmp_path / "run")
     assert_identical(final_model(job, result.run_dir), as_final(reference_for(job)))
