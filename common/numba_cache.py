@@ -17,11 +17,16 @@ from pathlib import Path
 NUMBA_CACHE_ENV = "NUMBA_CACHE_DIR"
 
 
+def cache_root(environ: Mapping[str, str]) -> Path:
+    """The user's bagpipe cache folder: $XDG_CACHE_HOME/bagpipe, else ~/.cache/bagpipe."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bagpipe"
+
+
 def numba_cache_dir(environ: Mapping[str, str]) -> Path:
-    """$NUMBA_CACHE_DIR if set, else $XDG_CACHE_HOME/bagpipe/numba, else ~/.cache/bagpipe/numba."""
+    """$NUMBA_CACHE_DIR if set, else `cache_root`/numba."""
     if environ.get(NUMBA_CACHE_ENV):
         return Path(environ[NUMBA_CACHE_ENV])
-    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bagpipe" / "numba"
+    return cache_root(environ) / "numba"
 
 
 def use_user_cache() -> None:

@@ -19,7 +19,9 @@ preprocessed directory, which trains on the same rows without generating them ag
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from common.data.hashing import mix64
 from common.data.preprocessed import Manifest, Writer
 from common.data.spec import DataSpec
 from common.errors import ConfigError
+from common.numba_cache import cache_root
 
 CHUNK_ROWS = 1 << 16
 GENERATOR_VERSION = 1
@@ -103,7 +106,41 @@ def overall_top_share(sizes: np.ndarray, alphas: np.ndarray, fraction: float = T
 @functools.lru_cache(maxsize=16)
 def calibrate_exponents(sizes: tuple[int, ...], target: float) -> np.ndarray:
     """Per-table exponents whose overall top-1% share is `target` (bisection on the common
-    per-table share). Cached: it takes a fraction of a second."""
+    per-table share). Cached, also on disk (`_calibration_file`): it takes about 0.3
+    CPU-seconds, and every role of every run on the same data would repeat it."""
+    path = _calibration_file(sizes, target)
+    try:
+        alphas = np.load(path, allow_pickle=False)
+        if alphas.shape != (len(sizes),) or alphas.dtype != np.float64:
+            raise ValueError(f"{path} holds {alphas.dtype} {alphas.shape}")
+    except (OSError, ValueError):
+        alphas = _calibrate(sizes, target)
+        _save_whole(path, alphas)
+    alphas.flags.writeable = False
+    return alphas
+
+
+def _calibration_file(sizes: tuple[int, ...], target: float) -> Path:
+    """Where the exponents of (`sizes`, `target`) are kept: named by a hash of them and of
+    this module's source, so that a file is only ever read by the code that wrote it."""
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    key.update(repr((tuple(int(s) for s in sizes), float(target))).encode())
+    return cache_root(os.environ) / "synthetic" / f"exponents-{key.hexdigest()[:32]}.npy"
+
+
+def _save_whole(path: Path, alphas: np.ndarray) -> None:
+    """Best effort (a read-only home computes them again): written aside, then renamed."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        aside = path.with_name(f".{path.name}.{os.getpid()}")
+        with open(aside, "wb") as out:
+            np.save(out, alphas, allow_pickle=False)
+        os.replace(aside, path)
+    except OSError:
+        pass
+
+
+def _calibrate(sizes: tuple[int, ...], target: float) -> np.ndarray:
     n = np.asarray(sizes, dtype=np.float64)
     floor = overall_top_share(n, np.zeros(len(n)))
     if target <= floor:
@@ -116,9 +153,7 @@ def calibrate_exponents(sizes: tuple[int, ...], target: float) -> np.ndarray:
             lo = mid
         else:
             hi = mid
-    alphas = _exponents_for_share(n, (lo + hi) / 2)
-    alphas.flags.writeable = False
-    return alphas
+    return _exponents_for_share(n, (lo + hi) / 2)
 
 
 def _sample_ranks(u: np.ndarray, size: int, alpha: float) -> np.ndarray:

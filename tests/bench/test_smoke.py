@@ -43,6 +43,7 @@ class Smoke:
     out: bool = False
     needs: Callable[[], str | None] | None = None
     slow: bool = True
+    nightly: bool = False  # a variant of a script that CI's tier runs plainly
 
     @property
     def id(self) -> str:
@@ -50,19 +51,22 @@ class Smoke:
 
     def param(self) -> Any:
         marks = [pytest.mark.slow] if self.slow else []
+        marks += [pytest.mark.nightly] if self.nightly else []
         return pytest.param(self, marks=marks, id=self.id)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # gpu_check's own default is cuda
 SMOKES = (
     Smoke("e2e", out=True),
-    Smoke("e2e", ("--shaped", "1gbit", "--no-torchrec"), out=True, needs=_namespaces_unavailable),  # bench/netshape.py
+    # bench/netshape.py; CI's tier shapes links in the cluster and linkrate smokes
+    Smoke("e2e", ("--shaped", "1gbit", "--no-torchrec"), out=True, needs=_namespaces_unavailable, nightly=True),
     Smoke("e2e", ("--torchrec",), out=True, needs=torchrec_unavailable),  # bench/torchrec_baseline.py
     Smoke("cluster", out=True, needs=_namespaces_unavailable),
     Smoke("recovery", out=True),
     Smoke("planner"),
     Smoke("ps_fetch"),
-    Smoke("ps_fetch", ("--tls",)),  # every fetch again over TLS, alternating with plaintext
+    # every fetch again over TLS, alternating with plaintext; CI's tier has the TLS fetch tests
+    Smoke("ps_fetch", ("--tls",), nightly=True),
     Smoke("ps_waiting", slow=False),
     Smoke("abuse"),
     Smoke("sync_sum"),

@@ -116,9 +116,18 @@ def test_parallel_planning_matches_the_reference_per_partition(w: Workload) -> N
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=500, derandomize=False)
+@settings(FAST, max_examples=200, derandomize=False)  # fresh cases each run, beside the 300 fixed ones above
 @given(workloads(parallel=True, checkpointed=True))
 def test_parallel_planning_more(w: Workload) -> None:
+    check_equivalence(w)
+    check_simulation(w)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@settings(FAST, max_examples=3000, derandomize=False)
+@given(workloads(parallel=True, checkpointed=True))
+def test_parallel_planning_many(w: Workload) -> None:
     check_equivalence(w)
     check_simulation(w)
 

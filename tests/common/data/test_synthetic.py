@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,8 @@ from common.data.spec import CRITEO_KAGGLE_SIZES, DataSpec
 from common.errors import ConfigError
 from common.data.dataset import open_dataset
 from common.data.synthetic import (
-    CHUNK_ROWS, SyntheticGenerator, calibrate_exponents, overall_top_share, synthetic_config, write_synthetic,
+    CHUNK_ROWS, SyntheticGenerator, _calibrate, calibrate_exponents, overall_top_share, synthetic_config,
+    write_synthetic,
 )
 
 SMALL = tuple(max(3, n // 100) for n in CRITEO_KAGGLE_SIZES)  # 337k rows in all
@@ -28,6 +31,23 @@ def test_calibration_is_exact_in_expectation() -> None:
     with pytest.raises(ConfigError) as info:
         calibrate_exponents(CRITEO_KAGGLE_SIZES, uniform - 0.01)
     assert info.value.field == "data.top1_share"
+
+
+def test_calibrations_kept_on_disk_are_the_computed_ones_and_a_bad_file_is_computed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    sizes = (50, 200, 1000, 5000)
+    calibrate_exponents.cache_clear()
+    first = calibrate_exponents(sizes, 0.5)
+    [kept] = (tmp_path / "bagpipe" / "synthetic").glob("exponents-*.npy")
+    assert np.load(kept).tobytes() == first.tobytes() == _calibrate(sizes, 0.5).tobytes()
+    for damage in (b"not an array", np.zeros(3).tobytes()):
+        kept.write_bytes(damage)
+        calibrate_exponents.cache_clear()
+        assert calibrate_exponents(sizes, 0.5).tobytes() == first.tobytes()
+    assert np.load(kept).tobytes() == first.tobytes()  # and written again, whole
+    calibrate_exponents.cache_clear()
 
 
 def test_water_filling_matches_brute_force() -> None:
