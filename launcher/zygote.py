@@ -64,8 +64,9 @@ PRELOAD: dict[str, tuple[str, ...]] = {
 }
 _EVERY_ROLE = ("encodings.idna", "faulthandler", "runpy")  # hostnames, launch.py, the runner
 #: Read by the roles when they run, never at import: they may differ between the roles
-#: forked from one zygote.
-RUNTIME_ENV = frozenset({TOKEN_ENV, "PYTHONUNBUFFERED"})
+#: forked from one zygote. (pytest names the test in progress in PYTEST_CURRENT_TEST,
+#: which would otherwise make every test start zygotes of its own.)
+RUNTIME_ENV = frozenset({TOKEN_ENV, "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
 _READY_TIMEOUT_S = 120.0  # a zygote imports torch on a loaded machine
 _ADOPT_TIMEOUT_S = 10.0
 # The zygote's command line is padded so that a role forked from it can write its own
@@ -232,6 +233,7 @@ class Zygotes:
                     zygote.close()
                 _become_subreaper()
                 zygote = self._zygotes[kind] = Zygote(kind, {k: v for k, v in env.items() if k not in RUNTIME_ENV})
+                log.debug("started the %s zygote (pid %d)", kind, zygote.process.pid)
             return zygote
 
     def close(self) -> None:

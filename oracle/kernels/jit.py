@@ -12,11 +12,11 @@ unpickles an index before it compares the stamp: an index whose signatures name 
 since renamed or moved (the state's NamedTuple) fails to load with an AttributeError instead
 of counting as stale.
 
-So `kernel` and `inlined` cache each kernel in a subfolder of numba's folder for it (the
-one oracle/__init__.py chooses) named by a hash of every ``.py`` file of this package
-(`sources_digest`): after an edit to any of them, every kernel is looked up in a new, empty
-folder and compiled afresh on its first call, and no index written by other sources is ever
-read. The folders of earlier versions stay until someone deletes them (about 2 MB each; numba
+So `kernel` and `inlined` cache each kernel in a folder named by a hash of every ``.py``
+file of this package (`sources_digest`), in the user's cache folder that oracle/__init__.py
+chooses (``oracle-kernels/<digest>``, the same for every checkout of the same sources): after
+an edit to any of them, every kernel is looked up in a new, empty folder and compiled afresh
+on its first call, and no index written by other sources is ever read. The folders of earlier versions stay until someone deletes them (about 2 MB each; numba
 leaves the files of a function behind as well whenever an edit moves its first line). The
 kernels import nothing but numpy, numba, llvmlite, the standard library and this package
 (tests/oracle/test_compiled.py checks), so these files are all the source their code
@@ -89,7 +89,12 @@ class _SourcesFolder:
 
 
 class _UserProvidedLocator(_SourcesFolder, UserProvidedCacheLocator):
-    pass
+    """In the user's cache folder: one folder per version of the sources, wherever the
+    checkout is (numba's own subfolder is named by a hash of the source folder's path, so
+    every fresh clone, CI's included, would compile the kernels again)."""
+
+    def get_cache_path(self) -> str:
+        return os.path.join(nb.config.CACHE_DIR, "oracle-kernels", sources_digest())
 
 
 class _InTreeLocator(_SourcesFolder, InTreeCacheLocator):
