@@ -27,6 +27,7 @@ from common.data.samples import CRITEO_KAGGLE as DATA
 from common.job import build_job
 from common.spec import load_spec
 from launcher.inprocess import run_in_process
+from launcher.zygote import ZYGOTES, RoleProcess, RoleStart
 from tests.cluster_helpers import TOKEN, differing_elements, final_model, run_spec, write_spec
 from tests.test_launch import LAUNCH, wait_for
 from tests.tls_fixtures import TlsFiles
@@ -55,20 +56,28 @@ def oracle_host(tmp_path: Path) -> Path:
 
 
 class Roles:
-    """Role processes of one test, each in its own folder ("host"), killed at the end."""
+    """Role processes of one test, each in its own folder ("host"), killed at the end. Each
+    is `python launch.py ARGS` as typed on its host, forked warm as the launcher forks its
+    roles (launcher/zygote.py) where it can be."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[RoleProcess] = []
 
-    def start(self, name: str, *args: str, cwd: Path | None = None, token: str = TOKEN) -> subprocess.Popen:
+    def start(self, name: str, *args: str, cwd: Path | None = None, token: str = TOKEN) -> RoleProcess:
         host = cwd or self.tmp_path / name
         host.mkdir(exist_ok=True)
-        log = (self.tmp_path / f"{name}.log").open("wb")
-        process = subprocess.Popen(
-            [sys.executable, str(LAUNCH), *args], cwd=host, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env={**os.environ, "BAGPIPE_TOKEN": token},
-        )
+        log_path = self.tmp_path / f"{name}.log"
+        env = {**os.environ, "BAGPIPE_TOKEN": token}
+        process: RoleProcess | None = None
+        if "--role" in args:
+            start = RoleStart(script=str(LAUNCH), argv=list(args), env=env, cwd=str(host), log=str(log_path),
+                              name=name[:15], launcher=os.getpid())
+            process = ZYGOTES.start(args[args.index("--role") + 1], start)
+        if process is None:
+            with log_path.open("wb") as log:
+                process = subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=host, stdout=log,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.processes.append(process)
         return process
 
