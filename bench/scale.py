@@ -20,9 +20,9 @@ a long stream, RSS against the distinct keys read so far (counted by this proces
 same seeded stream) and `oracle_rss_growth_mb_per_1k`, the least-squares slope of RSS over
 the stream's second half per 1,000 iterations; a `ShardStore` (d 16, one state float) whose
 touched rows grow, at random keys and at consecutive ones, RSS above the fresh store's.
-(numpy asks the kernel for transparent huge pages on large arrays, madvise: where it grants
-them, as here, one random row makes 2 MiB of the table resident, so a few thousand random
-rows make all of it, where 4 KiB pages would hold 16 MB after 4,096 rows of a 256 MB table.)
+(The store's table is `common.arrays.lazy_zeros`, without transparent huge pages: with
+them, as numpy's own arrays get them here, one random row made 2 MiB of the table resident
+and a few thousand made all of it; 4 KiB pages hold about 16 MB after 4,096 rows.)
 Checkpoints: `ps.checkpoint.save_snapshot` (fsynced) of a store's snapshot and
 `load_snapshot` + `ShardStore.restore` into a fresh store, median wall time of the rounds,
 sizes alternating.

@@ -9,8 +9,9 @@ The work of a request is proportional to its number of rows, never to a number i
 (a version far ahead costs what a near one does).
 
 Rows are initialised lazily, on first touch, from `common.init.initial_rows`, so a shard of a
-billion-row table costs only the pages it has touched (`np.zeros` maps untouched memory
-lazily) and its values never depend on the number of shards.
+billion-row table costs only the pages it has touched (`common.arrays.lazy_zeros`: mapped
+lazily, without transparent huge pages) and its values never depend on the number of shards.
+The versions (8 bytes a row, -1 until written) are resident from the start.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.arrays import bounds, has_duplicates, rows_where
+from common.arrays import bounds, has_duplicates, lazy_zeros, rows_where
 from common.checkpoints import first_checkpoint_from, is_checkpoint
 from common.errors import BadRequest, ConfigError, Conflict, quoted
 from common.init import initial_rows
@@ -109,10 +110,10 @@ class ShardStore:
         self.config = config
         n = shard_size(config.layout.total_rows, config.shard, config.num_shards)
         self.num_rows = n
-        self._rows = np.zeros((n, config.dim), dtype=np.float32)
-        self._state = np.zeros((n, config.state_width), dtype=np.float32)
+        self._rows = lazy_zeros((n, config.dim), np.float32)
+        self._state = lazy_zeros((n, config.state_width), np.float32)
         self._versions = np.full(n, -1, dtype=np.int64)
-        self._touched = np.zeros(n, dtype=bool)
+        self._touched = lazy_zeros((n,), np.bool_)
         self._saved: list[_Saved] = []
         self.last_checkpoint = -1  # the newest checkpoint taken or restored
         self.max_version = -1  # the highest version in the table, kept on each write
@@ -327,10 +328,10 @@ class ShardStore:
         if a part does not fit this shard (the shard is then empty)."""
         cfg = self.config
         if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
-            self._rows = np.zeros((self.num_rows, cfg.dim), dtype=np.float32)
-            self._state = np.zeros((self.num_rows, cfg.state_width), dtype=np.float32)
+            self._rows = lazy_zeros((self.num_rows, cfg.dim), np.float32)
+            self._state = lazy_zeros((self.num_rows, cfg.state_width), np.float32)
             self._versions = np.full(self.num_rows, -1, dtype=np.int64)
-            self._touched = np.zeros(self.num_rows, dtype=bool)
+            self._touched = lazy_zeros((self.num_rows,), np.bool_)
         self._saved = []
         self.max_version = -1
         try:

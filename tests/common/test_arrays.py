@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from common.arrays import FEW, bounds, has_duplicates, in_sorted, rows_where
+from common.arrays import FEW, bounds, has_duplicates, in_sorted, lazy_zeros, rows_where
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -53,3 +56,18 @@ def test_rows_where_is_boolean_indexing_and_copies_only_a_part(shape: tuple[int,
         got = rows_where(mask, values)
         assert got.dtype == values.dtype and got.tobytes() == values[mask].tobytes() and got.shape == values[mask].shape
         assert (got is values) == bool(mask.all())
+
+
+def _resident_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_lazy_zeros_cost_only_the_pages_written_whatever_the_huge_page_mode() -> None:
+    before = _resident_mb()
+    table = lazy_zeros((8_000_000, 16), np.float32)  # 512 MB
+    rows = np.random.default_rng(0).integers(0, len(table), 2_000)
+    table[rows] = 1.0
+    grown = _resident_mb() - before
+    assert grown < 64, f"{grown:.0f} MB resident after 2,000 random rows of a 512 MB table"
+    assert table.dtype == np.float32 and table.shape == (8_000_000, 16) and table.flags.writeable
+    assert table.sum() == 16 * len(np.unique(rows)) and not lazy_zeros((3, 2), np.bool_).any()
