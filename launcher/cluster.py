@@ -21,9 +21,7 @@ on its command line, checked here before any role starts.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import os
 import secrets
@@ -47,7 +45,7 @@ from common.runtime import pinned_cpus
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint, TlsSection, load_spec
 from common.transport import load_tls
 from launcher.memory import RSS_FILE, RssRecorder
-from launcher.zygote import ZYGOTES, RoleProcess, RoleStart
+from launcher.zygote import ZYGOTES, RoleProcess, RoleStart, start_role
 from oracle import NUMBA_CACHE_ENV
 from oracle.compiled import is_compiled
 from oracle.startup import check_capacity
@@ -274,19 +272,9 @@ class LocalCluster:
             launch_args += ["--ready-file", str(ready_file)]
         if self.resume if resume is None else resume:
             launch_args.append("--resume")
-        env = self._env()
-        process: RoleProcess | None = None
-        if not prefix:  # a role beside the launcher: forked warm (launcher.zygote)
-            start = RoleStart(script=str(LAUNCH), argv=launch_args, env=env, cwd=os.getcwd(), log=str(log_path),
-                              name=name, launcher=os.getpid())
-            process = ZYGOTES.start(args[args.index("--role") + 1], start)
-        if process is None:
-            with open(log_path, "ab") as out:
-                process = subprocess.Popen(
-                    [*prefix, sys.executable, str(LAUNCH), *launch_args], stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-                )
+        start = RoleStart(script=str(LAUNCH), argv=launch_args, env=self._env(), cwd=os.getcwd(), log=str(log_path),
+                          name=name, launcher=os.getpid())
+        process = start_role(start, prefix=prefix)
         role = Role(name, process, log_path, ready_file)
         self.roles.append(role)
         return role
@@ -496,14 +484,3 @@ def _exit_text(role: Role) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _die_with_parent(launcher: int) -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies (Linux). If it died
-    between fork and prctl, the signal will never come: the parent is already someone else."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != launcher:
-        os.kill(os.getpid(), signal.SIGTERM)

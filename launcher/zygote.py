@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import io
 import logging
 import os
@@ -38,7 +39,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +68,6 @@ _EVERY_ROLE = ("encodings.idna", "faulthandler", "runpy")  # hostnames, launch.p
 #: which would otherwise make every test start zygotes of its own.)
 RUNTIME_ENV = frozenset({TOKEN_ENV, "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
 _READY_TIMEOUT_S = 120.0  # a zygote imports torch on a loaded machine
-_ADOPT_TIMEOUT_S = 10.0
 # The zygote's command line is padded so that a role forked from it can write its own
 # command line (the launch.py argv) over it, where ps and /proc/PID/cmdline read it.
 _CMDLINE_ROOM = 4096
@@ -158,7 +157,7 @@ class Zygote:
         self.process = subprocess.Popen(
             [sys.executable, "-c", boot, kind, " " * _CMDLINE_ROOM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=dict(env), cwd=REPO, start_new_session=True,  # Ctrl-C in a terminal is for the launcher
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
 
     def fork(self, start: RoleStart) -> ForkedProcess:
@@ -243,6 +242,23 @@ class Zygotes:
             zygote.close()
 
 
+def start_role(start: RoleStart, *, prefix: Sequence[str] = ()) -> RoleProcess:
+    """Role `start` (its kind from ``--role`` in its argv) forked from a zygote, or started
+    cold where none can serve or a command `prefix` (``ip netns exec NS``) must run it: in
+    either case the child of this process, in a session of its own, dying with it, its
+    output appended to its log."""
+    kind = start.argv[start.argv.index("--role") + 1] if "--role" in start.argv else ""
+    process = None if prefix else ZYGOTES.start(kind, start)
+    if process is not None:
+        return process
+    with open(start.log, "ab") as out:
+        return subprocess.Popen(
+            [*prefix, sys.executable, start.script, *start.argv], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=start.env, cwd=start.cwd, start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
+
+
 def import_env(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
     """The part of an environment that imports may read."""
     return frozenset((k, v) for k, v in env.items() if k not in RUNTIME_ENV)
@@ -257,10 +273,18 @@ def _become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def _die_with_parent() -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(parent: int) -> None:
+    """In a child: get SIGTERM when `parent` dies (Linux). If it died before the prctl, the
+    signal will never come (the parent is already someone else): SIGTERM now."""
+    try:
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL("libc.so.6", use_errno=True)
 
@@ -308,34 +332,35 @@ def _warm(kind: str) -> None:
 
 def _fork_adopted(start: RoleStart) -> int:
     """Fork the role through a child that exits at once, so that the launcher (a subreaper)
-    adopts it; returns its pid once it is the launcher's. Runs the role in the grandchild."""
+    adopts it; returns its pid once it is the launcher's. Runs the role in the grandchild,
+    which starts once this process has reaped the middle one and closed `adopted`."""
     read_end, write_end = os.pipe()
+    waiting, adopted = os.pipe()
     middle = os.fork()
     if middle == 0:
         os.close(read_end)
         role = os.fork()
         if role == 0:
             os.close(write_end)
-            _become(start)  # never returns
+            os.close(adopted)
+            _become(start, waiting)  # never returns
         os.write(write_end, b"%d" % role)
         os._exit(0)
     os.close(write_end)
+    os.close(waiting)
     pid = int(os.read(read_end, 32))
     os.close(read_end)
     os.waitpid(middle, 0)  # the role is the launcher's child from here on
+    os.close(adopted)
     return pid
 
 
-def _become(start: RoleStart) -> None:
-    """In the forked role: become a cold start of `start`, run it, exit as it exits."""
-    deadline = time.monotonic() + _ADOPT_TIMEOUT_S
-    while os.getppid() != start.launcher:  # the middle process is exiting
-        if time.monotonic() > deadline:
-            os._exit(70)
-        time.sleep(0.001)
-    _die_with_parent()
-    if os.getppid() != start.launcher:  # the launcher died before that: die as it asked
-        os._exit(128 + signal.SIGTERM)
+def _become(start: RoleStart, waiting: int) -> None:
+    """In the forked role: once adopted (`waiting` reads end-of-file), become a cold start
+    of `start`, run it, exit as it exits."""
+    os.read(waiting, 1)
+    os.close(waiting)
+    die_with_parent(start.launcher)
     os.setsid()
     os.chdir(start.cwd)
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -15,8 +15,6 @@ import itertools
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from common.data.samples import CRITEO_KAGGLE as DATA
 from common.job import build_job
 from common.spec import load_spec
 from launcher.inprocess import run_in_process
-from launcher.zygote import ZYGOTES, RoleProcess, RoleStart
+from launcher.zygote import RoleProcess, RoleStart, start_role
 from tests.cluster_helpers import TOKEN, differing_elements, final_model, run_spec, write_spec
 from tests.test_launch import LAUNCH, wait_for
 from tests.tls_fixtures import TlsFiles
@@ -67,17 +65,9 @@ class Roles:
     def start(self, name: str, *args: str, cwd: Path | None = None, token: str = TOKEN) -> RoleProcess:
         host = cwd or self.tmp_path / name
         host.mkdir(exist_ok=True)
-        log_path = self.tmp_path / f"{name}.log"
-        env = {**os.environ, "BAGPIPE_TOKEN": token}
-        process: RoleProcess | None = None
-        if "--role" in args:
-            start = RoleStart(script=str(LAUNCH), argv=list(args), env=env, cwd=str(host), log=str(log_path),
-                              name=name[:15], launcher=os.getpid())
-            process = ZYGOTES.start(args[args.index("--role") + 1], start)
-        if process is None:
-            with log_path.open("wb") as log:
-                process = subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=host, stdout=log,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        start = RoleStart(script=str(LAUNCH), argv=list(args), env={**os.environ, "BAGPIPE_TOKEN": token},
+                          cwd=str(host), log=str(self.tmp_path / f"{name}.log"), name=name[:15], launcher=os.getpid())
+        process = start_role(start)
         self.processes.append(process)
         return process
 

@@ -16,8 +16,9 @@ So `kernel` and `inlined` cache each kernel in a folder named by a hash of every
 file of this package (`sources_digest`), in the user's cache folder that oracle/__init__.py
 chooses (``oracle-kernels/<digest>``, the same for every checkout of the same sources): after
 an edit to any of them, every kernel is looked up in a new, empty folder and compiled afresh
-on its first call, and no index written by other sources is ever read. The folders of earlier versions stay until someone deletes them (about 2 MB each; numba
-leaves the files of a function behind as well whenever an edit moves its first line). The
+on its first call, and no index written by other sources is ever read. The folders of
+earlier versions stay until someone deletes them (about 2 MB each; numba leaves the files
+of a function behind as well whenever an edit moves its first line). The
 kernels import nothing but numpy, numba, llvmlite, the standard library and this package
 (tests/oracle/test_compiled.py checks), so these files are all the source their code
 depends on.
