@@ -11,7 +11,10 @@ local ``TORCHX_RANK0_HOST`` = localhost; Kubernetes, through Volcano's svc plugi
 ``VC_ORACLE_0_HOSTS`` = ``{app_id}-oracle-0-0.{app_id}``; Slurm ``SLURM_JOB_NODELIST_HET_GROUP_0``,
 the node of the first het group). A PS shard or trainer reads it in a ``bash -c`` line and
 joins through the coordinator there (``launch.py --role ps|trainer --coordinator``), with
-its replica id as its index. Only the oracle opens the spec and the data, both as its working
+its replica id as its index. The trainer role is elastic with ``--min_trainers``
+(``min_replicas``: on Kubernetes the first that many trainer tasks are required, the others
+optional), for a spec whose ``[trainers] min_count`` .. ``max_count`` it matches; a trainer
+whose index the job's current term does not have waits to join it. Only the oracle opens the spec and the data, both as its working
 directory sees them (the repository root: the image's WORKDIR, the Slurm job's directory).
 
 Every role runs one interpreter: the image's ``python`` where the job names an image, else
@@ -90,6 +93,7 @@ def bagpipe(
     gpu: int = 0,
     env: Optional[Dict[str, str]] = None,
     mounts: Optional[List[str]] = None,
+    min_trainers: Optional[int] = None,
 ) -> "AppDef":
     """
     A Bagpipe job: one oracle (the coordinator, the only role that reads the spec and the
@@ -99,7 +103,7 @@ def bagpipe(
     Args:
         spec: the cluster spec, as the oracle's working directory sees it
         ps: PS shards: the spec's ps.shards
-        trainers: trainers: the spec's trainers.count
+        trainers: trainers: the spec's trainers.count, or an elastic spec's trainers.max_count
         image: the container image (Kubernetes), its WORKDIR the repository root; none (local_cwd, Slurm): the roles run this checkout
         port: the oracle's coordinator port (its admin port is port + 1)
         token: the job's bearer token, every role's $BAGPIPE_TOKEN (default: a fresh one); the spec must leave cluster.token unset
@@ -112,23 +116,26 @@ def bagpipe(
         gpu: GPUs per trainer
         env: more environment variables for every role (e.g. GLOO_SOCKET_IFNAME=eth0,BAGPIPE_LOG=DEBUG)
         mounts: volumes for every role (Kubernetes), e.g. type=volume,src=CLAIM,dst=/shared (data, checkpoints)
+        min_trainers: an elastic spec's trainers.min_count: the trainer role is elastic, min_trainers..trainers replicas
     """
     from torchx import specs
 
     if ps < 1 or trainers < 1:
         raise ValueError(f"a job needs at least one PS shard and one trainer, got ps={ps}, trainers={trainers}")
+    if min_trainers is not None and not 1 <= min_trainers <= trainers:
+        raise ValueError(f"min_trainers must be in 1..trainers = {trainers}, got {min_trainers}")
     role_env = {**(env or {}), BAGPIPE_TOKEN_ENV: token or secrets.token_urlsafe(24)}
     volumes = specs.parse_mounts(mounts) if mounts else []
     python = python or default_python(image)
     image = image or BAGPIPE_IMAGE
 
-    def joined(role: str, replicas: int, gpus: int) -> "specs.Role":
+    def joined(role: str, replicas: int, gpus: int, least: Optional[int] = None) -> "specs.Role":
         argv = joined_argv(role, BAGPIPE_COORDINATOR_MARK, specs.macros.replica_id, transport=transport,
                            run_dir=run_dir)
         line = joined_shell_line(python, argv, host_env=specs.macros.rank0_env, port=port)
         return specs.Role(name=role, image=image, entrypoint="bash", args=["-c", line], env=dict(role_env),
-                          num_replicas=replicas, resource=specs.resource(cpu=cpu, gpu=gpus, memMB=memMB),
-                          mounts=list(volumes))
+                          num_replicas=replicas, min_replicas=least,
+                          resource=specs.resource(cpu=cpu, gpu=gpus, memMB=memMB), mounts=list(volumes))
 
     oracle = specs.Role(
         name="oracle", image=image, entrypoint=python, args=oracle_argv(spec, port), env=dict(role_env),
@@ -136,4 +143,4 @@ def bagpipe(
         port_map={"coordinator": port, "admin": port + 1},
     )
     # The oracle first: its host is the scheduler's rank 0 host, which every replica can read.
-    return specs.AppDef(name=name, roles=[oracle, joined("ps", ps, 0), joined("trainer", trainers, gpu)])
+    return specs.AppDef(name=name, roles=[oracle, joined("ps", ps, 0), joined("trainer", trainers, gpu, min_trainers)])

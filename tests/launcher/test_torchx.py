@@ -169,6 +169,18 @@ def test_kubernetes_dryrun_finds_the_oracle_through_volcano(runner: Any, echo_py
         assert (args.role, args.index, args.coordinator) == (role, int(index), f"{oracle_host}:29400")
 
 
+def test_an_elastic_trainer_role_has_min_to_max_replicas_and_kubernetes_requires_only_the_min(runner: Any) -> None:
+    pytest.importorskip("kubernetes", reason=NO_TORCHX)
+    elastic = app(trainers=3, min_trainers=1)
+    assert [(r.name, r.min_replicas, r.num_replicas) for r in elastic.roles] == [
+        ("oracle", None, 1), ("ps", None, 2), ("trainer", 1, 3)]
+    job = runner.dryrun(elastic, "kubernetes", cfg={"queue": "default"}).request.resource
+    required = {t["name"]: t.get("minAvailable") for t in job["spec"]["tasks"]}
+    assert {name: required[name] for name in ROLES[3:]} == {"trainer-0": 1, "trainer-1": 0, "trainer-2": 0}
+    with pytest.raises(ValueError, match="min_trainers must be in 1..trainers = 3"):
+        app(min_trainers=4)
+
+
 def test_slurm_dryrun_finds_the_oracle_on_the_first_het_group(runner: Any, echo_python: Path) -> None:
     info = runner.dryrun(app(), "slurm", cfg={"partition": "cpu", "time": "1:00:00"})
     request = info.request
