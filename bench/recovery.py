@@ -13,6 +13,13 @@ whether the run ended with exactly the parameters of the uninterrupted one.
 
     python bench/recovery.py --quick
 
+An elastic job (``[trainers] min_count = 1``, ``max_count = 2``, `--elastic`, on by default)
+is measured both ways: from a trainer's kill to the first iteration trained with T - 1 (the
+regroup waits `rejoin_timeout_s` for the dead trainer, here 5 s), and from a new trainer's
+registration to the first iteration trained with T + 1 (it waits for the next checkpoint,
+then the regroup), in a run three times as long; its run ends bit-identical to the same
+terms resumed by hand (`--resume` with each term's trainer count at each term's checkpoint).
+
 `--smoke` kills a PS shard once, restarting it alone, in a run of 60 iterations of 256 on
 small tables and a small model.
 """
@@ -21,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +45,8 @@ from bench import SMOKE_RESULTS, Table, add_result_options, config_of, results_p
 from common.checkpoints import ps_dir  # noqa: E402
 from common.job import Job, build_job  # noqa: E402
 from common.spec import load_spec, spec_toml  # noqa: E402
-from launcher.cluster import LocalCluster, run_cluster  # noqa: E402
-from trainer.records import IterationRecord, RunTail  # noqa: E402
+from launcher.cluster import JOIN_SCRIPT, LocalCluster, run_cluster  # noqa: E402
+from trainer.records import IterationRecord, RunTail, TermRecord, read_run, terms_of  # noqa: E402
 from ps.checkpoint import load_snapshot  # noqa: E402
 
 NAME = "recovery"
@@ -102,10 +112,16 @@ class Watch:
         return len(self.done) == 2 and min(self.done.values()) >= self.kill_at
 
 
-def job_in(folder: Path, name: str, iterations: int, every: int, alone: bool, smoke: bool) -> Job:
+def job_in(folder: Path, name: str, iterations: int, every: int, alone: bool, smoke: bool,
+           elastic: bool = False) -> Job:
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.toml"
-    spec_path.write_text(spec_toml(name, 5, sections(iterations, every, folder, alone, smoke=smoke)))
+    job = sections(iterations, every, folder, alone, smoke=smoke)
+    if elastic:
+        job["trainers"].update(min_count=1, max_count=2)
+        job["cluster"] = {"rejoin_timeout_s": ELASTIC_REJOIN_S}
+        job["checkpoint"]["restart"] = False
+    spec_path.write_text(spec_toml(name, 5, job))
     return build_job(load_spec(spec_path))
 
 
@@ -126,6 +142,95 @@ def same_final_model(job: Job, folder: Path, reference: Path) -> bool:
         if not all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("local", "rows", "state", "versions")):
             return False
     return True
+
+
+ELASTIC_REJOIN_S = 5.0
+_LOG_TIME = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*waits to join", re.MULTILINE)
+
+
+class ElasticWatch:
+    """Kills trainer 1 once both trainers finished `kill_at`; once the job trains with one
+    trainer, starts another (`join-trainer.sh`); times both changes from the records."""
+
+    def __init__(self, run_dir: Path, kill_at: int) -> None:
+        self.run_dir, self.kill_at = run_dir, kill_at
+        self.tail = RunTail(run_dir, 2)
+        self.done: dict[int, int] = {}
+        self.term = 0
+        self.killed: float | None = None
+        self.joiner: subprocess.Popen | None = None
+        self.shrunk: float | None = None  # the first iteration's end with T - 1
+        self.grown: float | None = None  # ... with T + 1
+
+    def __call__(self, cluster: LocalCluster) -> None:
+        for trainer, records in self.tail.poll().items():
+            for r in records:
+                if isinstance(r, TermRecord):
+                    self.term = max(self.term, r.term)
+                elif isinstance(r, IterationRecord) and self.killed is None:
+                    self.done[trainer] = max(self.done.get(trainer, -1), r.iteration)
+                elif isinstance(r, IterationRecord) and self.term == 1 and self.shrunk is None:
+                    self.shrunk = r.time
+                elif isinstance(r, IterationRecord) and self.term == 2 and self.grown is None:
+                    self.grown = r.time
+        if self.killed is None and len(self.done) == 2 and min(self.done.values()) >= self.kill_at:
+            target = next(r for r in cluster.roles if r.name == "trainer-1")
+            os.kill(target.process.pid, signal.SIGKILL)
+            self.killed = time.time()
+        if self.shrunk is not None and self.joiner is None:
+            log = open(self.run_dir / "logs" / "trainer-joined.log", "ab")
+            self.joiner = subprocess.Popen(["sh", str(self.run_dir / JOIN_SCRIPT)], stdout=log, stderr=log,
+                                           start_new_session=True)
+
+    def registered(self) -> float:
+        """When the new trainer's registration reached the oracle (its log says so)."""
+        found = _LOG_TIME.search((self.run_dir / "logs" / "oracle.log").read_bytes())
+        if found is None:
+            raise SystemExit("the new trainer never registered")
+        return datetime.strptime(found.group(1).decode(), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def measure_elastic(iterations: int, every: int, kill_at: int, out: Path, baseline_s: float, smoke: bool) -> list[dict]:
+    """Two rows: the elastic job shrinking after a kill, and growing after a registration."""
+    folder = out / "elastic"
+    job = job_in(folder, "recovery-elastic", iterations, every, True, smoke, elastic=True)
+    watch = ElasticWatch(folder / "run", kill_at)
+    try:
+        result = run_cluster(job, folder / "run", token=TOKEN, on_poll=watch)
+    finally:
+        if watch.joiner is not None:
+            watch.joiner.wait(60)
+    if watch.killed is None or watch.shrunk is None or watch.grown is None:
+        raise SystemExit(f"the elastic run did not shrink and grow (term {watch.term}): lengthen it (--iterations)")
+    terms = terms_of(read_run(folder / "run", 2))
+    by_hand = resumed_by_hand(out, iterations, every, smoke, [(t.first_iteration, t.trainers) for t in terms])
+    registered = watch.registered()
+    common = {"kill_at": kill_at, "killed_at_iteration": max(watch.done.values()), "run_s": result.seconds,
+              "uninterrupted_s": baseline_s, "lost_s": result.seconds - baseline_s, "from_scratch_s": None,
+              "bit_identical": same_final_model(job, folder, by_hand), "terms": [vars(t) for t in terms]}
+    return [
+        {**common, "role": "trainer-1", "restarted": "elastic: T - 1", "recovery_s": watch.shrunk - watch.killed},
+        {**common, "role": "new trainer", "restarted": "elastic: T + 1", "recovery_s": watch.grown - registered,
+         "killed_at_iteration": None},
+    ]
+
+
+def resumed_by_hand(out: Path, iterations: int, every: int, smoke: bool, terms: list[tuple[int, int]]) -> Path:
+    """The elastic run's terms, each run by hand: (first iteration, trainers) up to the next
+    term's first iteration, then resumed with the next count; the folder of the last run."""
+    folder = out / "elastic-by-hand"
+    starts = dict(terms)  # a later term from the same checkpoint takes the place of an earlier one
+    firsts = sorted(starts)
+    for k, first in enumerate(firsts):
+        end = firsts[k + 1] if k + 1 < len(firsts) else iterations
+        job = sections(iterations, every, folder, True, smoke=smoke)  # the same data
+        job["train"]["max_iterations"] = end
+        job["trainers"]["count"] = starts[first]
+        folder.mkdir(parents=True, exist_ok=True)
+        spec_path = folder / "spec.toml"
+        spec_path.write_text(spec_toml("recovery-by-hand", 5, job))
+        run_cluster(build_job(load_spec(spec_path)), folder / "run", token=TOKEN, resume=k > 0)
+    return folder
 
 
 def measure(role: str, alone: bool, iterations: int, every: int, kill_at: int, out: Path, baseline_s: float,
@@ -160,6 +265,7 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int,
                         help="iteration to kill at (default: 2 after the checkpoint at 3/4; at half with --smoke)")
     parser.add_argument("--roles", help="comma-separated roles to kill (default ps-0,oracle,trainer-1; ps-0 with --smoke)")
+    parser.add_argument("--no-elastic", action="store_true", help="leave out the elastic job's shrink and growth")
     add_result_options(parser, NAME, "one kill, of ps-0 restarted alone, in a small job")
     args = parser.parse_args()
     iterations, every = (60, 10) if args.quick or args.smoke else (200, 20)
@@ -172,6 +278,10 @@ def main() -> int:
     out = args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench") / NAME)
     baseline_s = uninterrupted(iterations, every, out, args.smoke)
     rows = [measure(role, alone, iterations, every, kill_at, out, baseline_s, args.smoke) for role, alone in cases]
+    if not (args.smoke or args.no_elastic):
+        # Three times as long: after the kill and the regroup, a new trainer must still start,
+        # register and wait for a checkpoint before the run ends.
+        rows += measure_elastic(3 * iterations, every, iterations // 3 + 2, out, 3 * baseline_s, args.smoke)
     print(f"\nkill -9 once both trainers finished iteration {kill_at} of {iterations}, checkpoint every {every} iterations, T = 2, S = 2; "
           f"the run takes {baseline_s:.1f} s uninterrupted")
     print(f"{'restarted':<26} {'killed after':>12} {'kill -> first new iter':>23} {'time lost':>10} "
@@ -179,9 +289,16 @@ def main() -> int:
     for r in rows:
         recovery = "not needed" if r["recovery_s"] is None else f"{r['recovery_s']:.2f} s"
         # below half a second the loss is within the noise of two runs' lengths
-        speedup = f"{r['from_scratch_s'] / r['lost_s']:.1f}x" if r["lost_s"] >= 0.5 else "-"
-        print(f"{r['restarted']:<26} {r['killed_at_iteration']:>12} {recovery:>23} {r['lost_s']:>8.2f} s "
-              f"{r['from_scratch_s']:>19.2f} s {speedup:>9} {'yes' if r['bit_identical'] else 'NO':>14}")
+        scratch = r["from_scratch_s"]
+        speedup = f"{scratch / r['lost_s']:.1f}x" if scratch is not None and r["lost_s"] >= 0.5 else "-"
+        killed = "-" if r["killed_at_iteration"] is None else r["killed_at_iteration"]
+        scratch_text = "-" if scratch is None else f"{scratch:.2f} s"
+        print(f"{r['restarted']:<26} {killed:>12} {recovery:>23} {r['lost_s']:>8.2f} s "
+              f"{scratch_text:>21} {speedup:>9} {'yes' if r['bit_identical'] else 'NO':>14}")
+    if any(r["restarted"].startswith("elastic") for r in rows):
+        print(f"elastic: kill -> the first iteration with T - 1 (rejoin_timeout_s = {ELASTIC_REJOIN_S:g} s); "
+              "registration -> the first with T + 1 (it waits for the next checkpoint); time lost is the "
+              "whole elastic run's against the uninterrupted one")
     figures = {"iterations": iterations, "every": every, "uninterrupted_s": baseline_s, "roles": rows}
     config = config_of(args, iterations=iterations, every=every, kill_at=kill_at, roles=roles, cases=cases,
                        out=out, job=sections(iterations, every, out, True, smoke=args.smoke))

@@ -97,6 +97,14 @@ class Restarted(Conflict):
     code = "restarted"
 
 
+class Regrouped(Conflict):
+    """The job regrouped since this role joined: a trainer left or one joined, and every role
+    starts again from the job's latest complete checkpoint (docs/design.md#elastic-trainers).
+    The role that meets it restarts itself and registers again."""
+
+    code = "regrouped"
+
+
 class PayloadTooLarge(BagpipeError):
     status = 413
     code = "payload_too_large"
@@ -143,6 +151,7 @@ _BY_CODE: dict[str, type[BagpipeError]] = {
         MethodNotAllowed,
         Conflict,
         Restarted,
+        Regrouped,
         PayloadTooLarge,
         StorageFailed,
         Unavailable,

@@ -1,5 +1,6 @@
 """Process plumbing shared by the long-running roles: logging, the file-descriptor limit,
-the cores a trainer keeps to, the ready file, the servers' limits, stopping.
+the cores a trainer keeps to, the ready file, the servers' limits, stopping, and starting
+again as a fresh process (an elastic job's next term).
 
 A role started by the launcher writes a small JSON "ready file" once its servers listen, so
 the launcher learns the ports chosen for port 0 without parsing logs; SIGTERM and SIGINT
@@ -16,8 +17,8 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from collections.abc import Awaitable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any, NoReturn
 
 import orjson
 
@@ -183,3 +184,34 @@ async def first_of(*awaitables: Awaitable[Any]) -> None:
             task.cancel()
     for task in done:
         task.result()
+
+
+#: Where a trainer restarted for an elastic job's next term finds the term it left and its
+#: index there ("TERM:INDEX"): its place in the next term goes by them.
+LEFT_TERM_ENV = "BAGPIPE_LEFT_TERM"
+#: Flags a role started again for the next term leaves out, and whether each takes a value:
+#: the coordinator says where the next term resumes and which index a trainer has.
+NEXT_TERM_DROPS = {"--resume": False, "--rejoin": False, "--fresh": False, "--first-iteration": True}
+
+
+def restart_process(*, drop: Mapping[str, bool], add: Iterable[str] = (), env: Mapping[str, str]) -> NoReturn:
+    """Replace this process by a fresh start of its own command line (`sys.argv`), without
+    the flags of `drop` (True: with the value that follows), with `add` after it and `env`
+    added to its environment. The pid stays,
+    so whatever waits for the process (the launcher, a scheduler) sees it go on; every thread
+    and socket of the old one is gone, as after a kill, and the new one starts from scratch."""
+    argv, skip = [], False
+    for arg in sys.argv:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif name in drop:
+            skip = drop[name] and "=" not in arg
+        else:
+            argv.append(arg)
+    argv += add
+    log.warning("starting again: %s", " ".join(argv))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **env})

@@ -10,6 +10,7 @@ puts them together with this one.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tomllib
 from collections.abc import Callable
@@ -81,6 +82,9 @@ class ClusterSection:
     fetch_timeout_s: float = 120.0
     retries: int = 5
     reconnect_s: float = 30.0
+    #: An elastic job ([trainers] min_count < max_count) goes on without a trainer unheard of
+    #: for this long, and a regroup waits this long for the trainers that were there.
+    rejoin_timeout_s: float = 30.0
     # Connection hygiene of every server (`common/transport/limits.py` says why each).
     idle_timeout_s: float = 300.0
     max_connections: int = 1024
@@ -132,6 +136,10 @@ class PsSection:
 @dataclass(frozen=True, kw_only=True)
 class TrainersSection:
     count: int = 2
+    #: An elastic job: it goes on with as few as `min_count` trainers when some are gone and
+    #: takes in trainers that register while it runs, up to `max_count` (docs/design.md#elastic-trainers).
+    min_count: int | None = None  # None: `count`
+    max_count: int | None = None  # None: `count`
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     rendezvous: Endpoint
@@ -142,10 +150,23 @@ class TrainersSection:
     metrics_address: Endpoint = Endpoint(host="127.0.0.1", port=0)
 
     def __post_init__(self) -> None:
+        if self.min_count is None:
+            object.__setattr__(self, "min_count", self.count)
+        if self.max_count is None:
+            object.__setattr__(self, "max_count", self.count)
+        if not 1 <= self.min_count <= self.count:
+            raise ConfigError("trainers.min_count", f"must be in 1..count = {self.count}, got {self.min_count}")
+        if self.max_count < self.count:
+            raise ConfigError("trainers.max_count", f"must be >= count = {self.count}, got {self.max_count}")
         # Trainer j serves its metrics on port + j, so trainers sharing a host never clash.
-        last = self.metrics_address.port + self.count - 1
+        last = self.metrics_address.port + self.max_count - 1
         if self.metrics_address.port and last > 65535:
-            raise ConfigError("trainers.metrics_address", f"port + count - 1 = {last} is above 65535")
+            raise ConfigError("trainers.metrics_address", f"port + max_count - 1 = {last} is above 65535")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of trainers may change while the job runs."""
+        return self.min_count != self.count or self.max_count != self.count
 
     def metrics_endpoint(self, rank: int) -> Endpoint:
         """Where trainer `rank` serves its metrics: port + rank, or any free port for 0."""
@@ -259,6 +280,7 @@ def _cluster(s: _Section, folder: Path) -> ClusterSection:
         fetch_timeout_s=s.float("fetch_timeout_s", 120.0),
         retries=s.int("retries", 5, low=0),
         reconnect_s=s.float("reconnect_s", 30.0),
+        rejoin_timeout_s=s.float("rejoin_timeout_s", 30.0),
         idle_timeout_s=s.get("idle_timeout_s", float, 300.0),
         max_connections=s.get("max_connections", int, 1024),
         max_concurrent_streams=s.get("max_concurrent_streams", int, 256),
@@ -309,7 +331,9 @@ def _ps(s: _Section) -> PsSection:
 
 def _trainers(s: _Section) -> TrainersSection:
     return TrainersSection(
-        count=s.int("count", 2, low=1),
+        count=(count := s.int("count", 2, low=1)),
+        min_count=s.int("min_count", count, low=1),
+        max_count=s.int("max_count", count, low=1),
         device=s.choice("device", ("auto", "cpu", "cuda"), "auto"),
         backend=s.choice("backend", ("auto", "gloo", "nccl"), "auto"),
         rendezvous=s.endpoint("rendezvous", "127.0.0.1:0"),
@@ -365,12 +389,28 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
     )
     if raw:
         raise ConfigError(sorted(raw)[0], "unknown section")
+    if spec.trainers.elastic and not spec.checkpoint.every:
+        raise ConfigError("trainers.min_count", "an elastic job (min_count or max_count other than count) "
+                                                "needs checkpoints: a change of trainers goes back to the "
+                                                "latest complete one; set [checkpoint] every")
     if spec.train.batch_size % spec.trainers.count:
         raise ConfigError(
             "train.batch_size",
             f"{spec.train.batch_size} is not divisible by trainers.count = {spec.trainers.count}",
         )
     return spec
+
+
+def with_trainer_count(spec: ClusterSpec, count: int) -> ClusterSpec:
+    """`spec` with `count` trainers (its document too, which joined roles are sent): the job
+    an elastic regroup goes on with. ConfigError when `count` does not divide the batch."""
+    if spec.train.batch_size % count:
+        raise ConfigError("train.batch_size", f"{spec.train.batch_size} is not divisible by trainers.count = {count}")
+    document = copy.deepcopy(spec.document)
+    trainers_table = document.setdefault("trainers", {})
+    trainers_table.update(count=count, min_count=spec.trainers.min_count, max_count=spec.trainers.max_count)
+    trainers = dataclasses.replace(spec.trainers, count=count)
+    return dataclasses.replace(spec, trainers=trainers, document=document)
 
 
 def spec_toml(name: str, seed: int, sections: dict[str, dict[str, Any]]) -> str:

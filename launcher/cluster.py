@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,7 @@ LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
 MAX_RESTARTS = 3
+JOIN_SCRIPT = "join-trainer.sh"  # in an elastic run's folder: adds a trainer
 
 
 class RoleFailed(BagpipeError):
@@ -158,6 +160,7 @@ class LocalCluster:
         self.ps_addresses: list[Endpoint] = []
         self.oracle_address: Endpoint | None = None
         self.first_iteration = 0  # where this start's trainers begin
+        self._gone: set[str] = set()  # an elastic job's trainers that died
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
@@ -168,6 +171,9 @@ class LocalCluster:
         # every kind of role imports in its zygote at once, while the first ones start
         kinds = ["ps"] if ps_shards(spec) and self.ps_host is None else []
         ZYGOTES.warm([*kinds, "oracle", "trainer"], self._env())
+        if self.elastic:
+            self._start_joined()
+            return
         ps_args = []
         if self.ps_host is not None:
             ps_args = ["--ps-addresses", ",".join(f"{self.ps_host.address}:0" for _ in spec.ps.addresses)]
@@ -192,6 +198,38 @@ class LocalCluster:
         for j in range(spec.trainers.count):
             self._spawn(f"trainer-{j}", ["--role", "trainer", "--index", str(j), *peers, *self._cpus(j)])
 
+    @property
+    def elastic(self) -> bool:
+        """An elastic job: its PS shards and trainers join through the oracle, as on separate
+        machines, so that they follow its regroups (`oracle.membership`)."""
+        return self.job.spec.trainers.elastic and self.ps_host is None
+
+    def _start_joined(self) -> None:
+        spec = self.job.spec
+        oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        self.oracle_address = self._wait_ready(oracle)
+        joined = ["--coordinator", str(self.oracle_address)]
+        ps = [self._spawn(f"ps-{i}", ["--role", "ps", *joined, "--index", str(i)], ready=True)
+              for i in range(ps_shards(spec))]
+        self.ps_addresses = [self._wait_ready(role) for role in ps]
+        for j in range(spec.trainers.count):
+            self._spawn(f"trainer-{j}", ["--role", "trainer", *joined, "--index", str(j), "--run-dir",
+                                         str(self.run_dir), *self._cpus(j)])
+        self._write_join_script(joined)
+
+    def _write_join_script(self, joined: list[str]) -> None:
+        """``<run dir>/join-trainer.sh``: a trainer more for this elastic job (it joins at the
+        next checkpoint, up to max_count). It holds the token: only its owner may read it."""
+        argv = [sys.executable, str(LAUNCH), str(self.job.spec.source), "--role", "trainer", *joined,
+                "--run-dir", str(self.run_dir), *tls_arguments(self.tls)]
+        script = self.run_dir / JOIN_SCRIPT
+        script.unlink(missing_ok=True)
+        fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+        with os.fdopen(fd, "w") as out:
+            out.write("#!/bin/sh\n# One more trainer for the elastic job "
+                      f"{shlex.quote(self.job.spec.name)}: it joins at its next checkpoint.\n"
+                      f"{TOKEN_ENV}={shlex.quote(self.token)} exec {shlex.join(argv)} \"$@\"\n")
+
     def _cpus(self, rank: int) -> list[str]:
         """`--cpus` for trainer `rank`: its share of this machine's cores, if it gets one."""
         cpus = pinned_cpus(self.job.spec.trainers, rank)
@@ -203,7 +241,10 @@ class LocalCluster:
 
     def can_restart_alone(self, name: str) -> bool:
         """Whether role `name` can come back on its own: the oracle always (it replans),
-        a PS shard when checkpoints are taken (trainers replay what its snapshot lacks)."""
+        a PS shard when checkpoints are taken (trainers replay what its snapshot lacks); in
+        an elastic job neither (its roles follow the oracle's terms, which a new oracle lacks)."""
+        if self.elastic:
+            return False
         return name == "oracle" or (name.startswith("ps-") and self.job.spec.checkpoint.every > 0)
 
     def restart_alone(self, name: str) -> None:
@@ -237,6 +278,11 @@ class LocalCluster:
         peer"), not get killed.
         """
         dead = [r for r in self.roles if _died(r)]
+        if self.elastic:  # the job goes on without a dead trainer (the oracle fails if it cannot)
+            for trainer in (r for r in dead if r.name.startswith("trainer-") and r.name not in self._gone):
+                log.warning("%s %s: the elastic job goes on without it", trainer.name, _exit_text(trainer))
+                self._gone.add(trainer.name)
+            dead = [r for r in dead if not r.name.startswith("trainer-")]
         if dead:
             first, *others = sorted(dead, key=lambda r: (r.process.returncode or 0) >= 0)
             message = f"{first.name} {_exit_text(first)}"
@@ -244,6 +290,9 @@ class LocalCluster:
                 message += " (then " + ", ".join(f"{r.name} {_exit_text(r)}" for r in others) + ")"
             message += f"; its last log lines ({first.log_path}):\n{first.last_lines()}"
             raise RoleFailed(message, role=first.name, dead=[r.name for r in dead])
+        if self.elastic:
+            oracle = next(r for r in self.roles if r.name == "oracle")
+            return oracle.process.poll() == 0 and all(r.process.poll() is not None for r in self.trainers())
         return all(r.process.poll() == 0 for r in self.trainers())
 
     def stop(self) -> None:
@@ -406,11 +455,11 @@ def run_local_cluster(
 def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConversion | None, *, resume: bool,
                run_dir: Path | None, quiet: bool, tls: TlsChoice) -> int:  # fmt: skip
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
-    from launcher.plots import plot_rss, plot_run
+    from launcher.plots import plot_rss, plot_run, plot_terms
     from launcher.progress import ProgressBar
     from launcher.summary import iteration_series, summarise, write_report
-    from launcher.text import format_summary
-    from trainer.records import RunTail, read_run
+    from launcher.text import format_summary, format_terms
+    from trainer.records import RunTail, read_run, terms_of, within_last_term
 
     job = build_job(spec, dataset=dataset)
     if job.model.factory is not None:  # a bad model of one's own fails here, not in every trainer
@@ -421,7 +470,7 @@ def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConver
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     section = tls.section(spec, run_dir)
     total = job.iterations
-    tail = RunTail(run_dir, spec.trainers.count)
+    tail = RunTail(run_dir, spec.trainers.max_count)  # an elastic run's trainers come and go
     over = "" if section is None else f", over {'mutual ' if section.mutual else ''}TLS"
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
           f"{total} iterations{over}; logs in {run_dir / 'logs'}", file=sys.stderr)
@@ -432,7 +481,13 @@ def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConver
         print(f"bagpipe: compiling the planner (first run only; cached in {os.environ[NUMBA_CACHE_ENV]})",
               file=sys.stderr)
 
-    def poll(_: LocalCluster) -> None:
+    told: list[bool] = []
+
+    def poll(cluster: LocalCluster) -> None:
+        if cluster.elastic and not told:
+            told.append(True)
+            print(f"bagpipe: an elastic job ({spec.trainers.min_count} to {spec.trainers.max_count} trainers): "
+                  f"{run_dir / JOIN_SCRIPT} adds a trainer", file=sys.stderr)
         if conversion is not None and conversion.done and conversion.error is not None:
             raise conversion.error  # bad data further on: stop now, not when training gets there
         bar.update(tail.poll())
@@ -446,19 +501,30 @@ def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConver
     except RoleFailed as exc:
         print(f"\nbagpipe: {exc}", file=sys.stderr)
         return 1
-    records = read_run(run_dir, spec.trainers.count)
+    every_record = read_run(run_dir, spec.trainers.max_count)
+    terms = terms_of(every_record)
+    records = within_last_term(every_record)  # the summary's lines up one set of trainers
+    trainers = terms[-1].trainers if terms else spec.trainers.count
+    first = terms[-1].first_iteration if terms else 0
     summary = summarise(records, mode=spec.oracle.mode, global_batch=spec.train.batch_size,
-                        warmup=min(5, max(0, total // 10)), trainers=spec.trainers.count)
+                        warmup=min(5, max(0, (total - first) // 10)), trainers=trainers)
     print(format_summary(summary))
-    series = iteration_series(records, trainers=spec.trainers.count)
+    if len(terms) > 1:
+        print(format_terms(terms))
+    series = iteration_series(records, trainers=trainers)
     curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
     warm_from = int(series.iterations[0]) + memory_warmup(len(series.iterations))
     memory = summarise_rss(curves, warm_from)
     print(format_rss(memory, warm_from))
-    report = write_report(run_dir, summary, {"spec": str(spec.source), "seconds": result.seconds,
-                                             "rss": [f.to_json() for f in memory.values()]})
+    extra: dict[str, Any] = {"spec": str(spec.source), "seconds": result.seconds,
+                             "rss": [f.to_json() for f in memory.values()]}
+    if terms:
+        extra["terms"] = [{"term": t.term, "trainers": t.trainers, "first_iteration": t.first_iteration} for t in terms]
+    report = write_report(run_dir, summary, extra)
     plots = plot_run(run_dir, records, warmup=summary.warmup)
     plots.append(plot_rss(curves, warm_from, run_dir / "memory.png"))
+    if terms:
+        plots.append(plot_terms(terms, total, run_dir / "trainers.png"))
     print(f"report: {report}\nplots: {', '.join(str(p) for p in plots)}")
     return 0
 

@@ -1,7 +1,8 @@
 """A run's plots: matplotlib PNGs drawn from its records, its RSS curves or several summaries.
 
 `plot_run` draws ``throughput.png``, ``breakdown.png`` and ``loss.png``, `plot_rss`
-``memory.png`` and `plot_modes` a comparison of modes. Each figure is a bare `Figure` on an
+``memory.png``, `plot_terms` an elastic run's ``trainers.png`` and `plot_modes` a comparison
+of modes. Each figure is a bare `Figure` on an
 Agg canvas (no pyplot, no global backend, no display), written atomically. matplotlib is
 imported only inside these functions, so a launcher that never plots does not pay for it.
 """
@@ -22,7 +23,7 @@ from launcher.summary import (
     IterationSeries, RunSummary, breakdown_ms, iteration_series, machinery, weighted_loss,
 )
 from launcher.text import MB, format_number, mode_order, ratio
-from trainer.records import Record
+from trainer.records import Record, TermRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -175,6 +176,26 @@ def plot_rss(curves: Mapping[str, RssCurve], warm_from: int, path: str | os.Path
     _zero_based(ax, shown)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize="small", ncols=2)
+    return _save(fig, Path(path))
+
+
+def plot_terms(terms: Sequence[TermRecord], total: int, path: str | os.PathLike[str]) -> Path:
+    """An elastic run's trainer count over the iterations, each regroup marked where its
+    term began (the iterations an ending term trained past that point were trained again)."""
+    fig, (ax,) = _new_figure(1, height=3.0)
+    starts = [t.first_iteration for t in terms] + [total]
+    counts = [t.trainers for t in terms]
+    ax.step(starts, counts + counts[-1:], where="post", color="tab:blue")
+    for term in terms[1:]:
+        ax.axvline(term.first_iteration, color="tab:gray", linestyle=":", linewidth=1)
+        ax.annotate(f"term {term.term}", (term.first_iteration, term.trainers), textcoords="offset points",
+                    xytext=(3, 4), fontsize=8)
+    ax.set_xlim(0, max(total, 1))
+    ax.set_ylim(0, max(counts) + 1)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("trainers")
+    ax.set_title(f"Trainers over the iterations ({len(terms) - 1} regroup(s))")
     return _save(fig, Path(path))
 
 

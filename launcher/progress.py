@@ -17,7 +17,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from launcher.text import format_number, format_percent
-from trainer.records import IterationRecord, Record
+from trainer.records import IterationRecord, Record, TermRecord
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,15 @@ class ProgressBar:
         self._clock = clock
         self._last_log = clock()
         self._logged_tenths = 0
+        self._term = 0  # an elastic run's term, from its trainers' records
+        self._terms: dict[int, int] = {}  # the term each trainer's records are at
+
+    def _begin_term(self, term: TermRecord) -> None:
+        """An elastic run's next term: its trainers, every iteration before its first done."""
+        self._term = term.term
+        before = range(term.first_iteration)
+        self._done = {j: set(before) for j in range(term.trainers)}
+        self._recent = {j: recent for j, recent in self._recent.items() if j < term.trainers}
 
     @property
     def done(self) -> int:
@@ -85,7 +94,11 @@ class ProgressBar:
         """Take each trainer's records written since the previous call."""
         for j, records in records_by_trainer_new.items():
             for rec in records:
-                if isinstance(rec, IterationRecord):
+                if isinstance(rec, TermRecord):
+                    self._terms[j] = rec.term
+                    if rec.term > self._term:
+                        self._begin_term(rec)
+                elif isinstance(rec, IterationRecord) and self._terms.get(j, 0) == self._term:
                     self._done.setdefault(j, set()).add(rec.iteration)
                     self._recent.setdefault(j, deque(maxlen=self._window)).append(rec)
         done = self.done

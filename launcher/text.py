@@ -9,11 +9,11 @@ summaries of several modes side by side. The small formatters below it (`format_
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from common.spec import MODES
 from launcher.summary import THREAD_GROUPS, RunSummary
-from trainer.records import BYTE_KINDS
+from trainer.records import BYTE_KINDS, TermRecord
 
 MB = 1e6
 
@@ -135,4 +135,13 @@ def compare_bytes(summaries: Mapping[str, RunSummary]) -> str:
         per = [s.bytes_per_iter.get(k, math.nan) / s.trainers / MB for k in BYTE_KINDS]
         lines.append(f"{name:<14}" + "".join(f"{format_number(v, ',.3f'):>12}" for v in per)
                      + f"{format_number(sum(per), ',.3f'):>10}")
+    return "\n".join(lines)
+
+
+def format_terms(terms: Sequence[TermRecord]) -> str:
+    """An elastic run's terms: how many trainers trained from which iteration (the summary
+    above is the last term's)."""
+    lines = ["trainers over the run (the summary above is of the last term):"]
+    for t in terms:
+        lines.append(f"  term {t.term}: {t.trainers} trainer(s) from iteration {t.first_iteration}")
     return "\n".join(lines)

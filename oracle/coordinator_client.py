@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
-from common.errors import TimedOut, Unauthorized, Unavailable
+from common.errors import Regrouped, TimedOut, Unauthorized, Unavailable
 from common.spec import TOKEN_ENV, ClusterSpec, Endpoint
 from common.transport import Tls, TransportKind, connect_client
 from common.transport.retry import RetryBudget
@@ -31,6 +32,7 @@ from oracle.protocol import (
     COMPLETE_CHECKPOINT,
     DENSE,
     HEALTH,
+    PRESENCE,
     REGISTER,
     REGISTER_HOLD_S,
     RESUME_POINT,
@@ -38,6 +40,8 @@ from oracle.protocol import (
     DenseCheckpoint,
     DenseRequest,
     Joined,
+    Presence,
+    PresenceAnswer,
     Registration,
     ResumePoint,
     Role,
@@ -46,6 +50,8 @@ from oracle.protocol import (
 )
 
 log = logging.getLogger(__name__)
+#: How often a role of an elastic job tells the coordinator it is alive (`Presence`).
+PRESENCE_EVERY_S = 0.5
 
 
 class CoordinatorClient:
@@ -63,10 +69,17 @@ class CoordinatorClient:
         self._client = connect_client(transport, endpoint.host, endpoint.port, token=token,
                                       timeout=REGISTER_HOLD_S + 10, tls=tls)
 
-    async def join(self, role: Role, index: int | None, address: Endpoint) -> Joined:
+    async def join(self, role: Role, index: int | None, address: Endpoint, *,
+                   left: tuple[int, int] | None = None) -> Joined:
         """Register, asking again while the coordinator is unreachable or still waits for
-        the PS shards, for up to `reconnect_s`; then Unavailable naming it."""
-        registration = Registration(role=role, index=index, address=address, fingerprint=self._fingerprint)
+        the PS shards, for up to `reconnect_s`; then Unavailable naming it. `left`: the
+        (term, index) this trainer had in an elastic job that has regrouped since. While an
+        elastic job holds the registration (it regroups, or this trainer waits to join it) it
+        asks again for as long as that lasts."""
+        last_term, last_index = left if left is not None else (None, None)
+        registration = Registration(role=role, index=index, address=address, fingerprint=self._fingerprint,
+                                    last_term=last_term, last_index=last_index,
+                                    nonce=secrets.token_hex(8) if role == "trainer" else None)
         budget = RetryBudget(retries=3, window_s=self.reconnect_s, first_delay_s=0.2)
         while True:
             try:
@@ -75,27 +88,44 @@ class CoordinatorClient:
                 raise Unauthorized(f"the coordinator at {self.endpoint} refused this role's token: "
                                    f"${TOKEN_ENV} must be its job's") from None
             except Unavailable as exc:
+                if exc.fields.get("waiting"):  # held for an elastic job's next term, not unreachable
+                    log.info("coordinator at %s: %s", self.endpoint, exc.message)
+                    budget = RetryBudget(retries=3, window_s=self.reconnect_s, first_delay_s=0.2)
+                    continue
                 if not budget.allows_retry():
                     raise Unavailable(f"the coordinator at {self.endpoint} is unreachable or not ready "
                                       f"after {budget.waited_s:.0f} s: {exc.message}") from None
                 log.info("coordinator at %s: %s; asking again", self.endpoint, exc.message)
                 await budget.wait()
 
-    async def watch(self, reconnect_s: float, every_s: float = 2.0) -> None:
+    async def watch(self, reconnect_s: float, every_s: float = 2.0, *, presence: Presence | None = None) -> None:
         """Return (as Unavailable) only once the coordinator has been unreachable for
-        `reconnect_s`: a role whose job is gone must not serve for ever."""
+        `reconnect_s`: a role whose job is gone must not serve for ever. With `presence` (a
+        role of an elastic job) it says so every `every_s`, and raises Regrouped once the
+        coordinator says that the role's term is over."""
         lost: float | None = None
         while True:
             await asyncio.sleep(every_s)
             try:
-                # Whether it answers, not what: the health of another version would do.
-                await self._client.call(HEALTH.method, HEALTH.target(), timeout=every_s * 2)
+                if presence is not None:
+                    await self.present(presence, timeout=max(every_s * 2, 1.0))
+                else:  # whether it answers, not what: the health of another version would do
+                    await self._client.call(HEALTH.method, HEALTH.target(), timeout=every_s * 2)
                 lost = None
             except (Unavailable, TimedOut):  # a coordinator too busy to answer in time is lost too
                 lost = lost or time.monotonic()
                 if time.monotonic() - lost >= reconnect_s:
                     raise Unavailable(f"the coordinator at {self.endpoint} has been unreachable for "
                                       f"{reconnect_s:g} s (cluster.reconnect_s)") from None
+
+    async def present(self, presence: Presence, *, timeout: float | None = None) -> None:
+        """Tell the coordinator this role is alive (or cannot go on: `presence.failure`);
+        Regrouped if its term is over."""
+        answer: PresenceAnswer = await ask(self._client, PRESENCE, presence, timeout=timeout)
+        if answer.regroup:
+            now = "is regrouping" if answer.term == presence.term else f"is at term {answer.term}"
+            raise Regrouped(f"the job {now}: {presence.role} {presence.index}'s term {presence.term} is over",
+                            term=answer.term)
 
     async def complete_checkpoint(self, done: DenseCheckpoint) -> tuple[int, ...]:
         """Have the coordinator make checkpoint `done.checkpoint` complete; the complete

@@ -10,6 +10,10 @@ Routes (beside the directive streams of `oracle.service`; their messages are in
   already listens on: the coordinator connects to it before it assigns an index, and until
   a trainer has been given the shards' addresses, a registration whose address no longer
   answers (its shard died) gives way to a live shard that asks for its index.
+* ``POST /v1/presence``: a role of an elastic job is alive in its term (or cannot go on in
+  it); the answer says whether it must start again (`oracle.membership`). A trainer that
+  registers while an elastic job runs and every index is taken waits to join; while the job
+  regroups, every registration waits for the next term.
 * ``GET /v1/eval?trainer=J``: trainer J's share of the held-out rows (every T-th batch from
   the J-th), as framed `common.wire` messages and an end message: trainers never read the
   data.
@@ -30,13 +34,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
-from common.checkpoints import complete_checkpoints, dense_path, is_checkpoint, is_complete, prune, write_manifest
-from common.errors import BadRequest, Conflict, NotFound, StorageFailed, Unavailable, quoted
+from common.checkpoints import (
+    complete_checkpoints,
+    dense_path,
+    is_checkpoint,
+    is_complete,
+    latest_complete,
+    prune,
+    write_manifest,
+)
+from common.errors import BadRequest, Conflict, NotFound, Regrouped, StorageFailed, Unavailable, quoted
 from common.files import write_atomically
 from common.job import Job
+from common.prometheus import Registry as Metrics
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch, held_out_share
 from common.transport import Response, Router, StreamResponse, encode_message
@@ -45,6 +61,7 @@ from oracle.protocol import (
     DENSE,
     EVAL,
     FINISHED,
+    PRESENCE,
     REGISTER,
     REGISTER_HOLD_S,
     RESUME_POINT,
@@ -55,11 +72,14 @@ from oracle.protocol import (
     Finished,
     FinishProgress,
     Joined,
+    Presence,
+    PresenceAnswer,
     Registration,
     ResumePoint,
     add_handlers,
     fingerprint,
 )
+from oracle.membership import Candidate, Decision, Membership, RegroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +161,65 @@ class Registry:
         return tuple(self.ps[i] for i in range(self.counts["ps"]))
 
 
+class HeldTrainers:
+    """The registrations of an elastic job's trainers that wait for a term: each with its
+    candidate key and the future of its index. A trainer asks again when its hold runs out
+    (`REGISTER_HOLD_S`); its registration's nonce makes it the same candidate, so that one
+    chosen meanwhile gets the index it was given. One that stops asking is gone."""
+
+    STALE_S = 10.0  # a held trainer not asking again for this long is gone
+
+    def __init__(self) -> None:
+        self._keys = itertools.count()
+        self._by_nonce: dict[str, int] = {}
+        self._futures: dict[int, asyncio.Future[int]] = {}
+        self._asking: dict[int, int] = {}  # key -> requests waiting on it now
+        self._last: dict[int, float] = {}  # key -> when its last request ended
+
+    def ask(self, reg: Registration) -> tuple[int, asyncio.Future[int], bool]:
+        """(key, future of its index, whether it is a new candidate) for this request."""
+        key = self._by_nonce.get(reg.nonce) if reg.nonce is not None else None
+        fresh = key is None
+        if key is None:
+            key = next(self._keys)
+            if reg.nonce is not None:
+                self._by_nonce[reg.nonce] = key
+            self._futures[key] = asyncio.get_running_loop().create_future()
+        self._asking[key] = self._asking.get(key, 0) + 1
+        return key, self._futures[key], fresh
+
+    def asked(self, key: int) -> None:
+        if key in self._asking:
+            self._asking[key] -= 1
+            self._last[key] = time.monotonic()
+
+    def forget(self, key: int) -> None:
+        """`key` has its index: nothing more to hold."""
+        self._futures.pop(key, None)
+        self._asking.pop(key, None)
+        self._last.pop(key, None)
+        self._by_nonce = {n: k for n, k in self._by_nonce.items() if k != key}
+
+    def place(self, indices: dict[int, int]) -> None:
+        for key, index in indices.items():
+            future = self._futures.get(key)
+            if future is not None and not future.done():
+                future.set_result(index)
+
+    def stale(self, now: float) -> list[int]:
+        """The keys no request has waited on for `STALE_S` (and that have no index): forgotten."""
+        gone = [k for k, f in self._futures.items()
+                if not f.done() and not self._asking.get(k) and now - self._last.get(k, now) >= self.STALE_S]
+        for key in gone:
+            self.forget(key)
+        return gone
+
+    def refuse(self, error: BaseException) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+
 #: How long the coordinator waits for a PS shard's address to accept a connection.
 PROBE_TIMEOUT_S = 3.0
 
@@ -160,45 +239,211 @@ async def _listening(address: Endpoint) -> bool:
 
 class Coordinator:
     """The coordinator's routes for `job`; `start_store` starts the store where the trainers'
-    group meets (once, when the first trainer joins): the store and its address."""
+    group meets (once, when the first trainer joins): the store and its address.
+
+    An elastic job (`oracle.membership`) changes `job` at each regroup: `regrouping` is set
+    when one begins, `next_term` waits for its decision, and `begin_term` opens the term the
+    oracle then plans for, answering the registrations it held."""
 
     def __init__(self, job: Job, *, start_store: Callable[[], tuple[object, Endpoint]],
-                 resumed_from: int | None = None) -> None:
+                 resumed_from: int | None = None, metrics: Metrics | None = None) -> None:
         spec = job.spec
         self.job = job
         self.resumed_from = resumed_from
+        self.metrics = metrics or Metrics()
         self._start_store = start_store
         self._store: tuple[object, Endpoint] | None = None
         self._store_lock = asyncio.Lock()
+        self._fingerprint = fingerprint(spec.document)  # the spec as given, whatever the term's count
+        self.membership = None if not spec.trainers.elastic else Membership(
+            trainers=spec.trainers.count, min_count=spec.trainers.min_count, max_count=spec.trainers.max_count,
+            batch_size=spec.train.batch_size, rejoin_timeout_s=spec.cluster.rejoin_timeout_s,
+            give_up_s=spec.cluster.reconnect_s, resumed_from=resumed_from,
+        )
+        self.regrouping = asyncio.Event()  # a regroup has begun (elastic jobs)
+        self.failed = asyncio.Event()  # an elastic job cannot go on: `failure` says why
+        self.failure: BaseException | None = None
+        self._decided: asyncio.Future[Decision] | None = None
+        self._term_open = asyncio.Event()  # set while no regroup is under way
+        self._term_open.set()
+        self._waiting = HeldTrainers()
+        self._open_term()
+
+    def _open_term(self) -> None:
+        spec = self.job.spec
         self.registry = Registry(num_shards=spec.ps.num_shards, num_trainers=spec.trainers.count,
-                                 fingerprint=fingerprint(spec.document))
+                                 fingerprint=self._fingerprint)
         self._ps_ready = asyncio.Event()  # set while every PS shard is registered
         self._addresses_given = False  # a trainer has been told where the shards are
         self._finished: set[int] = set()
         self.finished = asyncio.Event()  # every trainer has said it is done
 
+    @property
+    def term(self) -> int:
+        return 0 if self.membership is None else self.membership.term.number
+
     def add_routes(self, router: Router) -> None:
         add_handlers(router, {
             REGISTER: self.register, EVAL: self.eval, FINISHED: self.trainer_finished,
             COMPLETE_CHECKPOINT: self.checkpoint_complete, RESUME_POINT: self.resume_point, DENSE: self.dense_state,
+            PRESENCE: self.presence,
         })
 
     async def register(self, reg: Registration) -> Joined:
         ps: tuple[Endpoint, ...] = ()
         store = None
         if reg.role == "trainer":  # answered once it can train; registered only then
+            if self.membership is not None:
+                reg = dataclasses.replace(reg, index=await self._place(reg))
             self.registry.check(reg)
             ps = await self._wait_for_ps()
             store = await self._trainer_store()
         else:
+            await self._wait_for_term()
             await self._check_ps(reg)
         index, generation = self.registry.register(reg)
+        if reg.role == "trainer" and self.membership is not None:
+            self.membership.heard(index, time.monotonic())
         log.info("%s %d joined from %s%s", reg.role, index, reg.address,
                  f" (again: {generation} time(s) before)" if generation else "")
         if not self.registry.missing_ps:
             self._ps_ready.set()
         return Joined(index=index, document=self.job.spec.document, facts=self.job.facts, ps=ps,
-                      store=store, generation=generation, resumed_from=self.resumed_from)
+                      store=store, generation=generation, resumed_from=self.resumed_from, term=self.term)
+
+    async def _wait_for_term(self) -> None:
+        """Hold a registration while the job regroups: it belongs to the next term."""
+        try:
+            async with asyncio.timeout(REGISTER_HOLD_S):
+                await self._term_open.wait()
+        except TimeoutError:
+            raise Unavailable("the job is regrouping: ask again", waiting="regroup") from None
+
+    async def _place(self, reg: Registration) -> int:
+        """An elastic job's trainer: a free index of the term (it is forming), else it waits
+        to join, as a spare or for the regroup under way; its index once it has one."""
+        membership = self.membership
+        assert membership is not None
+        if membership.regroup is None and reg.last_term is None:
+            self.registry.check_job(reg)
+            free = [j for j in range(self.job.spec.trainers.count) if ("trainer", j) not in self.registry.joins]
+            if reg.index is not None and reg.index in free:
+                return reg.index
+            if free and reg.index is None:
+                return free[0]
+        key, placed, fresh = self._waiting.ask(reg)
+        if fresh:
+            membership.add(Candidate(key=key, last_term=reg.last_term, last_index=reg.last_index))
+            if membership.regroup is None:
+                log.info("a trainer from %s waits to join at the next checkpoint (%d waiting)", reg.address,
+                         len(membership.waiting))
+        self._try_decide()
+        try:
+            async with asyncio.timeout(REGISTER_HOLD_S):
+                index = await asyncio.shield(placed)
+        except TimeoutError:
+            raise Unavailable("waiting to join the job at its next regroup: ask again", waiting="join") from None
+        finally:
+            self._waiting.asked(key)
+        self._waiting.forget(key)
+        return index
+
+    async def presence(self, seen: Presence) -> PresenceAnswer:
+        membership = self.membership
+        if membership is None:
+            return PresenceAnswer(term=0, regroup=False)
+        current = membership.term.number
+        if seen.term == current and seen.role == "trainer":
+            membership.heard(seen.index, time.monotonic())
+        if seen.term == current and membership.regroup is None and self._term_open.is_set():
+            if seen.failure is not None:
+                self.begin_regroup(f"{seen.role} {seen.index} could not go on: {seen.failure}")
+        regroup = membership.regroup is not None or seen.term != current or not self._term_open.is_set()
+        if regroup and seen.role == "trainer" and seen.term == current:
+            membership.told(seen.index)  # it starts again now
+        return PresenceAnswer(term=current, regroup=regroup)
+
+    def begin_regroup(self, reason: str, gone: tuple[int, ...] = ()) -> None:
+        """Every role of this term starts again; the next term resumes from the latest
+        complete checkpoint as of now."""
+        membership = self.membership
+        assert membership is not None
+        spec = self.job.spec
+        resume_from = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
+        try:
+            membership.begin(reason, resume_from, time.monotonic(), gone)
+        except RegroupFailed as exc:
+            self._fail(exc)
+            return
+        log.warning("regrouping (term %d ends): %s; every role starts again from %s", membership.term.number,
+                    reason, "iteration 0" if resume_from is None else f"checkpoint {resume_from}")
+        self.metrics.inc("regroups_total", help="Times an elastic job regrouped (a trainer left or joined)")
+        self._term_open.clear()
+        self._decided = asyncio.get_running_loop().create_future()
+        self.regrouping.set()
+        self._try_decide()
+
+    def _try_decide(self) -> None:
+        membership = self.membership
+        if membership is None or membership.regroup is None or self._decided is None or self._decided.done():
+            return
+        if self.failure is not None:
+            return
+        try:
+            decision = membership.decide(time.monotonic())
+        except RegroupFailed as exc:
+            self._fail(exc)
+            return
+        if decision is not None:
+            self._decided.set_result(decision)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is not None:
+            return
+        log.error("%s", exc)
+        self.failure = exc
+        self.failed.set()
+        if self._decided is not None and not self._decided.done():
+            self._decided.set_exception(exc)
+
+    async def next_term(self) -> Decision:
+        """The regroup's decision, once it is made (RegroupFailed if none can be)."""
+        assert self._decided is not None
+        return await self._decided
+
+    def begin_term(self, job: Job, decision: Decision) -> None:
+        """Open `decision`'s term for `job` (its trainer count): registrations held for it go
+        on, the trainers it took with their new indices."""
+        change = decision.change
+        self.job, self.resumed_from = job, decision.term.resumed_from
+        self.regrouping.clear()
+        self._open_term()
+        self._term_open.set()
+        log.warning("term %d: %d trainer(s) from iteration %d (regrouped in %.1f s, because %s)", change.term,
+                    change.trainers, change.first_iteration, change.seconds, change.reason)
+        self.metrics.set("trainers", change.trainers, help="Trainers of the current term")
+        self.metrics.set("term", change.term, help="Times the job regrouped")
+        self._waiting.place(decision.indices)
+
+    async def watch_membership(self, every_s: float = 0.25) -> None:
+        """An elastic job's clock: a trainer unheard of for rejoin_timeout_s makes the job
+        regroup without it; a regroup is decided once it may be."""
+        membership = self.membership
+        if membership is None:
+            return
+        while True:
+            await asyncio.sleep(every_s)
+            for key in self._waiting.stale(time.monotonic()):  # it stopped asking: gone
+                membership.remove(key)
+            if membership.regroup is not None:
+                self._try_decide()
+                continue
+            if not self._term_open.is_set() or len(self._finished) == membership.term.trainers:
+                continue
+            silent = membership.silent(time.monotonic())
+            if silent:
+                self.begin_regroup(f"trainer(s) {silent} unheard of for {membership.rejoin_timeout_s:g} s "
+                                   "(cluster.rejoin_timeout_s)", gone=tuple(silent))
 
     async def _check_ps(self, reg: Registration) -> None:
         """BadRequest unless a shard listens at `reg`'s address; before any trainer knows
@@ -258,15 +503,22 @@ class Coordinator:
         if trainer >= trainers:
             raise BadRequest(f"trainer must be in 0..{trainers - 1}, got {trainer}", field="trainer")
         self._finished.add(trainer)
+        if self.membership is not None:
+            self.membership.finished(trainer)
         log.info("trainer %d finished (%d of %d)", trainer, len(self._finished), trainers)
         if len(self._finished) == trainers:
             self.finished.set()
+            self._waiting.refuse(Conflict("the job has finished before this trainer could join it", finished=True))
         return FinishProgress(finished=len(self._finished))
 
     async def checkpoint_complete(self, done: DenseCheckpoint) -> CheckpointCompleted:
         spec = self.job.spec
         if not (is_checkpoint(done.checkpoint, spec.checkpoint.every) and done.checkpoint < self.job.iterations):
             raise BadRequest(f"{done.checkpoint} is not a checkpoint of this run", field="checkpoint")
+        if not self._term_open.is_set():  # the next term resumes from an earlier one
+            if self.membership is not None:
+                self.membership.told(0)  # trainer 0 sent it, and starts again on this answer
+            raise Regrouped(f"the job is regrouping: checkpoint {done.checkpoint} is not made complete")
         try:
             kept = await asyncio.to_thread(self._complete, done)
         except OSError as exc:
@@ -276,6 +528,8 @@ class Coordinator:
                                 f"{spec.checkpoint.dir}: {exc}", checkpoint=done.checkpoint) from None
         log.info("checkpoint %d complete: %d bytes, %.2f s after its last write was sent",
                  done.checkpoint, done.nbytes, done.seconds)
+        if self.membership is not None and self.membership.wants_to_grow():
+            self.begin_regroup(f"{len(self.membership.waiting)} trainer(s) wait to join")
         return CheckpointCompleted(checkpoint=done.checkpoint, kept=tuple(kept))
 
     def _complete(self, done: DenseCheckpoint) -> list[int]:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 
 from common.checkpoints import latest_complete
 from common.job import Job
+from common.prometheus import Registry
 from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
-from common.spec import Endpoint
-from common.transport import Tls
+from common.spec import Endpoint, with_trainer_count
+from common.transport import Router, Tls
 from oracle.compiled import compile_planner
 from oracle.coordinator_service import Coordinator
+from oracle.membership import RegroupFailed
+from oracle.protocol import ACKNOWLEDGE, HEALTH, METRICS, STREAM, OracleHealth, add_handlers
 from oracle.service import OracleService
 from oracle.startup import build_workload, planner_config
 
@@ -33,45 +37,102 @@ async def run_oracle(
     the plan is a pure function of the data from there, so replanning from it gives the
     trainers (which keep their caches) the very steps they would have had, from wherever
     each one reconnects.
+
+    An elastic job runs in terms (`oracle.membership`): at each regroup the oracle stops
+    planning, and plans again from the checkpoint the next term resumes from, for its
+    trainers; its servers, its coordinator and the trainers' store stay up throughout.
     """
     spec = job.spec
     restarted_alone = first_iteration is not None
     if first_iteration is None:
         checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         first_iteration = 0 if checkpoint is None else checkpoint + 1
-    workload = build_workload(job, start=first_iteration)
-    config = planner_config(job, workload)
-    compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
-    service = OracleService(config, workload, max_ahead=spec.oracle.max_ahead, restarted_alone=restarted_alone)
+    term = Planning(job, first_iteration, restarted_alone=restarted_alone)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
-                              resumed_from=first_iteration - 1 if first_iteration else None)
-    router = service.router()
+                              resumed_from=first_iteration - 1 if first_iteration else None,
+                              metrics=term.service.metrics)
+    router = term.router(coordinator)
     coordinator.add_routes(router)
     servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port, tls=tls)
     for server in servers:
         await server.start()
-    service.start()
+    term.service.start()
+    config, workload = term.service.config, term.service.workload
     log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d (HTTP/1.1 on port %d)%s",
              config.mode, config.lookahead, config.prefetch_lead, config.capacity,
              workload.num_iterations, address.host, servers[0].port, servers[-1].port, " over TLS" if tls else "")
     write_ready_file(ready_file, {"role": "oracle", "host": address.host, "port": servers[0].port,
                                   "http1_port": servers[-1].port, "iterations": workload.num_iterations})
+    membership = asyncio.create_task(coordinator.watch_membership())
     try:
-        assert service.failed is not None
-        await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait())
-        if service.failed.done():
-            raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
-        if coordinator.finished.is_set():
-            service.final_scrape.finish()
-            linger = spec.cluster.metrics_linger_s
-            if linger and not await service.final_scrape.wait(linger):
-                log.info("no scrape read the final metrics within metrics_linger_s = %g s", linger)
-            log.info("every trainer has finished: the oracle exits")
+        while True:
+            service = term.service
+            assert service.failed is not None
+            await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait(),
+                           coordinator.regrouping.wait(), coordinator.failed.wait())
+            if coordinator.failure is not None:
+                raise SystemExit(f"oracle: {coordinator.failure}")
+            if coordinator.regrouping.is_set() and not coordinator.finished.is_set():
+                try:
+                    await term.regroup(coordinator)
+                except RegroupFailed as exc:
+                    raise SystemExit(f"oracle: {exc}") from None
+                continue
+            if service.failed.done():
+                raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
+            if coordinator.finished.is_set():
+                service.final_scrape.finish()
+                linger = spec.cluster.metrics_linger_s
+                if linger and not await service.final_scrape.wait(linger):
+                    log.info("no scrape read the final metrics within metrics_linger_s = %g s", linger)
+                log.info("every trainer has finished: the oracle exits")
+            return
     finally:
-        service.stop()
+        membership.cancel()
+        term.service.stop()
         for server in servers:
             await server.stop()
+
+
+class Planning:
+    """The planner service of the current term, behind routes that stay: a regroup replaces
+    the service (`regroup`), not the servers."""
+
+    def __init__(self, job: Job, first_iteration: int, *, restarted_alone: bool = False,
+                 metrics: Registry | None = None) -> None:
+        workload = build_workload(job, start=first_iteration)
+        config = planner_config(job, workload, every_count=metrics is None)  # a regroup's job was checked
+        compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
+        self.service = OracleService(config, workload, max_ahead=job.spec.oracle.max_ahead,
+                                     restarted_alone=restarted_alone, registry=metrics)
+
+    def router(self, coordinator: Coordinator) -> Router:
+        router = Router()
+        add_handlers(router, {
+            STREAM: lambda ask: self.service.stream(ask),
+            ACKNOWLEDGE: lambda ack: self.service.acknowledge(ack),
+            HEALTH: lambda _: self._health(coordinator),
+            METRICS: lambda _: self.service.render_metrics(None),
+        })
+        return router
+
+    async def _health(self, coordinator: Coordinator) -> OracleHealth:
+        health = await self.service.health(None)
+        return dataclasses.replace(health, term=coordinator.term)
+
+    async def regroup(self, coordinator: Coordinator) -> None:
+        """Stop planning; once the regroup is decided, plan its term."""
+        old = self.service
+        old.stop()  # its streams end: the trainers of the ending term start again
+        decision = await coordinator.next_term()
+        job = dataclasses.replace(coordinator.job, spec=with_trainer_count(coordinator.job.spec,
+                                                                            decision.term.trainers))
+        first = 0 if decision.term.resumed_from is None else decision.term.resumed_from + 1
+        following = await asyncio.to_thread(Planning, job, first, metrics=old.metrics)
+        self.service = following.service
+        self.service.start()
+        coordinator.begin_term(job, decision)
 
 
 def trainer_store(host: str) -> tuple[object, Endpoint]:

@@ -80,6 +80,9 @@ class _JsonMessage:
 
     NAME: ClassVar[str]
     CONTENT_TYPE: ClassVar[str] = JSON
+    #: Fields added later (an elastic job's): written only when they differ from their
+    #: default, so that a message that does not use them has the bytes it always had.
+    ADDED: ClassVar[frozenset[str]] = frozenset()
 
     def to_wire(self) -> bytes:
         return orjson.dumps(self._to_json())
@@ -92,7 +95,8 @@ class _JsonMessage:
         return cls._from_json(payload)
 
     def _to_json(self) -> dict[str, Any]:
-        return {f.name: self._field_to_json(f.name, getattr(self, f.name)) for f in fields(self)}
+        return {f.name: self._field_to_json(f.name, getattr(self, f.name)) for f in fields(self)
+                if f.name not in self.ADDED or getattr(self, f.name) != f.default}
 
     @classmethod
     def _from_json(cls, payload: dict[str, Any]) -> Self:
@@ -124,13 +128,26 @@ class Registration(_JsonMessage):
     refused."""
 
     NAME: ClassVar[str] = "registration"
+    ADDED: ClassVar[frozenset[str]] = frozenset({"last_term", "last_index", "nonce"})
 
     role: Role
     index: int | None = None
     address: Endpoint
     fingerprint: str | None = None
+    # A trainer of an elastic job registering again after its job regrouped: the term it
+    # left and its index there (its place in the next term goes by that index).
+    last_term: int | None = None
+    last_index: int | None = None
+    # The same for every attempt of one process: a trainer that asks again while an elastic
+    # job holds its registration is known as the one it held.
+    nonce: str | None = None
 
     def __post_init__(self) -> None:
+        _check_optional_count(self, "last_term")
+        _check_optional_count(self, "last_index")
+        nonce = self.nonce
+        ok = nonce is None or (isinstance(nonce, str) and 0 < len(nonce) <= 64)
+        _check(self, ok, "nonce", "must be a string of 1 to 64 characters or null, got %r", nonce)
         roles = get_args(Role)
         _check(self, self.role in roles, "role", "must be 'ps' or 'trainer', got %r", self.role)
         index = self.index
@@ -155,6 +172,7 @@ class Joined(_JsonMessage):
     """The answer to a `Registration`: who this role is and everything it needs to run."""
 
     NAME: ClassVar[str] = "join answer"
+    ADDED: ClassVar[frozenset[str]] = frozenset({"term"})
 
     index: int
     document: dict[str, Any]  # the spec, as the oracle parsed it from its TOML file
@@ -163,9 +181,10 @@ class Joined(_JsonMessage):
     store: Endpoint | None  # the trainers' rendezvous store (trainers)
     generation: int  # how many times this index joined before: a restart's fresh group key
     resumed_from: int | None = None  # the checkpoint this run resumed from (`--resume`)
+    term: int = 0  # how many times the job regrouped before (`oracle.membership`)
 
     def __post_init__(self) -> None:
-        _check_counts(self, "index", "generation")
+        _check_counts(self, "index", "generation", "term")
         _check(self, isinstance(self.document, dict), "document", "must be an object, got %r", self.document)
         _check(self, isinstance(self.facts, DataFacts), "facts", "must be DataFacts, got %r", self.facts)
         ps = self.ps
@@ -200,6 +219,43 @@ class Joined(_JsonMessage):
         """The job, its spec rebuilt from the document; the data is never opened."""
         source = Path(f"coordinator-{coordinator.host}-{coordinator.port}.toml")
         return job_from_facts(parse_spec(self.document, source), self.facts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Presence(_JsonMessage):
+    """A role of an elastic job is alive in term `term` (``POST /v1/presence``, about twice
+    a second); `failure`: it cannot go on in that term (a trainer whose collective failed),
+    which makes the job regroup at once."""
+
+    NAME: ClassVar[str] = "presence"
+
+    role: Role
+    index: int
+    term: int
+    failure: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self, self.role in get_args(Role), "role", "must be 'ps' or 'trainer', got %r", self.role)
+        _check_counts(self, "index", "term")
+        _check(self, self.failure is None or isinstance(self.failure, str), "failure",
+               "must be a string or null, got %r", self.failure)
+        if self.failure is not None:
+            object.__setattr__(self, "failure", clipped(self.failure))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PresenceAnswer(_JsonMessage):
+    """The coordinator's current term, and whether the role that asked must start again
+    (its term is over, or the job is regrouping)."""
+
+    NAME: ClassVar[str] = "presence answer"
+
+    term: int
+    regroup: bool
+
+    def __post_init__(self) -> None:
+        _check_counts(self, "term")
+        _check(self, type(self.regroup) is bool, "regroup", "must be a boolean, got %r", self.regroup)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,17 +319,19 @@ class OracleHealth(_JsonMessage):
     """That the oracle answers (public: probes, curl), and how far it has planned."""
 
     NAME: ClassVar[str] = "health"
+    ADDED: ClassVar[frozenset[str]] = frozenset({"term"})
 
     role: str
     mode: str
     trainers: int
     iterations: int  # of the whole run
     planned: int  # iterations whose directives are final
+    term: int = 0  # how many times the job regrouped (an elastic job)
 
     def __post_init__(self) -> None:
         _check(self, isinstance(self.role, str), "role", "must be a string, got %r", self.role)
         _check(self, isinstance(self.mode, str), "mode", "must be a string, got %r", self.mode)
-        _check_counts(self, "trainers", "iterations", "planned")
+        _check_counts(self, "trainers", "iterations", "planned", "term")
 
 
 # --------------------------------------------------------------------------- binary bodies
@@ -436,11 +494,13 @@ FINISHED = Route(method="POST", path="/v1/finished", request=Finished, response=
 COMPLETE_CHECKPOINT = Route(method="POST", path="/v1/checkpoint", request=DenseCheckpoint, response=CheckpointCompleted)
 RESUME_POINT = Route(method="GET", path="/v1/checkpoint", response=ResumePoint)
 DENSE = Route(method="GET", path="/v1/dense", request=DenseRequest)  # torch.save's bytes
+PRESENCE = Route(method="POST", path="/v1/presence", request=Presence, response=PresenceAnswer)
 
 #: What `oracle.service` serves.
 SERVICE_ROUTES: tuple[Route, ...] = (STREAM, ACKNOWLEDGE, HEALTH, METRICS)
 #: What `oracle.coordinator_service` serves.
-COORDINATOR_ROUTES: tuple[Route, ...] = (REGISTER, EVAL, FINISHED, COMPLETE_CHECKPOINT, RESUME_POINT, DENSE)
+COORDINATOR_ROUTES: tuple[Route, ...] = (REGISTER, EVAL, FINISHED, COMPLETE_CHECKPOINT, RESUME_POINT, DENSE,
+                                         PRESENCE)
 ROUTES: tuple[Route, ...] = SERVICE_ROUTES + COORDINATOR_ROUTES
 
 Answer = Response | StreamResponse

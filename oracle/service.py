@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.data.dataset import Dataset
-from common.errors import ConfigError
+from common.errors import BagpipeError, ConfigError
 from common.keys import TableLayout
 from common.prometheus import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
@@ -249,15 +249,27 @@ class OracleService:
         self.streams_open[trainer] += 1
         try:
             x = start
-            while (message := await self.buffer.get(trainer, x)) is not None:
+            while (message := await self._next(trainer, x)) is not None:
                 self.buffer.handing(trainer, x)
                 yield message
                 self.buffer.retain_from(x + 1 - self.max_ahead)
                 self.metrics.inc("steps_sent_total", labels={"trainer": str(trainer)}, help="Steps streamed")
                 x += 1
-            yield encode_message(EndOfStream(iterations=x).to_wire())
+            if not self._stop.is_set():
+                yield encode_message(EndOfStream(iterations=x).to_wire())
         finally:
             self.streams_open[trainer] -= 1
+
+    async def _next(self, trainer: int, x: int) -> bytes | None:
+        """Step x of `trainer`'s stream; None at the end, or once planning stops (an elastic
+        job's regroup: the stream just ends, without an end message)."""
+        assert self.buffer is not None
+        try:
+            return await self.buffer.get(trainer, x)
+        except BagpipeError:
+            if self._stop.is_set():
+                return None
+            raise
 
     def acknowledge(self, ack: StreamAck) -> Response:
         """Trainer J has received every step before `next` (answered at once, without a

@@ -12,6 +12,7 @@ import numpy as np
 from common.data.dataset import open_dataset
 from common.errors import ConfigError
 from common.job import Job
+from common.spec import with_trainer_count
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
 from oracle.service import Workload
 
@@ -30,9 +31,10 @@ def build_workload(job: Job, start: int = 0) -> Workload:
     )
 
 
-def planner_config(job: Job, workload: Workload) -> PlannerConfig:
-    """The planner's parameters from the spec; fails at start-up when C cannot work."""
-    check_capacity(job)
+def planner_config(job: Job, workload: Workload, *, every_count: bool = True) -> PlannerConfig:
+    """The planner's parameters from the spec; fails at start-up when C cannot work (for
+    every trainer count an elastic job may have, unless not `every_count`: a regroup's)."""
+    (check_capacity if every_count else check_trainer_capacity)(job)
     config = PlannerConfig(**_planner_fields(job, workload.start))
     if config.mode != "static-cache":
         return config
@@ -45,6 +47,17 @@ def planner_config(job: Job, workload: Workload) -> PlannerConfig:
 
 
 def check_capacity(job: Job) -> None:
+    """`check_trainer_capacity` for the job's trainer count, and for an elastic job's every
+    other count that divides the batch: a regroup must never find C too small."""
+    trainers = job.spec.trainers
+    counts = [trainers.count] + [t for t in range(trainers.min_count, trainers.max_count + 1)
+                                 if t != trainers.count and job.spec.train.batch_size % t == 0]
+    for count in counts:
+        check_trainer_capacity(job if count == trainers.count else
+                               dataclasses.replace(job, spec=with_trainer_count(job.spec, count)))
+
+
+def check_trainer_capacity(job: Job) -> None:
     """The capacity rule (docs/design.md#rule-4-capacity, #modes): ConfigError naming `oracle.cache_rows` and
     the C this run needs. The launcher calls it before it starts any role, the oracle before
     it plans; it judges the whole run, also when resuming, so that both always agree.
@@ -55,6 +68,8 @@ def check_capacity(job: Job) -> None:
     With P planner workers each worker's share of C must hold its keys' part of them: the
     safe bound is P x (B/T) x F, and the pass finds P x the largest part.
     """
+    elastic = f" at {job.spec.trainers.count} trainer(s), a count this elastic job may come to" \
+        if job.spec.trainers.elastic else ""
     config = PlannerConfig(**_planner_fields(job, 0))  # checks each field (C where used)
     bound = capacity_bound(config, job.spec.train.batch_size, job.layout.num_tables)  # and B
     if config.mode == "local":
@@ -74,7 +89,7 @@ def check_capacity(job: Job) -> None:
         workers = f" with oracle.planner_workers = {config.workers}" if config.workers > 1 else ""
         raise ConfigError(
             "oracle.cache_rows",
-            f"C = {config.capacity} cannot hold one iteration's rows{workers}: this data needs C >= {need}",
+            f"C = {config.capacity} cannot hold one iteration's rows{workers}{elastic}: this data needs C >= {need}",
         )
 
 

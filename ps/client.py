@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from common.errors import BagpipeError, Conflict, Restarted, TimedOut, Unavailable, WireError
+from common.errors import BagpipeError, Conflict, Regrouped, Restarted, TimedOut, Unavailable, WireError
 from common.keys import split_by_shard
 from common.spec import Endpoint, Transport
 from common.transport import Tls, connect_client
@@ -88,6 +88,7 @@ class PsClient:
         trainers: int = 0,
         tls: Tls | None = None,
         coordinator: Endpoint | None = None,
+        term: int = 0,
     ) -> None:
         """`coordinator`: where the shards joined, if they did (the recovery commands this
         client's errors give then go through it). `resumed_from`: the checkpoint this client's run resumed from (-1: none), which
@@ -98,6 +99,7 @@ class PsClient:
             raise ValueError(f"trainer {trainer} is not in 0..{trainers - 1}")
         self.endpoints = tuple(endpoints)
         self.coordinator = coordinator
+        self.term = term
         self.trainer = trainer
         self.trainers = trainers
         self.dim = dim
@@ -284,6 +286,8 @@ class PsClient:
                         await self._rejoin(shard, known)
                 except (Unavailable, TimedOut):
                     continue  # down, or restarting: look again later
+                except Regrouped:
+                    raise  # this trainer's term is over
                 except BagpipeError as exc:  # the next request to that shard meets it too
                     log.error("cannot rejoin PS shard %d: %s", shard, exc.message)
                     given_up.add(shard)
@@ -313,8 +317,14 @@ class PsClient:
             return known
 
     async def _status(self, shard: int) -> ShardStatus:
+        """Shard `shard`'s status; Regrouped when it serves another term of an elastic job
+        (this client's is over: nothing it holds may be written to that shard)."""
         body = await self._clients[shard].call(STATUS.method, STATUS.path, timeout=self.timeout_s)
-        return ShardStatus.from_wire(body)
+        status = ShardStatus.from_wire(body)
+        if status.term != self.term:
+            raise Regrouped(f"PS shard {shard} at {self.endpoints[shard]} serves term {status.term} of the job, "
+                            f"this trainer's is {self.term}", shard=shard)
+        return status
 
     async def _rejoin(self, shard: int, seen: str) -> None:
         """Shard `shard` restarted since `seen`: replay this client's journal to it and, for

@@ -8,12 +8,21 @@ from pathlib import Path
 
 from common.addresses import listen_on, serve_address
 from common.checkpoints import latest_complete
-from common.errors import ConfigError
+from common.errors import ConfigError, Regrouped
 from common.job import Job
-from common.runtime import configure_logging, first_of, make_servers, wait_for_stop_signal, write_ready_file
+from common.runtime import (
+    NEXT_TERM_DROPS,
+    configure_logging,
+    first_of,
+    make_servers,
+    restart_process,
+    wait_for_stop_signal,
+    write_ready_file,
+)
 from common.spec import Endpoint
 from common.transport import Tls
-from oracle.coordinator_client import CoordinatorClient
+from oracle.coordinator_client import PRESENCE_EVERY_S, CoordinatorClient
+from oracle.protocol import Presence
 from ps.checkpoint import remove_after, remove_leftovers
 from ps.relaunch import shard_command
 from ps.startup import build_service, restore_checkpoint, restore_own_latest, start_fresh
@@ -36,6 +45,7 @@ async def run_ps(
     resumed_from: int | None = None,
     listener: socket.socket | None = None,
     tls: Tls | None = None,
+    presence: Presence | None = None,
 ) -> None:
     """Serve shard `index` on `address` (default: the spec's) until the run's final snapshot
     is saved (then it exits by itself, so a batch job completes), or SIGTERM/SIGINT, or
@@ -59,6 +69,7 @@ async def run_ps(
     if fresh and (resume or rejoin):
         raise ConfigError("--fresh", "starts a new run: it cannot be combined with --resume or --rejoin")
     service = build_service(job, index, rejoin=rejoin)
+    service.term = 0 if presence is None else presence.term
     remove_leftovers(service.checkpoint_dir)
     if rejoin:
         restore_own_latest(service)
@@ -94,7 +105,8 @@ async def run_ps(
     try:
         ends = [wait_for_stop_signal(), service.finished.wait()]
         if coordinator is not None:
-            ends.append(coordinator.watch(spec.cluster.reconnect_s))
+            every_s = 2.0 if presence is None else PRESENCE_EVERY_S
+            ends.append(coordinator.watch(spec.cluster.reconnect_s, every_s, presence=presence))
         await first_of(*ends)
         if service.finished.is_set():
             linger = spec.cluster.metrics_linger_s
@@ -127,10 +139,19 @@ async def join_and_run_ps(
         job = joined.job(coordinator.endpoint)
         # A shard follows the coordinator: it resumes when the run does, from the same checkpoint.
         resume = resume or (joined.resumed_from is not None and not rejoin)
+        if joined.term and joined.resumed_from is None:  # an elastic job regrouped before its first checkpoint
+            resume, rejoin, fresh = False, False, True
         tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
-        await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
-                     fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
-                     resumed_from=joined.resumed_from, listener=listener, tls=tls)
+        elastic = job.spec.trainers.elastic
+        presence = Presence(role="ps", index=joined.index, term=joined.term) if elastic else None
+        try:
+            await run_ps(job, joined.index, token=token, resume=resume, ready_file=ready_file, rejoin=rejoin,
+                         fresh=fresh, admin_port=admin_port, address=address, coordinator=coordinator,
+                         resumed_from=joined.resumed_from, listener=listener, tls=tls, presence=presence)
+        except Regrouped as exc:
+            log.warning("%s: this shard starts again for the next term", exc.message)
+            listener.close()
+            restart_process(drop={**NEXT_TERM_DROPS, "--index": True}, add=("--index", str(joined.index)), env={})
     finally:
         listener.close()  # closed by its server already, when one served it
 

@@ -415,9 +415,10 @@ class ShardStatus(_JsonMessage):
     checkpoints: tuple[int, ...]  # the snapshots on the shard's disk, oldest first
     # Restarted alone: the trainers whose `Rejoined` it still waits for before serving fetches.
     rejoin_waits_for: tuple[int, ...] = ()
+    term: int = 0  # an elastic job's term this shard serves (`oracle.membership`)
 
     def __post_init__(self) -> None:
-        _check_non_negative(self, "shard", "num_shards", "rows", "dim")
+        _check_non_negative(self, "shard", "num_shards", "rows", "dim", "term")
         _check_types(self, incarnation=str, restored=int, max_version=int, last_checkpoint=int)
         _check(self, self.restored >= -1, "restored must be >= -1, got %s", self.restored)
         _check_int_list(self, "checkpoints")

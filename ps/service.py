@@ -103,6 +103,7 @@ class PsService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._counters: dict[str, _OpCounters] = {}  # per op ("fetch", ...), made on first use
         self.incarnation = secrets.token_hex(8)
+        self.term = 0  # an elastic job's term: its trainers' clients refuse a shard of another
         self.restored = -1  # the checkpoint the rows descend from: a trainer's replay needs it
         self.finished = asyncio.Event()  # set once the run's final snapshot is saved
         self.final_scrape = FinalScrape()
@@ -357,6 +358,7 @@ class PsService:
             last_checkpoint=self.store.last_checkpoint,
             checkpoints=tuple(list_checkpoints(self.checkpoint_dir)),
             rejoin_waits_for=self.rejoin_waits_for,
+            term=self.term,
         )
 
     async def render_metrics(self, request: Request) -> Response:

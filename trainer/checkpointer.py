@@ -10,7 +10,9 @@ from io import BytesIO
 
 import torch
 
-from common.errors import BagpipeError
+from collections.abc import Callable
+
+from common.errors import BagpipeError, Regrouped
 from common.job import Job
 from oracle.coordinator_client import CoordinatorClient
 from oracle.protocol import DenseCheckpoint
@@ -32,9 +34,13 @@ class Checkpointer:
     checkpoint still holds."""
 
     def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None,
-                 coordinator: CoordinatorClient, records: RecordWriter) -> None:
+                 coordinator: CoordinatorClient, records: RecordWriter,
+                 on_regrouped: Callable[[Regrouped], None] | None = None) -> None:
+        """`on_regrouped`: called (on the I/O thread) when the coordinator refuses a
+        checkpoint because the job regroups: an elastic job's term is over."""
         self.job, self.rank, self.io, self.ps, self.records = job, rank, io, ps, records
         self.coordinator = coordinator
+        self.on_regrouped = on_regrouped
         self._dense: dict[int, bytes] = {}  # checkpoint -> its dense state, until complete
         self._reports: list[concurrent.futures.Future] = []
         self._oldest_kept = -1  # the oldest complete checkpoint kept: the shards prune below it
@@ -71,6 +77,11 @@ class Checkpointer:
         done = DenseCheckpoint(checkpoint=c, dense=dense, nbytes=nbytes, seconds=seconds)
         try:
             kept = await self.coordinator.complete_checkpoint(done)
+        except Regrouped as exc:
+            log.warning("checkpoint %d is not complete: %s", c, exc.message)
+            if self.on_regrouped is not None:
+                self.on_regrouped(exc)
+            return
         except BagpipeError as exc:
             log.error("checkpoint %d is incomplete: the coordinator did not record it: %s", c, exc.message)
             return

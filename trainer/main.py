@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from common.addresses import address_towards
-from common.errors import ConfigError
+from common.errors import ConfigError, Conflict, Regrouped
 from common.job import Job
-from common.runtime import configure_logging
+from common.runtime import LEFT_TERM_ENV, NEXT_TERM_DROPS, configure_logging, restart_process
 from common.spec import Endpoint
 from common.transport import Tls, run
-from oracle.coordinator_client import CoordinatorClient
-from oracle.protocol import Joined
+from oracle.coordinator_client import PRESENCE_EVERY_S, CoordinatorClient
+from oracle.protocol import Joined, Presence
 from ps.client import PsClient
 from trainer.checkpointer import Checkpointer, resume_point
 from trainer.collectives import Collectives, Rendezvous, close_collectives, init_collectives, peers_unreachable
@@ -29,7 +32,7 @@ from trainer.engine import Engine
 from trainer.evaluation import MetricAccumulator
 from trainer.final import finish_run
 from trainer.io_thread import IoThread
-from trainer.records import MetricsRecord, RecordWriter, ThreadsRecord, trainer_log_path
+from trainer.records import MetricsRecord, RecordWriter, TermRecord, ThreadsRecord, trainer_log_path
 from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
 from trainer.reporting import dense_gradient_bytes, iteration_record, record_eval
 from trainer.scrape import TrainerMetrics, serve
@@ -53,11 +56,14 @@ class Peers:
 
 def run_trainer(
     job: Job, rank: int, *, token: str, peers: Peers, run_dir: Path, resume: bool = False, tls: Tls | None = None,
+    presence: Presence | None = None,
 ) -> None:
     """Train until the oracle's stream ends; with `resume`, from the latest complete
     checkpoint (dense state from it, empty cache, directives from the next iteration). With
     `tls`, every connection to the oracle and the PS shards, and the metrics port, is TLS;
-    the collectives (gloo, NCCL) are not HTTP and stay as they are (docs/operations.md)."""
+    the collectives (gloo, NCCL) are not HTTP and stay as they are (docs/operations.md).
+    `presence`: a trainer of an elastic job, which tells the coordinator it is alive and
+    starts again for the next term as soon as the coordinator says its term is over."""
     spec = job.spec
     world = spec.trainers.count
     torch.set_num_threads(spec.trainers.threads)
@@ -70,6 +76,7 @@ def run_trainer(
     metrics = TrainerMetrics(rank)
     ps_client = None
     watcher: concurrent.futures.Future | None = None
+    present: concurrent.futures.Future | None = None
     scrapes = None
     try:
         scrapes = io.run(serve(metrics, spec, token, tls))
@@ -91,13 +98,22 @@ def run_trainer(
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
                 resumed_from=-1 if resumed_from is None else resumed_from,
                 trainer=rank, trainers=world, tls=tls, coordinator=peers.oracle if peers.joined else None,
+                term=0 if presence is None else presence.term,
             )
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
-        checkpoints = Checkpointer(job, rank, io, ps_client, coordinator, records)
+        if presence is not None:
+            # Whatever the training thread waits for (a collective, a fetch), the term's end
+            # ends this process: the next term starts from a checkpoint, as after a kill.
+            present = io.submit(coordinator.watch(spec.cluster.reconnect_s, PRESENCE_EVERY_S, presence=presence))
+            present.add_done_callback(lambda done: done.cancelled() or start_next_term(presence, done.exception()))
+        checkpoints = Checkpointer(job, rank, io, ps_client, coordinator, records,
+                                   on_regrouped=None if presence is None else partial(start_next_term, presence))
         rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
         engine = build_engine(job, device, comm, rows, model, on_checkpoint_written=checkpoints.report)
         start = resume_point(job, engine, io, coordinator, resumed_from) if resume else 0
+        if presence is not None:
+            records.write(TermRecord(term=presence.term, trainers=world, first_iteration=start, time=time.time()))
         stream = DirectiveStream(
             io, peers.oracle, token=token, transport=spec.cluster.transport, trainer=rank,
             start=start, retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
@@ -131,6 +147,8 @@ def run_trainer(
         # it to exit to report the error), so no step here can block for long.
         if watcher is not None:
             watcher.cancel()
+        if present is not None:
+            present.cancel()
         if ps_client is not None:
             with contextlib.suppress(Exception):
                 io.run(ps_client.close(), timeout=5)
@@ -154,15 +172,28 @@ def join_and_run_trainer(
         index = int(environ["RANK"])
     host = address_towards(coordinator.endpoint.host)
 
-    async def join() -> Joined:
+    left = _left_term(environ)
+
+    async def join() -> Joined | None:
         try:
-            return await coordinator.join("trainer", index, Endpoint(host=host, port=0))
+            return await coordinator.join("trainer", None if left else index, Endpoint(host=host, port=0), left=left)
+        except Conflict as exc:
+            if not exc.fields.get("finished"):
+                raise
+            log.info("%s: nothing to do", exc.message)  # a spare of an elastic job that ended
+            return None
         finally:
             await coordinator.close()
 
     joined = run(join())
+    if joined is None:
+        return
     configure_logging(f"trainer[{joined.index}]")
     job = joined.job(coordinator.endpoint)
+    elastic = job.spec.trainers.elastic
+    if torchrun and elastic:
+        raise ConfigError("trainers.min_count", "an elastic job's trainers meet at the coordinator's store, "
+                                                "whose membership changes at each regroup: start them without torchrun")
     if torchrun and int(environ["WORLD_SIZE"]) != job.spec.trainers.count:
         raise ConfigError("WORLD_SIZE", f"is {environ['WORLD_SIZE']}, but the job has "
                                         f"trainers.count = {job.spec.trainers.count}")
@@ -174,12 +205,50 @@ def join_and_run_trainer(
         # The store listens beside the coordinator, wherever it bound: reach it as we reach the
         # coordinator (its own name for its host may be a wildcard such as 0.0.0.0).
         store = Endpoint(host=coordinator.endpoint.host, port=joined.store.port)
-        rendezvous = Rendezvous(store=store, prefix=f"bagpipe/{joined.generation}/")
+        rendezvous = Rendezvous(store=store, prefix=f"bagpipe/t{joined.term}/{joined.generation}/")
     peers = Peers(oracle=coordinator.endpoint, ps=joined.ps, rendezvous=rendezvous, joined=True)
     tls = None if coordinator.tls is None else coordinator.tls.following(job.spec.cluster.tls)
-    # A trainer follows the coordinator: it resumes when the run does.
-    run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
-                resume=resume or joined.resumed_from is not None, tls=tls)
+    presence = Presence(role="trainer", index=joined.index, term=joined.term) if elastic else None
+    try:
+        # A trainer follows the coordinator: it resumes when the run does.
+        run_trainer(job, joined.index, token=token, peers=peers, run_dir=run_dir or Path("runs") / job.spec.name,
+                    resume=resume or joined.resumed_from is not None, tls=tls, presence=presence)
+    except Exception as exc:
+        if presence is None:
+            raise
+        log.exception("trainer %d cannot go on in term %d", joined.index, joined.term)
+        reporter = CoordinatorClient(coordinator.endpoint, token=token, transport=job.spec.cluster.transport,
+                                     tls=coordinator.tls)
+        start_next_term(presence, exc, coordinator=reporter)
+
+
+def _left_term(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(term, index) this process had before it started again for an elastic job's next term."""
+    raw = environ.get(LEFT_TERM_ENV)
+    if not raw:
+        return None
+    term, _, index = raw.partition(":")
+    if not (term.isdigit() and index.isdigit()):
+        raise ConfigError(LEFT_TERM_ENV, f"must be TERM:INDEX, got {raw!r}")
+    return int(term), int(index)
+
+
+def start_next_term(presence: Presence, failure: BaseException | None,
+                    coordinator: CoordinatorClient | None = None) -> NoReturn:
+    """End this trainer's term: tell the coordinator why, if it failed (the job regroups at
+    once), then start again as a fresh process that registers for the next term."""
+    if coordinator is not None and failure is not None and not isinstance(failure, Regrouped):
+        reason = f"{type(failure).__name__}: {failure}".splitlines()[0]
+
+        async def report() -> None:
+            with contextlib.suppress(Exception):
+                await coordinator.present(dataclasses.replace(presence, failure=reason), timeout=5)
+            await coordinator.close()
+
+        with contextlib.suppress(Exception):
+            run(report())
+    restart_process(drop={**NEXT_TERM_DROPS, "--index": True},
+                    env={LEFT_TERM_ENV: f"{presence.term}:{presence.index}"})
 
 
 def _train(

@@ -30,7 +30,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeAlias
@@ -212,10 +212,25 @@ class ThreadsRecord(_Codec):
     cpu: dict[str, float] = field(hash=False)
 
 
-Record: TypeAlias = IterationRecord | EvalRecord | CheckpointRecord | FinalRecord | MetricsRecord | ThreadsRecord
+@dataclass(frozen=True, kw_only=True)
+class TermRecord(_Codec):
+    """A trainer of an elastic job starts term `term` (`oracle.membership`): `trainers` train
+    from `first_iteration`, and this trainer's records after it are that term's. The
+    iterations from `first_iteration` that an earlier term trained were lost with it."""
+
+    kind: ClassVar[str] = "term"
+
+    term: int
+    trainers: int
+    first_iteration: int
+    time: float
+
+
+Record: TypeAlias = (IterationRecord | EvalRecord | CheckpointRecord | FinalRecord | MetricsRecord | ThreadsRecord
+                     | TermRecord)
 _KINDS: Mapping[str, type[_Codec]] = {
     cls.kind: cls
-    for cls in (IterationRecord, EvalRecord, CheckpointRecord, FinalRecord, MetricsRecord, ThreadsRecord)
+    for cls in (IterationRecord, EvalRecord, CheckpointRecord, FinalRecord, MetricsRecord, ThreadsRecord, TermRecord)
 }
 
 #: The integer counters of an `IterationRecord` that every record carries.
@@ -369,6 +384,38 @@ class RecordTail:
         self._offset += consumed
         self._line += lines
         return records
+
+
+def last_term(records_by_trainer: Mapping[int, Sequence[Record]]) -> TermRecord | None:
+    """The last term an elastic run's trainers started (None: not an elastic run)."""
+    terms = [r for records in records_by_trainer.values() for r in records if isinstance(r, TermRecord)]
+    return max(terms, key=lambda r: r.term, default=None)
+
+
+def terms_of(records_by_trainer: Mapping[int, Sequence[Record]]) -> list[TermRecord]:
+    """Every term of an elastic run once, in order (the first trainer's record of each)."""
+    first: dict[int, TermRecord] = {}
+    for records in records_by_trainer.values():
+        for r in records:
+            if isinstance(r, TermRecord) and (r.term not in first or r.time < first[r.term].time):
+                first[r.term] = r
+    return [first[t] for t in sorted(first)]
+
+
+def within_last_term(records_by_trainer: Mapping[int, Sequence[Record]]) -> dict[int, list[Record]]:
+    """An elastic run's records as if its last term had been the whole run: its trainers
+    only, each with the records it wrote after it started that term (a run summary lines up
+    the iterations of one set of trainers, and a process's CPU counts from its own start).
+    A run with no term records is as it is."""
+    last = last_term(records_by_trainer)
+    if last is None:
+        return {j: list(records) for j, records in records_by_trainer.items()}
+    out: dict[int, list[Record]] = {}
+    for j, records in records_by_trainer.items():
+        starts = [k for k, r in enumerate(records) if isinstance(r, TermRecord) and r.term == last.term]
+        if j < last.trainers:
+            out[j] = list(records[starts[-1] + 1:]) if starts else []
+    return out
 
 
 class RunTail:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from common.spec import Endpoint, load_spec, parse_spec
+from common.spec import Endpoint, load_spec, parse_spec, with_trainer_count
 
 SRC = Path("/tmp/specs/demo.toml")
 
@@ -74,6 +74,13 @@ def test_values_are_read_and_typed() -> None:
         ({"trainers": {"metrics_address": "9400"}}, "trainers.metrics_address"),
         ({"trainers": {"count": 4, "metrics_address": "h:65533"}}, "trainers.metrics_address"),
         ({"cluster": {"metrics_linger_s": -1}}, "cluster.metrics_linger_s"),
+        ({"cluster": {"rejoin_timeout_s": 0}}, "cluster.rejoin_timeout_s"),
+        ({"trainers": {"count": 2, "min_count": 3}}, "trainers.min_count"),
+        ({"trainers": {"count": 2, "min_count": 0}}, "trainers.min_count"),
+        ({"trainers": {"count": 2, "max_count": 1}}, "trainers.max_count"),
+        ({"trainers": {"count": 2, "max_count": 4}}, "trainers.min_count"),  # elastic without checkpoints
+        ({"trainers": {"count": 2, "max_count": 4, "metrics_address": "h:65534"}, "checkpoint": {"every": 5}},
+         "trainers.metrics_address"),
         ({"train": {"batch_size": 10}, "trainers": {"count": 3}}, "train.batch_size"),
         ({"train": {"epochs": True}}, "train.epochs"),
         ({"checkpoint": {"restart": "yes"}}, "checkpoint.restart"),
@@ -149,3 +156,15 @@ def test_bad_cluster_tls_fields_are_named(tls: object, field: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_spec({"cluster": {"tls": tls}}, SRC)
     assert caught.value.field == field
+
+
+def test_an_elastic_job_goes_on_with_another_count_and_its_document_says_so() -> None:
+    spec = parse_spec({"trainers": {"count": 2, "min_count": 1, "max_count": 4}, "checkpoint": {"every": 5},
+                       "train": {"batch_size": 12}}, SRC)
+    assert spec.trainers.elastic and not parse_spec({}, SRC).trainers.elastic
+    smaller = with_trainer_count(spec, 1)
+    assert (smaller.trainers.count, smaller.trainers.min_count, smaller.trainers.max_count) == (1, 1, 4)
+    assert parse_spec(smaller.document, SRC).trainers == smaller.trainers  # what joined roles are sent
+    assert spec.document["trainers"]["count"] == 2  # the original is left alone
+    with pytest.raises(ConfigError, match="train.batch_size: 12 is not divisible by trainers.count = 5"):
+        with_trainer_count(spec, 5)

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from common.errors import BadRequest, Unavailable, WireError
+from common.errors import BadRequest, Regrouped, Unavailable, WireError
 from common.job import DataFacts
 from common.spec import Endpoint
 from common.steps import EndOfStream, EvalBatch
@@ -32,6 +32,7 @@ from oracle.protocol import (
     FINISHED,
     HEALTH,
     METRICS,
+    PRESENCE,
     REGISTER,
     RESUME_POINT,
     ROUTES,
@@ -45,6 +46,8 @@ from oracle.protocol import (
     FinishProgress,
     Joined,
     OracleHealth,
+    Presence,
+    PresenceAnswer,
     Registration,
     ResumePoint,
     Route,
@@ -362,6 +365,7 @@ class FakeOracle:
             COMPLETE_CHECKPOINT: lambda done: CheckpointCompleted(checkpoint=done.checkpoint, kept=(done.checkpoint,)),
             RESUME_POINT: lambda _: ResumePoint(resumed_from=4),
             DENSE: lambda ask: Response(body=b"dense state %d" % ask.checkpoint),
+            PRESENCE: lambda seen: PresenceAnswer(term=seen.term + (seen.failure is not None), regroup=bool(seen.failure)),
         }
         assert set(answers) == set(ROUTES)
         router = Router()
@@ -431,6 +435,9 @@ def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
                 await coordinator.resumed_from(),
                 await coordinator.dense_state(4),
             )
+            await coordinator.present(Presence(role="trainer", index=0, term=2))
+            with pytest.raises(Regrouped, match="trainer 0's term 2 is over"):
+                await coordinator.present(Presence(role="trainer", index=0, term=2, failure="a collective failed"))
             with contextlib.suppress(TimeoutError):  # it polls health for as long as it answers
                 await asyncio.wait_for(coordinator.watch(reconnect_s=5, every_s=0.01), 0.5)
             await coordinator.close()
