@@ -125,10 +125,11 @@ def job_in(folder: Path, name: str, iterations: int, every: int, alone: bool, sm
     return build_job(load_spec(spec_path))
 
 
-def uninterrupted(iterations: int, every: int, out: Path, smoke: bool) -> float:
-    folder = out / "uninterrupted"
+def uninterrupted(iterations: int, every: int, folder: Path, smoke: bool, *, runs: int = 2) -> float:
+    """The run's length without a kill, in `folder`: the last of `runs` runs (the first
+    starts the launcher's zygotes, which every later run of this process finds warm)."""
     job = job_in(folder, "recovery", iterations, every, True, smoke)
-    return run_cluster(job, folder / "run", token=TOKEN).seconds
+    return [run_cluster(job, folder / "run", token=TOKEN).seconds for _ in range(runs)][-1]
 
 
 def same_final_model(job: Job, folder: Path, reference: Path) -> bool:
@@ -183,11 +184,15 @@ class ElasticWatch:
                                            start_new_session=True)
 
     def registered(self) -> float:
-        """When the new trainer's registration reached the oracle (its log says so)."""
-        found = _LOG_TIME.search((self.run_dir / "logs" / "oracle.log").read_bytes())
-        if found is None:
+        """When the new trainer's registration reached the oracle, after the kill (its log,
+        which earlier runs in this folder appended to, says so)."""
+        assert self.killed is not None
+        log = (self.run_dir / "logs" / "oracle.log").read_bytes()
+        times = [datetime.strptime(m.decode(), "%Y-%m-%d %H:%M:%S,%f").timestamp() for m in _LOG_TIME.findall(log)]
+        after = [t for t in times if t >= self.killed]
+        if not after:
             raise SystemExit("the new trainer never registered")
-        return datetime.strptime(found.group(1).decode(), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        return after[0]
 
 
 def measure_elastic(iterations: int, every: int, kill_at: int, out: Path, baseline_s: float, smoke: bool) -> list[dict]:
@@ -276,12 +281,13 @@ def main() -> int:
     roles = (args.roles or ("ps-0" if args.smoke else "ps-0,oracle,trainer-1")).split(",")
     cases = [(role, alone) for role, alone in CASES if role in roles][: 1 if args.smoke else None]
     out = args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench") / NAME)
-    baseline_s = uninterrupted(iterations, every, out, args.smoke)
+    baseline_s = uninterrupted(iterations, every, out / "uninterrupted", args.smoke, runs=1 if args.smoke else 2)
     rows = [measure(role, alone, iterations, every, kill_at, out, baseline_s, args.smoke) for role, alone in cases]
     if not (args.smoke or args.no_elastic):
         # Three times as long: after the kill and the regroup, a new trainer must still start,
         # register and wait for a checkpoint before the run ends.
-        rows += measure_elastic(3 * iterations, every, iterations // 3 + 2, out, 3 * baseline_s, args.smoke)
+        elastic_baseline_s = uninterrupted(3 * iterations, every, out / "uninterrupted-elastic", args.smoke, runs=1)
+        rows += measure_elastic(3 * iterations, every, iterations // 3 + 2, out, elastic_baseline_s, args.smoke)
     print(f"\nkill -9 once both trainers finished iteration {kill_at} of {iterations}, checkpoint every {every} iterations, T = 2, S = 2; "
           f"the run takes {baseline_s:.1f} s uninterrupted")
     print(f"{'restarted':<26} {'killed after':>12} {'kill -> first new iter':>23} {'time lost':>10} "
@@ -298,7 +304,13 @@ def main() -> int:
     if any(r["restarted"].startswith("elastic") for r in rows):
         print(f"elastic: kill -> the first iteration with T - 1 (rejoin_timeout_s = {ELASTIC_REJOIN_S:g} s); "
               "registration -> the first with T + 1 (it waits for the next checkpoint); time lost is the "
-              "whole elastic run's against the uninterrupted one")
+              f"whole elastic run's against an uninterrupted one of {3 * iterations} iterations")
+    alone = {r["role"]: r["recovery_s"] for r in rows if r["restarted"].endswith("alone")}
+    every_role = {r["role"]: r["recovery_s"] for r in rows if r["restarted"].startswith("every role")}
+    for role in sorted(set(alone) & set(every_role)):
+        if alone[role] is not None and every_role[role] is not None:
+            print(f"{role} restarted alone recovers {every_role[role] / alone[role]:.1f}x faster than every role "
+                  f"restarted from the checkpoint ({alone[role]:.2f} s against {every_role[role]:.2f} s)")
     figures = {"iterations": iterations, "every": every, "uninterrupted_s": baseline_s, "roles": rows}
     config = config_of(args, iterations=iterations, every=every, kill_at=kill_at, roles=roles, cases=cases,
                        out=out, job=sections(iterations, every, out, True, smoke=args.smoke))
