@@ -15,8 +15,9 @@ them (P = 1 against 2 at the largest T, wall time: `planner_speedup_p2`, and the
 `planner_hit_rate_drop_p2`); where it does not, both are null.
 
 Memory is read from /proc of a process that does nothing else: the oracle's planner (T = 2,
-global batch 256, L = 200, D = 8, C = 32,768, the settings of `bench/e2e.py --batch 256`) over
-a long stream, RSS against the distinct keys read so far (counted by this process, from the
+global batch 2,048 (1,024 with --quick; `--oracle-batch`), L = 200, D = 8, C = 32,768, a
+checkpoint every 1,000 iterations) over a long stream (20,000 iterations, 6,000 with --quick;
+`--oracle-iterations`), RSS against the distinct keys read so far (counted by this process, from the
 same seeded stream) and `oracle_rss_growth_mb_per_1k`, the least-squares slope of RSS over
 the stream's second half per 1,000 iterations; a `ShardStore` (d 16, one state float) whose
 touched rows grow, at random keys and at consecutive ones, RSS above the fresh store's.
@@ -37,6 +38,7 @@ cores). `--smoke`: T = 2, 4 on 60 iterations of 32-sample batches, 60 oracle ite
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import multiprocessing as mp
 import statistics
@@ -80,6 +82,7 @@ class Size:
     iterations: int  # of the planner runs against T
     oracle_iterations: int
     oracle_every: int  # the oracle's RSS is read every this many iterations
+    oracle_batch: int  # the oracle's global batch (2 trainers)
     shard_rows: int  # the ShardStore's table
     touched: tuple[int, ...]  # rows touched at each RSS reading
     checkpoint_rows: tuple[int, ...]
@@ -87,11 +90,11 @@ class Size:
 
 
 SIZES = {
-    "full": Size((2, 4, 8, 16, 32), 256, 120, 20_000, 1000, 1 << 23, tuple(1 << k for k in range(12, 24, 2)),
+    "full": Size((2, 4, 8, 16, 32), 256, 120, 20_000, 1000, 2048, 1 << 23, tuple(1 << k for k in range(12, 24, 2)),
                  tuple(1 << k for k in range(14, 23, 2)), 5),
-    "quick": Size((2, 4, 8, 16), 256, 80, 6000, 500, 1 << 22, tuple(1 << k for k in range(12, 23, 2)),
+    "quick": Size((2, 4, 8, 16), 256, 80, 6000, 500, 1024, 1 << 22, tuple(1 << k for k in range(12, 23, 2)),
                   tuple(1 << k for k in range(14, 21, 2)), 3),
-    "smoke": Size((2, 4), 32, 60, 60, 20, 1 << 16, (1 << 10, 1 << 12, 1 << 14), (1 << 10, 1 << 12), 1),
+    "smoke": Size((2, 4), 32, 60, 60, 20, 256, 1 << 16, (1 << 10, 1 << 12, 1 << 14), (1 << 10, 1 << 12), 1),
 }  # fmt: skip
 
 
@@ -210,31 +213,37 @@ def _rss_mb() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _oracle_batches(iterations: int) -> Any:
+#: The oracle's stream: global batches of this many rows (2 trainers), a checkpoint every
+#: this many iterations (what a complete checkpoint makes safe, the planner may forget).
+ORACLE_CHECKPOINT_EVERY = 1000
+
+
+def _oracle_batches(iterations: int, batch: int) -> Any:
     rng = np.random.default_rng(1)
-    return (criteo_like(rng, 256, TABLE_SIZES) for _ in range(iterations))
+    return (criteo_like(rng, batch, TABLE_SIZES) for _ in range(iterations))
 
 
-def _oracle_rss(iterations: int, every: int, out: mp.Queue) -> None:
+def _oracle_rss(iterations: int, every: int, batch: int, out: mp.Queue) -> None:
     """The oracle's planner over a long stream: its RSS every `every` iterations."""
-    config = PlannerConfig(num_trainers=2, lookahead=200, prefetch_lead=8, capacity=32_768)
+    config = PlannerConfig(num_trainers=2, lookahead=200, prefetch_lead=8, capacity=32_768,
+                           checkpoint_every=ORACLE_CHECKPOINT_EVERY)
     compile_planner("bagpipe")
     planner = Planner(config)
     rss = []
-    for z, batch in enumerate(_oracle_batches(iterations)):
-        planner.push(batch)
+    for z, keys in enumerate(_oracle_batches(iterations, batch)):
+        planner.push(keys)
         if (z + 1) % every == 0:
             rss.append(_rss_mb())
     out.put(rss)
 
 
-def measure_oracle(iterations: int, every: int) -> dict[str, Any]:
+def measure_oracle(iterations: int, every: int, batch: int) -> dict[str, Any]:
     """RSS against distinct keys read, and its growth per 1,000 iterations over the second half."""
-    child = _start(_oracle_rss, iterations, every)
+    child = _start(_oracle_rss, iterations, every, batch)
     seen = np.zeros(sum(TABLE_SIZES), bool)
     distinct = []
-    for z, batch in enumerate(_oracle_batches(iterations)):  # the child's stream, again, meanwhile
-        seen[batch.reshape(-1)] = True
+    for z, keys in enumerate(_oracle_batches(iterations, batch)):  # the child's stream, again, meanwhile
+        seen[keys.reshape(-1)] = True
         if (z + 1) % every == 0:
             distinct.append(int(seen.sum()))
     rss = _result(*child)
@@ -356,9 +365,13 @@ def plot(series: list[Series], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (under 10 minutes)")
+    parser.add_argument("--oracle-iterations", type=int, help="the oracle's stream length (default: the size's)")
+    parser.add_argument("--oracle-batch", type=int, help="the oracle's global batch (default: the size's)")
     add_result_options(parser, NAME, "T = 2, 4 on short streams, a 64k-row shard")
     args = parser.parse_args()
     size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    size = dataclasses.replace(size, oracle_iterations=args.oracle_iterations or size.oracle_iterations,
+                               oracle_batch=args.oracle_batch or size.oracle_batch)
     compile_planner("bagpipe")  # compile (or load) every kernel outside the timing
     runs = []
     print(f"against T: per-trainer batch {size.per_trainer_batch}, {size.iterations} iterations, L={LOOKAHEAD}, D={LEAD}")
@@ -369,8 +382,9 @@ def main() -> None:
               f"{r.key_uses_per_s / 1e6:>9.2f} {100 * r.hit_rate:>6.1f}", flush=True)
     workers = measure_workers(max(size.trainers), size, size.rounds)
     print(f"planner workers: {workers}" if HAS_WORKERS else "planner workers: absent (no oracle.planner_workers)")
-    oracle = measure_oracle(size.oracle_iterations, size.oracle_every)
-    print(f"oracle RSS over {size.oracle_iterations:,} iterations: {oracle['rss_mb'][0]:.1f} -> "
+    oracle = measure_oracle(size.oracle_iterations, size.oracle_every, size.oracle_batch)
+    print(f"oracle RSS over {size.oracle_iterations:,} iterations of {size.oracle_batch} (a checkpoint every "
+          f"{ORACLE_CHECKPOINT_EVERY:,}), {oracle['distinct_keys'][-1]:,} distinct keys: {oracle['rss_mb'][0]:.1f} -> "
           f"{oracle['rss_mb'][-1]:.1f} MB, {oracle['growth_mb_per_1k']:.2f} MB per 1,000 iterations (second half)")
     shard = {order: _result(*_start(_shard_rss, size.shard_rows, size.touched, order))
              for order in ("random", "consecutive")}
