@@ -47,18 +47,18 @@ async def run_oracle(
     if first_iteration is None:
         checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         first_iteration = 0 if checkpoint is None else checkpoint + 1
-    term = Planning(job, first_iteration, restarted_alone=restarted_alone)
+    planning = Planning(job, first_iteration, restarted_alone=restarted_alone)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
                               resumed_from=first_iteration - 1 if first_iteration else None,
-                              metrics=term.service.metrics)
-    router = term.router(coordinator)
+                              metrics=planning.service.metrics)
+    router = planning.router(coordinator)
     coordinator.add_routes(router)
     servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port, tls=tls)
     for server in servers:
         await server.start()
-    term.service.start()
-    config, workload = term.service.config, term.service.workload
+    planning.service.start()
+    config, workload = planning.service.config, planning.service.workload
     log.info("oracle (%s, L=%d, D=%d, C=%d) serving %d iterations on %s:%d (HTTP/1.1 on port %d)%s",
              config.mode, config.lookahead, config.prefetch_lead, config.capacity,
              workload.num_iterations, address.host, servers[0].port, servers[-1].port, " over TLS" if tls else "")
@@ -67,7 +67,7 @@ async def run_oracle(
     membership = asyncio.create_task(coordinator.watch_membership())
     try:
         while True:
-            service = term.service
+            service = planning.service
             assert service.failed is not None
             await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait(),
                            coordinator.regrouping.wait(), coordinator.failed.wait())
@@ -75,7 +75,7 @@ async def run_oracle(
                 raise SystemExit(f"oracle: {coordinator.failure}")
             if coordinator.regrouping.is_set() and not coordinator.finished.is_set():
                 try:
-                    await term.regroup(coordinator)
+                    await planning.regroup(coordinator)
                 except RegroupFailed as exc:
                     raise SystemExit(f"oracle: {exc}") from None
                 continue
@@ -90,7 +90,7 @@ async def run_oracle(
             return
     finally:
         membership.cancel()
-        term.service.stop()
+        planning.service.stop()
         for server in servers:
             await server.stop()
 
@@ -100,9 +100,11 @@ class Planning:
     the service (`regroup`), not the servers."""
 
     def __init__(self, job: Job, first_iteration: int, *, restarted_alone: bool = False,
-                 metrics: Registry | None = None) -> None:
+                 metrics: Registry | None = None, every_count: bool = True) -> None:
+        """`every_count`: check the capacity rule at every trainer count an elastic job may
+        come to (at start-up; a regroup's count was among them)."""
         workload = build_workload(job, start=first_iteration)
-        config = planner_config(job, workload, every_count=metrics is None)  # a regroup's job was checked
+        config = planner_config(job, workload, every_count=every_count)
         compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
         self.service = OracleService(config, workload, max_ahead=job.spec.oracle.max_ahead,
                                      restarted_alone=restarted_alone, registry=metrics)
@@ -129,7 +131,7 @@ class Planning:
         job = dataclasses.replace(coordinator.job, spec=with_trainer_count(coordinator.job.spec,
                                                                             decision.term.trainers))
         first = 0 if decision.term.resumed_from is None else decision.term.resumed_from + 1
-        following = await asyncio.to_thread(Planning, job, first, metrics=old.metrics)
+        following = await asyncio.to_thread(Planning, job, first, metrics=old.metrics, every_count=False)
         self.service = following.service
         self.service.start()
         coordinator.begin_term(job, decision)
