@@ -190,8 +190,10 @@ async def first_of(*awaitables: Awaitable[Any]) -> None:
 #: index there ("TERM:INDEX"): its place in the next term goes by them.
 LEFT_TERM_ENV = "BAGPIPE_LEFT_TERM"
 #: Flags a role started again for the next term leaves out, and whether each takes a value:
-#: the coordinator says where the next term resumes and which index a trainer has.
-NEXT_TERM_DROPS = {"--resume": False, "--rejoin": False, "--fresh": False, "--first-iteration": True}
+#: the coordinator says where the next term resumes and which index a trainer has (a PS
+#: shard gives its own index again).
+NEXT_TERM_DROPS = {"--resume": False, "--rejoin": False, "--fresh": False, "--first-iteration": True,
+                   "--index": True}
 
 
 def restart_process(*, drop: Mapping[str, bool], add: Iterable[str] = (), env: Mapping[str, str]) -> NoReturn:

@@ -393,19 +393,20 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
         raise ConfigError("trainers.min_count", "an elastic job (min_count or max_count other than count) "
                                                 "needs checkpoints: a change of trainers goes back to the "
                                                 "latest complete one; set [checkpoint] every")
-    if spec.train.batch_size % spec.trainers.count:
-        raise ConfigError(
-            "train.batch_size",
-            f"{spec.train.batch_size} is not divisible by trainers.count = {spec.trainers.count}",
-        )
+    _check_batch_divides(spec.train.batch_size, spec.trainers.count)
     return spec
+
+
+def _check_batch_divides(batch_size: int, trainers: int) -> None:
+    """Each trainer takes an equal slice of the global batch."""
+    if batch_size % trainers:
+        raise ConfigError("train.batch_size", f"{batch_size} is not divisible by trainers.count = {trainers}")
 
 
 def with_trainer_count(spec: ClusterSpec, count: int) -> ClusterSpec:
     """`spec` with `count` trainers (its document too, which joined roles are sent): the job
     an elastic regroup goes on with. ConfigError when `count` does not divide the batch."""
-    if spec.train.batch_size % count:
-        raise ConfigError("train.batch_size", f"{spec.train.batch_size} is not divisible by trainers.count = {count}")
+    _check_batch_divides(spec.train.batch_size, count)
     document = copy.deepcopy(spec.document)
     trainers_table = document.setdefault("trainers", {})
     trainers_table.update(count=count, min_count=spec.trainers.min_count, max_count=spec.trainers.max_count)

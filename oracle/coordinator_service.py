@@ -324,8 +324,8 @@ class Coordinator:
         to join, as a spare or for the regroup under way; its index once it has one."""
         membership = self.membership
         assert membership is not None
+        self.registry.check_job(reg)  # another job's trainer is told so, never held
         if membership.regroup is None and reg.last_term is None:
-            self.registry.check_job(reg)
             free = [j for j in range(self.job.spec.trainers.count) if ("trainer", j) not in self.registry.joins]
             if reg.index is not None and reg.index in free:
                 return reg.index

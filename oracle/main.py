@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from functools import partial
 from pathlib import Path
 
 from common.checkpoints import latest_complete
@@ -16,7 +17,7 @@ from common.transport import Router, Tls
 from oracle.compiled import compile_planner
 from oracle.coordinator_service import Coordinator
 from oracle.membership import RegroupFailed
-from oracle.protocol import ACKNOWLEDGE, HEALTH, METRICS, STREAM, OracleHealth, add_handlers
+from oracle.protocol import HEALTH, OracleHealth, add_handlers
 from oracle.service import OracleService
 from oracle.startup import build_workload, planner_config
 
@@ -110,14 +111,15 @@ class Planning:
                                      restarted_alone=restarted_alone, registry=metrics)
 
     def router(self, coordinator: Coordinator) -> Router:
+        """`OracleService`'s routes, each served by whichever service is current; the health
+        says the coordinator's term too."""
         router = Router()
-        add_handlers(router, {
-            STREAM: lambda ask: self.service.stream(ask),
-            ACKNOWLEDGE: lambda ack: self.service.acknowledge(ack),
-            HEALTH: lambda _: self._health(coordinator),
-            METRICS: lambda _: self.service.render_metrics(None),
-        })
+        handlers = {route: partial(self._serve, name) for route, name in OracleService.HANDLERS.items()}
+        add_handlers(router, {**handlers, HEALTH: lambda _: self._health(coordinator)})
         return router
+
+    def _serve(self, name: str, message: object) -> object:
+        return getattr(self.service, name)(message)
 
     async def _health(self, coordinator: Coordinator) -> OracleHealth:
         health = await self.service.health(None)

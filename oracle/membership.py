@@ -28,7 +28,6 @@ and runs the clock.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from common.errors import BagpipeError
@@ -96,7 +95,6 @@ class Membership:
     term: Term = field(init=False)
     regroup: Regroup | None = None
     waiting: list[Candidate] = field(default_factory=list)
-    changes: list[Change] = field(default_factory=list)
     _heard: dict[int, float] = field(default_factory=dict)
     _told: set[int] = field(default_factory=set)  # trainers of the ending term known to start again
     _finished: set[int] = field(default_factory=set)
@@ -190,8 +188,4 @@ class Membership:
         self.term, self.regroup = term, None
         self._heard = {j: now for j in range(count)}
         self._told, self._finished = set(), set()
-        self.changes.append(change)
         return Decision(term=term, indices={c.key: j for j, c in enumerate(chosen)}, change=change)
-
-    def summary(self) -> list[dict]:
-        return [dataclasses.asdict(c) for c in self.changes]

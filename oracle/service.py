@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -39,7 +40,17 @@ from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
 from oracle.planner import Planner
-from oracle.protocol import ACKNOWLEDGE, HEALTH, METRICS, STREAM, OracleHealth, StreamAck, StreamRequest, add_handlers
+from oracle.protocol import (
+    ACKNOWLEDGE,
+    HEALTH,
+    METRICS,
+    STREAM,
+    OracleHealth,
+    Route,
+    StreamAck,
+    StreamRequest,
+    add_handlers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +155,13 @@ class OracleService:
         self._loop_clock: int | None = None
         self.failed: asyncio.Future[BaseException] | None = None
 
+    #: Each route of `SERVICE_ROUTES` and the method that serves it.
+    HANDLERS: ClassVar[dict[Route, str]] = {STREAM: "stream", ACKNOWLEDGE: "acknowledge", HEALTH: "health",
+                                            METRICS: "render_metrics"}
+
     def router(self) -> Router:
         router = Router()
-        add_handlers(router, {STREAM: self.stream, ACKNOWLEDGE: self.acknowledge, HEALTH: self.health,
-                              METRICS: self.render_metrics})
+        add_handlers(router, {route: getattr(self, name) for route, name in self.HANDLERS.items()})
         return router
 
     def start(self) -> None:

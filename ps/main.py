@@ -151,7 +151,7 @@ async def join_and_run_ps(
         except Regrouped as exc:
             log.warning("%s: this shard starts again for the next term", exc.message)
             listener.close()
-            restart_process(drop={**NEXT_TERM_DROPS, "--index": True}, add=("--index", str(joined.index)), env={})
+            restart_process(drop=NEXT_TERM_DROPS, add=("--index", str(joined.index)), env={})
     finally:
         listener.close()  # closed by its server already, when one served it
 

@@ -247,7 +247,7 @@ def start_next_term(presence: Presence, failure: BaseException | None,
 
         with contextlib.suppress(Exception):
             run(report())
-    restart_process(drop={**NEXT_TERM_DROPS, "--index": True},
+    restart_process(drop=NEXT_TERM_DROPS,
                     env={LEFT_TERM_ENV: f"{presence.term}:{presence.index}"})
 
 

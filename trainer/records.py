@@ -386,12 +386,6 @@ class RecordTail:
         return records
 
 
-def last_term(records_by_trainer: Mapping[int, Sequence[Record]]) -> TermRecord | None:
-    """The last term an elastic run's trainers started (None: not an elastic run)."""
-    terms = [r for records in records_by_trainer.values() for r in records if isinstance(r, TermRecord)]
-    return max(terms, key=lambda r: r.term, default=None)
-
-
 def terms_of(records_by_trainer: Mapping[int, Sequence[Record]]) -> list[TermRecord]:
     """Every term of an elastic run once, in order (the first trainer's record of each)."""
     first: dict[int, TermRecord] = {}
@@ -407,9 +401,10 @@ def within_last_term(records_by_trainer: Mapping[int, Sequence[Record]]) -> dict
     only, each with the records it wrote after it started that term (a run summary lines up
     the iterations of one set of trainers, and a process's CPU counts from its own start).
     A run with no term records is as it is."""
-    last = last_term(records_by_trainer)
-    if last is None:
+    terms = terms_of(records_by_trainer)
+    if not terms:
         return {j: list(records) for j, records in records_by_trainer.items()}
+    last = terms[-1]
     out: dict[int, list[Record]] = {}
     for j, records in records_by_trainer.items():
         starts = [k for k, r in enumerate(records) if isinstance(r, TermRecord) and r.term == last.term]
