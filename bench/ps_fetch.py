@@ -40,7 +40,11 @@ With `--tls` the shard also serves both protocols over TLS (throw-away certifica
 `launcher.certs`) and every measurement runs over TLS too, alternating with plaintext in
 the same run: `tls_http2_MBps`, `tls_http1_MBps`, `small_tls_http2_rps` and so on; and the headline
 case five times more, in clear then over TLS, for the ratios (`tls_http2_ratio`: the
-median of the rounds' TLS / plaintext MB/s, with its range).
+median of the rounds' TLS / plaintext MB/s, with its range), with the CPU seconds per GB
+the client and the shard spent (`cpu_s_per_GB`) and what TLS must cost (`tls_costs`: the
+cipher alone, and TLS through memory BIOs as the event loop runs it): hence the best ratio
+this machine allows while client and shard share its cores (`tls_http2_ratio_bound_aead`,
+`..._memory_bio`).
 
     python bench/ps_fetch.py --quick
     python bench/ps_fetch.py --small-only --rounds 5
@@ -56,6 +60,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import ssl
 import statistics
 import sys
 import tempfile
@@ -144,8 +149,9 @@ def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event, tls_files: TlsS
 async def _fetch_rate(
     port: int, transport: str, dim: int, batch: int, in_flight: int, seconds: float, rows: int,
     tls_files: TlsSection | None = None,
-) -> float:
-    """Row-payload bytes per second fetched by `in_flight` concurrent loops from a shard of `rows`."""
+) -> tuple[float, float]:
+    """Row-payload bytes per second fetched by `in_flight` concurrent loops from a shard of
+    `rows`, and the GB of them."""
     client = PsClient([Endpoint(host="127.0.0.1", port=port)], token=TOKEN, dim=dim, state_width=0,
                       transport=transport, timeout_s=120, tls=_tls(tls_files))
     rng = np.random.default_rng(0)
@@ -157,7 +163,8 @@ async def _fetch_rate(
         elapsed = time.perf_counter() - started
     finally:
         await client.close()
-    return done * batch * dim * 4 / elapsed
+    payload = done * batch * dim * 4
+    return payload / elapsed, payload / 1e9
 
 
 async def _fetch_loops(client: PsClient, keys: list[np.ndarray], deadline: float) -> int:
@@ -200,8 +207,8 @@ def measure(dims: list[int], batches: list[int], in_flight: int, seconds: float,
             for batch in batches:
                 row: dict = {"dim": dim, "rows": batch, "in_flight": in_flight}
                 for (transport, secure), number in port.items():
-                    rate = run(_fetch_rate(number, transport, dim, batch, in_flight, seconds, table_rows,
-                                           tls_files if secure else None))
+                    rate, _ = run(_fetch_rate(number, transport, dim, batch, in_flight, seconds, table_rows,
+                                              tls_files if secure else None))
                     row[f"{_prefix(transport, secure)}_MBps"] = rate / 1e6
                 row["inproc_MBps"] = _take_rate(dim, batch, seconds, table_rows) / 1e6
                 rows.append(row)
@@ -216,7 +223,8 @@ def measure_tls_ratio(rounds: int, in_flight: int, seconds: float, table_rows: i
                       tls_files: TlsSection) -> dict:
     """The headline case (`HEADLINE`) over each protocol in clear then over TLS, `rounds`
     times against one shard: per round the TLS / plaintext ratio of MB/s, so that a machine
-    whose load changes from second to second moves both sides of each ratio alike."""
+    whose load changes from second to second moves both sides of each ratio alike; and the
+    CPU seconds per GB of row payload the client (this process) and the shard spent."""
     dim, batch = HEADLINE[1], HEADLINE[0]
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
@@ -224,22 +232,110 @@ def measure_tls_ratio(rounds: int, in_flight: int, seconds: float, table_rows: i
     server.start()
     port = dict(zip(PORTS, ports.get(timeout=120)))
     ratios: dict[str, list[float]] = {name: [] for name in TRANSPORTS.values()}
+    cpu: dict[str, list[float]] = {}  # "<prefix>_<side>" -> CPU s per GB, one per round
+
+    def fetch(transport: str, secure: bool) -> float:
+        server_cpu, client_cpu = _server_cpu_s(server.pid), time.process_time()
+        rate, gb = run(_fetch_rate(port[(transport, secure)], transport, dim, batch, in_flight, seconds,
+                                   table_rows, tls_files if secure else None))
+        prefix = _prefix(transport, secure)
+        cpu.setdefault(f"{prefix}_client", []).append((time.process_time() - client_cpu) / gb)
+        cpu.setdefault(f"{prefix}_server", []).append((_server_cpu_s(server.pid) - server_cpu) / gb)
+        return rate
+
     try:
         for i in range(rounds):
             for transport, name in TRANSPORTS.items():
-                plain, tls = (run(_fetch_rate(port[(transport, secure)], transport, dim, batch, in_flight, seconds,
-                                              table_rows, tls_files if secure else None)) for secure in (False, True))
+                plain, tls = (fetch(transport, secure) for secure in (False, True))
                 ratios[name].append(tls / plain)
                 print(f"{i:>5} {name:>6}: {plain / 1e6:7.1f} MB/s in clear, {tls / 1e6:7.1f} over TLS: "
                       f"{tls / plain:.2f}", flush=True)
     finally:
         stop.set()
         server.join(30)
-    out = {}
+    out: dict[str, Any] = {}
     for name, values in ratios.items():
         out[f"tls_{name}_ratio"] = statistics.median(values)
         out[f"tls_{name}_ratio_range"] = [min(values), max(values)]
+    out["cpu_s_per_GB"] = {key: statistics.median(values) for key, values in cpu.items()}
+    return out | tls_costs(tls_files, out["cpu_s_per_GB"])
+
+
+#: Bytes the TLS cost measurements push through each side.
+_CIPHER_BYTES = 256 << 20
+#: What the cipher alone is timed on at a time: large enough that Python's cost per call
+#: (a few us) is lost in the cipher's, where TLS seals records of 16 KiB from C.
+_AEAD_CHUNK = 256 << 10
+
+
+def tls_costs(tls_files: TlsSection, cpu_s_per_GB: dict[str, float]) -> dict[str, Any]:
+    """What TLS must cost per GB on this machine, beside what it did cost (`cpu_s_per_GB`).
+
+    `aead`: the cipher alone (`cryptography`'s AES-256-GCM, the suite TLS 1.3 agrees on here,
+    sealing then opening). `memory_bio`: a TLS 1.3 connection between two
+    `ssl.SSLObject`s in this process, the way the event loop's TLS transport runs one (written
+    into memory BIOs, read out into new bytes): encrypting on one side, decrypting on the
+    other. Client and shard share this machine's cores and keep them busy, so the TLS /
+    plaintext ratio cannot exceed plaintext CPU / (plaintext CPU + what TLS adds on both
+    sides): `tls_http2_ratio_bound_aead` with the cipher alone (no copies at all),
+    `..._memory_bio` with the event loop's way of running it."""
+    aead = _aead_s_per_GB()
+    bio = _memory_bio_s_per_GB(Tls.load(tls_files))
+    out: dict[str, Any] = {"tls_aead_s_per_GB": aead, "tls_memory_bio_s_per_GB": bio}
+    for name in TRANSPORTS.values():
+        plain = cpu_s_per_GB[f"{name}_client"] + cpu_s_per_GB[f"{name}_server"]
+        tls = cpu_s_per_GB[f"tls_{name}_client"] + cpu_s_per_GB[f"tls_{name}_server"]
+        out[f"tls_{name}_added_cpu_s_per_GB"] = tls - plain
+        out[f"tls_{name}_ratio_bound_aead"] = plain / (plain + aead["seal"] + aead["open"])
+        out[f"tls_{name}_ratio_bound_memory_bio"] = plain / (plain + bio["encrypt"] + bio["decrypt"])
     return out
+
+
+def _aead_s_per_GB() -> dict[str, float]:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    cipher, nonce = AESGCM(AESGCM.generate_key(bit_length=256)), bytes(12)
+    record = bytes(_AEAD_CHUNK)
+    sealed = cipher.encrypt(nonce, record, None)
+    count = _CIPHER_BYTES // _AEAD_CHUNK
+    started = time.process_time()
+    for _ in range(count):
+        cipher.encrypt(nonce, record, None)
+    middle = time.process_time()
+    for _ in range(count):
+        cipher.decrypt(nonce, sealed, None)
+    ended = time.process_time()
+    return {"seal": (middle - started) / (_CIPHER_BYTES / 1e9), "open": (ended - middle) / (_CIPHER_BYTES / 1e9)}
+
+
+def _memory_bio_s_per_GB(tls: Tls) -> dict[str, float]:
+    to_server, to_client, to_client_wire = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = tls.server("h2").wrap_bio(to_server, to_client, server_side=True)
+    client = tls.client.wrap_bio(to_client_wire, to_server, server_hostname="localhost")
+    for _ in range(8):  # the handshake, to and fro
+        for side in (client, server):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        to_client_wire.write(to_client.read())
+    payload = memoryview(bytes(4 << 20))
+    encrypt = decrypt = 0.0
+    for _ in range(_CIPHER_BYTES // len(payload)):
+        started = time.process_time()
+        server.write(payload)  # an answer of 4 MiB, as a shard's transport is handed one
+        wire = memoryview(to_client.read())
+        middle = time.process_time()
+        for at in range(0, len(wire), 256 << 10):  # the socket's reads, 256 KiB at a time
+            to_client_wire.write(wire[at:at + (256 << 10)])
+            while True:
+                try:
+                    client.read(1 << 20)
+                except ssl.SSLWantReadError:
+                    break
+        encrypt, decrypt = encrypt + middle - started, decrypt + time.process_time() - middle
+    gb = _CIPHER_BYTES / 1e9
+    return {"encrypt": encrypt / gb, "decrypt": decrypt / gb}
 
 
 def _server_cpu_s(pid: int) -> float:
@@ -700,7 +796,14 @@ def headline(figures: dict) -> Table:
             rows += [("16,384 rows x d 64, 8 in flight, TLS", "MB/s", figures["tls_http2_MBps"],
                       figures["tls_http1_MBps"], None),
                      ("16,384 rows x d 64: TLS / plaintext (median of 5 rounds)", "ratio",
-                      figures["tls_http2_ratio"], figures["tls_http1_ratio"], None)]
+                      figures["tls_http2_ratio"], figures["tls_http1_ratio"], None),
+                     ("  TLS's added CPU, client + shard", "s/GB", figures["tls_http2_added_cpu_s_per_GB"],
+                      figures["tls_http1_added_cpu_s_per_GB"], None),
+                     ("  the ratio's bound: the cipher alone, no copies", "ratio",
+                      figures["tls_http2_ratio_bound_aead"], figures["tls_http1_ratio_bound_aead"], None),
+                     ("  the ratio's bound: TLS through memory BIOs", "ratio",
+                      figures["tls_http2_ratio_bound_memory_bio"], figures["tls_http1_ratio_bound_memory_bio"],
+                      None)]
     if tls:
         rows += [(f"{SMALL_KEYS}-key fetches over TLS, reached", "req/s", figures["small_tls_http2_rps"],
                   figures["small_tls_http1_rps"], None),
