@@ -15,9 +15,11 @@ converts (the time to the first batch). Rates are rows per wall second and per C
 of the converting process (a new one, as `launch.py` is: its start, imports and numba's
 cache included), the server its workers fork from and the workers; peak RSS is summed over
 them, sampled every 0.1 s (pages they share count in each; PSS, which splits them, is in
-the JSON). Each
-stage runs `--repeat` times (the sample stages) or once (`--size`) and the table gives the
-median and the spread (lowest to highest rows/s, relative to the median).
+the JSON); `cores_busy` is their CPU seconds per wall second (fewer than the workers: they
+waited, on the disk or on each other). The conversions with 1 and 2 workers run in turn,
+and the speed-up is the median of the pairs' (with its range). Each stage runs `--repeat`
+times (at `--size`, once unless `--repeat` says otherwise) and the table gives the median
+and the spread (lowest to highest rows/s, relative to the median).
 `--smoke`: the sample once (8,000 rows), one run per stage, 10,000 synthetic rows, 40,000
 rows of text.
 """
@@ -342,15 +344,34 @@ def _converted_in_a_process(spec: DataSpec, workers: int, *, first_batch: bool =
 
 def timed_conversion(spec: DataSpec, workers: int, repeat: int) -> dict[str, float | list[float]]:
     """Convert `spec` from nothing `repeat` times with `workers` processes."""
-    runs = [_converted_in_a_process(spec, workers) for _ in range(repeat)]
+    return conversion_stage([_converted_in_a_process(spec, workers) for _ in range(repeat)], workers)
+
+
+def conversion_stage(runs: list[dict], workers: int) -> dict[str, float | list[float]]:
+    """A conversion stage's figures from its runs (`_converted_in_a_process`): medians, and
+    `cores_busy`, the CPU seconds per wall second (below the workers, they waited: on the
+    disk, or on each other)."""
     rates = [r["rows"] / r["seconds"] for r in runs]
     return {
         "rows": runs[0]["rows"], "seconds": statistics.median(r["seconds"] for r in runs), "workers": workers,
         "rows_per_s": statistics.median(rates),
         "rows_per_cpu_s": statistics.median(r["rows"] / r["cpu_s"] for r in runs),
+        "cores_busy": statistics.median(r["cpu_s"] / r["seconds"] for r in runs),
         "rows_per_s_runs": rates, "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "peak_pss_mb": max(r["peak_pss_mb"] for r in runs), "disk_bytes": runs[0]["disk_bytes"],
     }  # fmt: skip
+
+
+def paired_conversions(spec: DataSpec, repeat: int) -> dict[str, dict]:
+    """`spec` converted with 1 worker then 2, `repeat` times in turn, so that a machine whose
+    speed drifts moves both of a pair alike; the speed-up is the median of the pairs'."""
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for _ in range(repeat):
+        for workers, done in runs.items():
+            done.append(_converted_in_a_process(spec, workers))
+    one, two = (conversion_stage(done, workers) for workers, done in runs.items())
+    two["speedups"] = [b["rows"] / b["seconds"] / (a["rows"] / a["seconds"]) for a, b in zip(runs[1], runs[2])]
+    return {"convert criteo text, 1 worker": one, "convert criteo text, 2 workers": two}
 
 
 def first_batch(spec: DataSpec) -> dict[str, float]:
@@ -365,9 +386,7 @@ def run_conversion(tmp: Path, *, rows: int | None, size: int | None, repeat: int
     files, _ = write_criteo_days(tmp / "text", rows=rows, size=size)
     text_bytes = sum(f.stat().st_size for f in files)
     spec = DataSpec(format="criteo", path=str(tmp / "text" / "day_*.tsv"), cache_dir=str(tmp / "cache"))
-    out: dict[str, dict] = {}
-    for workers in (1, 2):
-        out[f"convert criteo text, {workers} worker{'s' * (workers > 1)}"] = timed_conversion(spec, workers, repeat)
+    out = paired_conversions(spec, repeat)
     first = first_batch(spec)
     out["first batch while converting (2 workers)"] = {
         "rows": first["rows"], "seconds": first["first_batch_s"], "rows_per_s": float("nan"),
@@ -454,7 +473,7 @@ def main() -> int:
         results = run(size, repeat, Path(tmp))
         text_rows = SIZES[size][3] if args.size is None else None
         conversion = run_conversion(Path(tmp) / "conversion", rows=text_rows, size=args.size,
-                                    repeat=1 if args.size else repeat, gz=args.size is None)  # fmt: skip
+                                    repeat=(args.repeat or 1) if args.size else repeat, gz=args.size is None)  # fmt: skip
     results |= conversion
     print(f"{'stage':<44}{'rows':>11}{'seconds':>9}{'rows/s':>13}{'rows/cpu-s':>13}{'spread':>14}"
           f"   ({os.cpu_count()} cores, median of {repeat})")  # fmt: skip
@@ -463,7 +482,7 @@ def main() -> int:
               f"{r['rows_per_cpu_s']:>13,.0f}{spread(r):>14}{_mb(r):>10}")  # fmt: skip
     figures = conversion_figures(conversion)
     for key, value in figures.items():
-        print(f"{key}: {value:,.3f}")
+        print(f"{key}: " + (" to ".join(f"{v:,.3f}" for v in value) if isinstance(value, list) else f"{value:,.3f}"))
     copies, epochs, synthetic_rows, text_rows = SIZES[size]
     config = config_of(args, repeat=repeat, sample_copies=copies, read_epochs=epochs, synthetic_rows=synthetic_rows,
                        text_bytes=next(iter(conversion.values()))["text_bytes"])  # fmt: skip
@@ -472,13 +491,15 @@ def main() -> int:
     return 0
 
 
-def conversion_figures(conversion: dict[str, dict]) -> dict[str, float]:
+def conversion_figures(conversion: dict[str, dict]) -> dict[str, float | list[float]]:
     """The figures issue #32 asks of the conversion: rows per CPU-second of one worker, the
     speed-up of two, the peak RSS of all, the time to the first batch."""
     one, two = conversion["convert criteo text, 1 worker"], conversion["convert criteo text, 2 workers"]
     return {
         "convert_rows_per_cpu_s": one["rows_per_cpu_s"], "convert_rows_per_cpu_s_2_workers": two["rows_per_cpu_s"],
-        "convert_speedup_2_workers": two["rows_per_s"] / one["rows_per_s"],
+        "convert_speedup_2_workers": statistics.median(two["speedups"]),
+        "convert_speedup_2_workers_range": [min(two["speedups"]), max(two["speedups"])],
+        "convert_cores_busy": one["cores_busy"], "convert_cores_busy_2_workers": two["cores_busy"],
         "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in conversion.values()),
         "peak_pss_mb": max(r.get("peak_pss_mb", 0.0) for r in conversion.values()),
         "first_batch_s": conversion["first batch while converting (2 workers)"]["seconds"],
@@ -499,10 +520,11 @@ def spread(r: dict) -> str:
 
 
 def headline(results: dict[str, dict]) -> Table:
-    columns = ("stage", "rows", "seconds", "rows/s", "rows/CPU-s", "spread", "peak RSS MB", "on disk MB")
+    columns = ("stage", "rows", "seconds", "rows/s", "rows/CPU-s", "spread", "cores busy", "peak RSS MB",
+               "on disk MB")
     return Table(columns, tuple(
-        (name, r["rows"], r["seconds"], r["rows_per_s"], r["rows_per_cpu_s"], spread(r), r.get("peak_rss_mb"),
-         r["disk_bytes"] / 2**20 if "disk_bytes" in r else None)
+        (name, r["rows"], r["seconds"], r["rows_per_s"], r["rows_per_cpu_s"], spread(r), r.get("cores_busy"),
+         r.get("peak_rss_mb"), r["disk_bytes"] / 2**20 if "disk_bytes" in r else None)
         for name, r in results.items()))  # fmt: skip
 
 
