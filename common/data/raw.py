@@ -65,9 +65,36 @@ class Block:
     error: tuple[int, str] | None = None
 
 
+#: How `dense_transform` rounds, in the settings of a conversion (`conversion_config`): a
+#: cache converted by a version that rounded otherwise (numpy's float32 log1p) is redone.
+DENSE_ROUNDING = "float64-log1p-checked"
+#: Float64 ulps around a float32 rounding midpoint within which `dense_transform` decides in
+#: long double: more than any float64 log1p's error (SVML's and glibc's are within one or two).
+_NEAR_ULPS = 8
+#: A float64's mantissa bits below float32's (29 of them), and their value at a float32
+#: rounding midpoint: the one bit of the first of them.
+_BELOW_FLOAT32, _MIDPOINT = np.int64((1 << 29) - 1), np.int64(1 << 28)
+_SMALLEST_NORMAL32 = float(np.finfo(np.float32).tiny)
+
+
 def dense_transform(values: np.ndarray) -> np.ndarray:
-    """DLRM's dense transform: log(1 + max(x, 0)) in float32 (missing is already 0)."""
-    return np.log1p(np.maximum(values, 0).astype(np.float32))
+    """DLRM's dense transform: log(1 + max(x, 0)) of each value as float32 (missing is already
+    0), the same bits on every CPU.
+
+    numpy picks its log1p by the CPU (SVML on AVX-512, the C library's elsewhere), and their
+    float32 results differ in the last bit: converted data would depend on the machine. So
+    the log is taken in float64, where implementations differ by an ulp or two, and rounded
+    to float32; a result within `_NEAR_ULPS` of a float32 rounding midpoint, which an ulp
+    could round either way, is taken again in long double (x87 here, the same on every
+    x86-64), as is one too small for float32's normal range."""
+    x = np.maximum(values, 0).astype(np.float32)
+    y = np.log1p(x, dtype=np.float64)
+    near = np.abs((y.view(np.int64) & _BELOW_FLOAT32) - _MIDPOINT) <= _NEAR_ULPS
+    near |= (y < _SMALLEST_NORMAL32) & (y > 0)
+    out = y.astype(np.float32)
+    if near.any():
+        out[near] = np.log1p(x[near].astype(np.longdouble)).astype(np.float32)
+    return out
 
 
 def _parse_criteo(block: bytes, skip: bool) -> Block:
