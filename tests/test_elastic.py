@@ -74,13 +74,15 @@ def test_an_elastic_job_shrinks_when_a_trainer_dies_and_grows_when_one_joins(
         assert process.wait(timeout=240) == 0, (name, roles.log(name)[-3000:], roles.log("oracle")[-3000:])
 
     terms = _terms(roles.log("oracle"))
-    assert [(t, n) for t, n, _ in terms] == [(1, 1), (2, 2)], terms
-    (_, _, shrank), (_, _, grew) = terms
-    assert shrank % EVERY == 0 and grew % EVERY == 0 and shrank < grew, terms
+    # A trainer starved of the CPU for rejoin_timeout_s (2 s) on a loaded machine is gone too,
+    # and the job regroups again: later terms may follow, and the reference follows them all.
+    assert [(t, n) for t, n, _ in terms[:2]] == [(1, 1), (2, 2)], terms
+    starts = [x for _, _, x in terms]
+    assert all(x % EVERY == 0 for x in starts) and starts == sorted(starts), terms
     assert "trainer(s) wait to join" in roles.log("oracle")
 
     def slices(x: int) -> int:
-        return 2 if x < shrank else (1 if x < grew else 2)
+        return next((n for _, n, first in reversed(terms) if x >= first), 2)
 
     got = final_model(job, run_dir)
     assert differing_elements(got, as_final(reference_for(job, slices=slices))) == {}
