@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,6 +60,7 @@ from common.data.preprocessed import (
     write_json_atomically,
 )  # fmt: skip
 from common.data.raw import (
+    DENSE_ROUNDING,
     PIECE_BYTES,
     Piece,
     PieceReader,
@@ -96,6 +97,8 @@ def conversion_config(spec: DataSpec) -> dict[str, Any]:
     if spec.format == "parquet":
         config |= {"label_column": spec.label_column, "dense_columns": list(spec.dense_columns),
                    "sparse_columns": list(spec.sparse_columns), "dense_transform": spec.dense_transform}  # fmt: skip
+    if spec.format in ("criteo", "criteo-terabyte") or spec.dense_transform == "log1p":
+        config["dense_rounding"] = DENSE_ROUNDING  # caches whose log1p rounded otherwise are not reused
     return config
 
 
@@ -602,8 +605,13 @@ class Conversion:
     ) -> None:  # fmt: skip
         progress = worker_context().SimpleQueue()
         failure: tuple[int, Failed] | None = None
-        with self._pool(len(todo), progress) as pool:
-            futures: dict[Future[Done | Failed], int] = {pool.submit(work, *jobs[i]): i for i in todo}
+        with self._pool(len(todo), progress) as pool, ThreadPoolExecutor(1) as this_process:
+            # The pool's first submit waits for its workers to start (about a second: an
+            # interpreter, numba's kernels): meanwhile the last job runs here, in a thread
+            # (the kernels release the GIL) that reports as the workers do.
+            own = this_process.submit(work, *jobs[todo[-1]], lambda n_bytes, rows: progress.put((n_bytes, rows)))
+            futures: dict[Future[Done | Failed], int] = {pool.submit(work, *jobs[i]): i for i in todo[:-1]}
+            futures[own] = todo[-1]
             pending = set(futures)
             while pending:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -624,7 +632,7 @@ class Conversion:
                                     f.cancel()
                     else:
                         results[i] = result
-                        self.worker_cpu_s += result.cpu_s
+                        self.worker_cpu_s += 0.0 if future is own else result.cpu_s
                 if on_done is not None and failure is None:
                     on_done(_prefix(results))
                 if self._stop and failure is None:
