@@ -29,7 +29,7 @@ ELASTIC = {
     "trainers": {"count": 2, "min_count": 1, "max_count": 2},
     "checkpoint": {"every": EVERY, "keep": 0},
     "oracle": {"cache_rows": 200},
-    "cluster": {"rejoin_timeout_s": 2, "reconnect_s": 20, "request_timeout_s": 20},
+    "cluster": {"rejoin_timeout_s": 5, "reconnect_s": 20, "request_timeout_s": 20},
     "data": {"format": "synthetic", "rows": 9000, "table_sizes": [50, 200, 1000, 5000], "num_dense": 4,
              "top1_share": 0.5, "eval_fraction": 0.1, "seed": 1},
     "train": {"batch_size": 32, "epochs": 1, "max_iterations": 240},
@@ -74,7 +74,7 @@ def test_an_elastic_job_shrinks_when_a_trainer_dies_and_grows_when_one_joins(
         assert process.wait(timeout=240) == 0, (name, roles.log(name)[-3000:], roles.log("oracle")[-3000:])
 
     terms = _terms(roles.log("oracle"))
-    # A trainer starved of the CPU for rejoin_timeout_s (2 s) on a loaded machine is gone too,
+    # A trainer starved of the CPU for rejoin_timeout_s on a loaded machine is gone too,
     # and the job regroups again: later terms may follow, and the reference follows them all.
     assert [(t, n) for t, n, _ in terms[:2]] == [(1, 1), (2, 2)], terms
     starts = [x for _, _, x in terms]
@@ -128,7 +128,10 @@ def test_a_local_elastic_run_goes_on_without_a_dead_trainer_and_reports_its_term
     assert killed, "trainer 1 was never killed"
     assert (run_dir / JOIN_SCRIPT).stat().st_mode & 0o777 == 0o700
     terms = terms_of(read_run(run_dir, 2))
-    assert [(t.term, t.trainers) for t in terms] == [(0, 2), (1, 1)], terms
+    # As above: on a loaded machine the one trainer left may be unheard of long enough to
+    # regroup again, by itself; nobody joins here, so every later term has it alone.
+    assert [(t.term, t.trainers) for t in terms[:2]] == [(0, 2), (1, 1)], terms
+    assert all(t.trainers == 1 for t in terms[2:]), terms
     shrank = terms[1].first_iteration
     report = orjson.loads((run_dir / "report.json").read_bytes())
     assert report["extra"]["terms"][1] == {"term": 1, "trainers": 1, "first_iteration": shrank}
