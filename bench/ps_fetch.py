@@ -280,7 +280,7 @@ def tls_costs(tls_files: TlsSection, cpu_s_per_GB: dict[str, float]) -> dict[str
     sides): `tls_http2_ratio_bound_aead` with the cipher alone (no copies at all),
     `..._memory_bio` with the event loop's way of running it."""
     aead = _aead_s_per_GB()
-    bio = _memory_bio_s_per_GB(Tls.load(tls_files))
+    bio = _memory_bio_s_per_GB(_tls(tls_files))  # the process's one load of the files
     out: dict[str, Any] = {"tls_aead_s_per_GB": aead, "tls_memory_bio_s_per_GB": bio}
     for name in TRANSPORTS.values():
         plain = cpu_s_per_GB[f"{name}_client"] + cpu_s_per_GB[f"{name}_server"]
