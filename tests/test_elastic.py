@@ -40,7 +40,9 @@ TERM = re.compile(r"term (\d+): (\d+) trainer\(s\) from iteration (\d+)")
 def _iterations_recorded(path: Path) -> int:
     if not path.exists():
         return 0
-    done = [orjson.loads(line)["iteration"] for line in path.read_bytes().splitlines()
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]  # the trainer may be writing its last line
+    done = [orjson.loads(line)["iteration"] for line in complete.splitlines()
             if line.startswith(b'{"kind":"iter"')]
     return max(done, default=0)
 
