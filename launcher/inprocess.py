@@ -4,7 +4,7 @@ Each trainer is a thread running `trainer.startup.build_engine`'s engine over a 
 process group built in this process (ranks meet through an in-memory store), so DDP's
 dense all-reduce and the embedding sync are the collectives a cluster runs. The PS is
 `StoreRows`: the production `ShardStore`s behind a lock, a fetch resolved once its rows
-reach the version it asks for. The oracle is the production `Planner`, run ahead over the
+reach the version it asks for. The oracle is the production planner, run ahead over the
 whole stream. What this leaves out — HTTP/2, the directive stream, processes — the local
 cluster (`launcher.cluster`) has. The equivalence tests run the full mode x model x
 optimizer x T matrix through it in seconds, and `bench/gpu_check.py` runs it on CUDA.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -33,7 +33,7 @@ from common.init import initial_rows
 from common.job import Job
 from common.keys import local_index, shard_of
 from common.steps import Step, trainer_steps
-from oracle.planner import Planner
+from oracle.live import LivePlanner
 from oracle.startup import build_workload, planner_config
 from ps.client import Rows
 from ps.startup import shard_config
@@ -143,12 +143,15 @@ class InProcessRun:
     dense_grads: dict[str, torch.Tensor]  # rank 0's averaged dense gradients of the last step
 
 
-def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu") -> InProcessRun:
+def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu", *,
+                   segment_ends: Iterable[int] = ()) -> InProcessRun:
     """Train `job` (any mode) with its trainers as threads of this process, on one torch
-    thread, on the CPU or (every trainer on the same GPU) CUDA."""
+    thread, on the CPU or (every trainer on the same GPU) CUDA; the plan cut into segments
+    before each iteration of `segment_ends`, as a live stream that ran dry there would be
+    (`oracle.live`)."""
     torch.set_num_threads(1)
     world = job.spec.trainers.count
-    steps = _plan(job)
+    steps = _plan(job, segment_ends)
     local = job.spec.oracle.mode == "local"
     rows = None if local else StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
     groups, background = process_groups(world), process_groups(world, "background")
@@ -180,10 +183,11 @@ def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu") -> InProces
     return InProcessRun(model=FinalModel(dense, table, state), stats=stats, dense_grads=grads)
 
 
-def _plan(job: Job) -> list[list[Step]]:
-    """Every iteration's steps, per trainer, from the production planner."""
+def _plan(job: Job, segment_ends: Iterable[int]) -> list[list[Step]]:
+    """Every iteration's steps, per trainer, from the production planner (cut into segments
+    before each of `segment_ends`)."""
     workload = build_workload(job)
-    planner = Planner(planner_config(job, workload))
+    planner = LivePlanner(planner_config(job, workload), ends=segment_ends)
     batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     steps: list[list[Step]] = []
 
