@@ -77,12 +77,19 @@ class Job:
 def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
     """Parse the role-owned sections and read the data's facts (table sizes the spec leaves
     to the data, the run's length) from the data itself: `dataset`, when the caller has
-    opened it already (the launcher, converting in the background)."""
+    opened it already (the launcher, converting in the background). A stream's
+    (`data.watch`) come from the spec: its sizes, and `train.max_iterations`."""
     from common.data import open_dataset
 
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
-    dataset = dataset or open_dataset(data)
     train = spec.train
+    if data.watch:  # a stream: nothing to open yet; it runs until train.max_iterations
+        from common.data.convert import num_dense_of
+
+        _check_stream_length(train.max_iterations, train.epochs)
+        facts = DataFacts(table_sizes=data.table_sizes, num_dense=num_dense_of(data), iterations=train.max_iterations)
+        return job_from_facts(spec, facts, data=data)
+    dataset = dataset or open_dataset(data)
     total = dataset.num_batches(train.batch_size, train.epochs)
     facts = DataFacts(
         table_sizes=tuple(dataset.table_sizes),
@@ -90,6 +97,16 @@ def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
         iterations=min(total, train.max_iterations) if train.max_iterations else total,
     )
     return job_from_facts(spec, facts, data=data)
+
+
+def _check_stream_length(max_iterations: int, epochs: int) -> None:
+    from common.errors import ConfigError
+
+    if max_iterations < 1:
+        raise ConfigError("train.max_iterations", "a stream (data.watch) has no end of its own: set the "
+                          "iteration it trains until")  # fmt: skip
+    if epochs != 1:
+        raise ConfigError("train.epochs", f"a stream is read once, as its rows arrive: set 1, got {epochs}")
 
 
 def job_from_facts(spec: ClusterSpec, facts: DataFacts, *, data: DataSpec | None = None) -> Job:

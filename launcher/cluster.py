@@ -443,7 +443,8 @@ def run_local_cluster(
     # A source to convert is converted here, before the roles start, as far as training
     # needs to start (its first file); the rest converts while it runs, the roles reading along.
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
-    dataset = open_dataset(data, progress=not quiet, background=True)
+    # (a stream, data.watch, is read by the oracle alone, as its parts arrive)
+    dataset = None if data.watch else open_dataset(data, progress=not quiet, background=True)
     conversion = getattr(dataset, "conversion", None)
     try:
         return _run_local(spec, dataset, conversion, resume=resume, run_dir=run_dir, quiet=quiet, tls=tls)
@@ -452,7 +453,7 @@ def run_local_cluster(
             conversion.stop()  # what it converted is kept: the next run resumes it
 
 
-def _run_local(spec: ClusterSpec, dataset: Dataset, conversion: BackgroundConversion | None, *, resume: bool,
+def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: BackgroundConversion | None, *, resume: bool,
                run_dir: Path | None, quiet: bool, tls: TlsChoice) -> int:  # fmt: skip
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
     from launcher.plots import plot_rss, plot_run, plot_terms

@@ -78,6 +78,18 @@ class StepBuffer:
             self._produced += 1
         self._notify()
 
+    def caught_up(self) -> bool:
+        """Whether every trainer has received every step put so far: at a live stream's
+        edge, the moment to cut the plan (`oracle.live`)."""
+        with self._lock:
+            return self._slowest() >= self._produced
+
+    def wait_caught_up(self, timeout: float) -> bool:
+        """`caught_up`, waiting up to `timeout` seconds for it (or for a failure)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._slowest() >= self._produced or self._error is not None, timeout)
+            return self._error is None and self._slowest() >= self._produced
+
     def fail(self, error: BaseException) -> None:
         with self._lock:
             self._error = error

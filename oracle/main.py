@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from oracle.coordinator_service import Coordinator
 from oracle.membership import RegroupFailed
 from oracle.protocol import HEALTH, OracleHealth, add_handlers
 from oracle.service import OracleService
+from oracle.stream import SegmentLog, stream_folder
 from oracle.startup import build_workload, planner_config
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ async def run_oracle(
     if first_iteration is None:
         checkpoint = latest_complete(spec.checkpoint.dir, spec.ps.num_shards) if resume else None
         first_iteration = 0 if checkpoint is None else checkpoint + 1
+    if not resume and not restarted_alone and job.data.watch:
+        # a fresh run reads its stream from the start, in the order parts come now
+        shutil.rmtree(stream_folder(spec.checkpoint.dir), ignore_errors=True)
     planning = Planning(job, first_iteration, restarted_alone=restarted_alone)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
@@ -107,8 +112,9 @@ class Planning:
         workload = build_workload(job, start=first_iteration)
         config = planner_config(job, workload, every_count=every_count)
         compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
+        segments = SegmentLog(stream_folder(job.spec.checkpoint.dir)) if job.data.watch else None
         self.service = OracleService(config, workload, max_ahead=job.spec.oracle.max_ahead,
-                                     restarted_alone=restarted_alone, registry=metrics)
+                                     restarted_alone=restarted_alone, registry=metrics, segment_log=segments)
 
     def router(self, coordinator: Coordinator) -> Router:
         """`OracleService`'s routes, each served by whichever service is current; the health

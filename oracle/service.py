@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
@@ -39,7 +39,8 @@ from common.steps import EndOfStream, trainer_steps
 from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
-from oracle.planner import Planner
+from oracle.live import LivePlanner
+from oracle.stream import LiveWorkload, SegmentLog
 from oracle.protocol import (
     ACKNOWLEDGE,
     HEALTH,
@@ -91,6 +92,14 @@ class Workload:
 
 
 _KeyBatch = tuple[np.ndarray, np.ndarray, np.ndarray]  # what `Workload.key_batches` yields
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class StreamLag:
+    """How far a live stream's planning is behind its newest arrival."""
+
+    rows: int = 0  # rows taken from the stream and not yet planned
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,11 +139,12 @@ class OracleService:
     def __init__(
         self,
         config: PlannerConfig,
-        workload: Workload,
+        workload: Workload | LiveWorkload,
         *,
         max_ahead: int,
         restarted_alone: bool = False,
         registry: Registry | None = None,
+        segment_log: SegmentLog | None = None,
     ) -> None:
         if config.first_iteration != workload.start:
             raise ConfigError(
@@ -148,12 +158,21 @@ class OracleService:
         self.metrics = registry or Registry()
         self.final_scrape = FinalScrape()  # finished by the coordinator, once every trainer is
         self.progress = PlannerProgress()
+        self.lag = StreamLag()
         self.streams_open = [0] * config.num_trainers  # every open stream, counted or not
         self.buffer: StepBuffer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._loop_clock: int | None = None
         self.failed: asyncio.Future[BaseException] | None = None
+        # a live stream's cuts: those of the plan replayed (restarted alone), logged as made
+        self._segment_log = segment_log
+        self._replayed_ends: list[int] = []
+        if segment_log is not None:
+            if restarted_alone:
+                self._replayed_ends = segment_log.ends_of(workload.start)
+            else:
+                segment_log.begin(workload.start)
 
     #: Each route of `SERVICE_ROUTES` and the method that serves it.
     HANDLERS: ClassVar[dict[Route, str]] = {STREAM: "stream", ACKNOWLEDGE: "acknowledge", HEALTH: "health",
@@ -188,15 +207,20 @@ class OracleService:
 
     def _plan(self) -> None:
         assert self.buffer is not None
-        planner = Planner(self.config)
+        planner = LivePlanner(self.config, ends=self._replayed_ends)
         batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
-            start = self.workload.start
-            for x, (keys, labels, dense) in enumerate(self._read(self.workload.key_batches()), start=start):
-                if self._stop.is_set():
-                    return
-                batches[x] = (labels, dense)
-                self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
+            if isinstance(self.workload, LiveWorkload):
+                self._plan_live(planner, batches)
+            else:
+                start = self.workload.start
+                for x, (keys, labels, dense) in enumerate(self._read(self.workload.key_batches()), start=start):
+                    if self._stop.is_set():
+                        return
+                    batches[x] = (labels, dense)
+                    self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
+            if self._stop.is_set():
+                return
             self._publish(self._timed(planner, planner.finish, 0), batches)
             log.info("planned all %d iterations", self.workload.num_iterations)
         except Exception as exc:
@@ -206,6 +230,40 @@ class OracleService:
             self.failed.get_loop().call_soon_threadsafe(_set_once, self.failed, exc)
         finally:
             planner.close()  # its worker processes, if any (oracle.planner_workers), on stop too
+
+    def _plan_live(self, planner: LivePlanner, batches: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Plan a stream's batches as their rows arrive. Where the next batch has not
+        arrived and every trainer has been handed all there is, the plan is cut
+        (`oracle.live`): the trainers train through what has arrived instead of waiting
+        for the lookahead to fill."""
+        workload = self.workload
+        assert isinstance(workload, LiveWorkload) and self.buffer is not None and self._segment_log is not None
+        for x in range(workload.start, workload.num_iterations):
+            while not workload.arrived(x):
+                if self._stop.is_set():
+                    return
+                if planner.in_segment and self.buffer.caught_up():
+                    self._segment_log.end(planner.read)  # logged before any directive it ends is sent
+                    self._publish(self._timed(planner, planner.end_segment, 0), batches)
+                    continue
+                self._timed_read(workload.refresh)
+                if workload.arrived(x):
+                    break
+                if planner.in_segment:  # wakes as soon as the trainers catch up: then cut
+                    self.buffer.wait_caught_up(workload.poll_s)
+                else:
+                    self._stop.wait(workload.poll_s)
+            keys, labels, dense = self._timed_read(lambda: workload.batch(x))
+            batches[x] = (labels, dense)
+            self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
+            self.lag = StreamLag(rows=workload.source.num_rows - (x + 1) * workload.batch_size)
+
+    def _timed_read(self, read: Callable[[], _T]) -> _T:
+        started = time.thread_time()
+        out = read()
+        p = self.progress
+        self.progress = dataclasses.replace(p, read_cpu_s=p.read_cpu_s + time.thread_time() - started)
+        return out
 
     def _read(self, batches: Iterator[_KeyBatch]) -> Iterator[_KeyBatch]:
         """`batches`, the CPU of reading each counted (`PlannerProgress.read_cpu_s`)."""
@@ -218,7 +276,7 @@ class OracleService:
                 return
             yield batch
 
-    def _timed(self, planner: Planner, plan: Callable[[], list], key_uses: int) -> list:
+    def _timed(self, planner: LivePlanner, plan: Callable[[], list], key_uses: int) -> list:
         started, cpu = time.perf_counter(), time.thread_time()
         final = plan()
         p = self.progress

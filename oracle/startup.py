@@ -5,22 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from common.data.dataset import open_dataset
+from common.data.live import LiveSource
 from common.errors import ConfigError
 from common.job import Job
 from common.spec import with_trainer_count
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
 from oracle.service import Workload
+from oracle.stream import LiveWorkload, stream_folder
 
 log = logging.getLogger(__name__)
 
 
-def build_workload(job: Job, start: int = 0) -> Workload:
+def build_workload(job: Job, start: int = 0) -> Workload | LiveWorkload:
+    """The batches the oracle plans: a data set's, or a live stream's (`data.watch`)."""
     train = job.spec.train
+    if job.data.watch:
+        source = LiveSource(job.data, stream_folder(job.spec.checkpoint.dir))
+        return LiveWorkload(source=source, layout=job.layout, batch_size=train.batch_size,
+                            max_iterations=train.max_iterations, start=start)
     return Workload(
         dataset=open_dataset(job.data, progress=True),
         layout=job.layout,
@@ -40,10 +48,19 @@ def planner_config(job: Job, workload: Workload, *, every_count: bool = True) ->
         return config
     # FAE-style: pin the hottest rows, keep room for one iteration's other rows.
     count = config.capacity - capacity_bound(config, workload.batch_size, job.layout.num_tables)
-    # The hot set of the whole run, also when resuming: the plan does not depend on where it starts.
-    hot = hottest_keys((keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches()), count)
+    hot = hottest_keys(_hot_set_batches(workload), count)
     log.info("static cache pins the %d hottest rows", len(hot))
     return dataclasses.replace(config, hot_keys=np.sort(hot))
+
+
+def _hot_set_batches(workload: Workload | LiveWorkload) -> Iterator[np.ndarray]:
+    """The batches a static cache's hot set is chosen from: the whole run's, also when
+    resuming (the plan does not depend on where it starts); a stream's first part, the one
+    part every start of the run has (`LiveWorkload.first_part_batches`)."""
+    if isinstance(workload, LiveWorkload):
+        yield from workload.first_part_batches()
+        return
+    yield from (keys for keys, _, _ in dataclasses.replace(workload, start=0).key_batches())
 
 
 def check_capacity(job: Job) -> None:
@@ -84,6 +101,10 @@ def check_trainer_capacity(job: Job) -> None:
         return
     if config.capacity >= config.workers * bound:
         return
+    if job.data.watch:
+        raise ConfigError("oracle.cache_rows", f"C = {config.capacity} may not hold one iteration's rows, and a "
+                          f"stream (data.watch) cannot be read ahead to check: set C >= {config.workers * bound} "
+                          "(P x (B/T) x F, the rows one iteration can touch)")  # fmt: skip
     need = required_capacity(config, (keys for keys, _, _ in build_workload(job).key_batches()))
     if config.capacity < need:
         workers = f" with oracle.planner_workers = {config.workers}" if config.workers > 1 else ""

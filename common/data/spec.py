@@ -23,6 +23,9 @@ ID_FORMATS: tuple[str, ...] = ("criteo-npy", "parquet")
 Hashing = Literal["hash", "dictionary", "none"]
 OnError = Literal["fail", "skip"]
 DenseTransform = Literal["none", "log1p"]
+Ready = Literal["renamed", "success"]
+# Formats a watched folder streams: one file is one part (criteo-npy days are three files).
+WATCH_FORMATS: tuple[str, ...] = ("criteo", "criteo-terabyte", "avazu", "parquet")
 # Keys only one format takes (a key set for another format is refused, not ignored).
 FORMAT_KEYS: dict[str, str] = {
     "sparse_path": "criteo-npy", "label_column": "parquet", "dense_columns": "parquet",
@@ -65,6 +68,10 @@ class DataSpec:
     seed: int = 0
     on_error: OnError = "fail"
     workers: int = 0  # conversion processes; 0: one per core
+    # a live stream (`common.data.live`): `path` is watched for parts as they complete
+    watch: bool = False
+    ready: Ready = "renamed"  # how a part shows it is complete: renamed into place, or _SUCCESS
+    poll_s: float = 1.0  # how often a watched folder is listed
     # synthetic only
     rows: int = 1_000_000
     top1_share: float = 0.92
@@ -97,6 +104,7 @@ class DataSpec:
                               "have them")  # fmt: skip
         if self.format == "parquet":
             self._check_columns()
+        self._check_watch()
         object.__setattr__(self, "table_sizes", self._default_sizes())
         for t, n in enumerate(self.table_sizes):
             if type(n) is not int or n < 1:
@@ -121,6 +129,23 @@ class DataSpec:
         if self.format in ID_FORMATS and self.table_sizes and len(self.table_sizes) != self.num_tables:
             raise ConfigError("data.table_sizes", f"{self.format} data here has {self.num_tables} tables, "
                               f"got {len(self.table_sizes)} sizes")  # fmt: skip
+
+    def _check_watch(self) -> None:
+        _check_choice("ready", self.ready, ("renamed", "success"))
+        if not (self.poll_s > 0 and math.isfinite(self.poll_s)):
+            raise ConfigError("data.poll_s", f"must be a finite number > 0, got {self.poll_s}")
+        if not self.watch:
+            return
+        if self.format not in WATCH_FORMATS:
+            raise ConfigError("data.watch", f"a stream's parts are single files: only {', '.join(WATCH_FORMATS)} "
+                              f"can be watched, not {self.format}")  # fmt: skip
+        if not isinstance(self.path, str):
+            raise ConfigError("data.path", "a watched stream is one folder or glob pattern, not a list")
+        if self.hashing == "dictionary":
+            raise ConfigError("data.hashing", "a dictionary needs every row before the first batch: a watched "
+                              "stream hashes ('hash', or 'none' for ids)")  # fmt: skip
+        if self.eval_fraction:
+            raise ConfigError("data.eval_fraction", "a stream has no last rows to hold out: set 0 with watch")
 
     @property
     def num_tables(self) -> int:
@@ -187,8 +212,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "on_error": (str,), "rows": (int,), "top1_share": (float, int), "drift": (float, int),
     "click_rate": (float, int), "num_dense": (int,), "num_tables": (int,), "sparse_path": (str,),
     "label_column": (str,), "dense_columns": (list, tuple), "sparse_columns": (list, tuple),
-    "dense_transform": (str,),
+    "dense_transform": (str,), "watch": (bool,), "ready": (str,), "poll_s": (float, int),
 }  # fmt: skip
+_WATCH_KEYS = ("ready", "poll_s")  # only a watched stream takes them
 
 
 def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
@@ -204,8 +230,10 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
     for key, value in section.items():
         if key not in _TYPES:
             raise ConfigError(f"data.{key}", "unknown key")
-        if not isinstance(value, _TYPES[key]) or isinstance(value, bool):
+        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and bool not in _TYPES[key]):
             raise ConfigError(f"data.{key}", f"has the wrong type ({type(value).__name__})")
+        if key in _WATCH_KEYS and section.get("watch") is not True:
+            raise ConfigError(f"data.{key}", "only a watched stream (watch = true) takes it")
         if key in FORMAT_KEYS and section.get("format") != FORMAT_KEYS[key]:
             raise ConfigError(f"data.{key}", f"only format {FORMAT_KEYS[key]!r} takes it")
     if "format" not in section:
@@ -224,7 +252,7 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
     for key in ("dense_columns", "sparse_columns"):
         if key in fields:
             fields[key] = tuple(fields[key])
-    for key in ("eval_fraction", "top1_share", "drift", "click_rate"):
+    for key in ("eval_fraction", "top1_share", "drift", "click_rate", "poll_s"):
         if key in fields:
             fields[key] = float(fields[key])
     fields["table_sizes"] = _table_sizes(section)
