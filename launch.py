@@ -6,6 +6,8 @@
                                               trainers as subprocesses, with a progress bar
                                               and a final report in runs/<name>/
     python launch.py SPEC.toml --resume       the same, from the latest complete checkpoint
+    python launch.py SPEC.toml --until N      a stream (data.watch): train until iteration N
+                                              (Ctrl-C: end at the next checkpoint; twice: now)
     python launch.py SPEC.toml --tls          the same over TLS, with a throw-away CA and
                                               certificate made in the run folder
                                               (--tls-mutual: servers require client certificates)
@@ -32,6 +34,8 @@
     python launch.py export SPEC.toml --out DIR [--checkpoint C|latest] [--torchrec]
                                               a finished run's model (or a checkpoint's) as
                                               safetensors for serving (export --help)
+    python launch.py stop SPEC.toml           end a running stream (data.watch) at its next
+                                              checkpoint (or --coordinator HOST:PORT)
     python launch.py predict DIR [--data FILE]
                                               AUC and log loss of an exported model on the
                                               run's held-out rows, or on FILE (predict --help)
@@ -59,7 +63,7 @@ from common.spec import ClusterSpec, Endpoint, TlsSection
 
 DEFAULT_SPEC = Path(__file__).resolve().parent / "examples" / "local.toml"
 ROLES = ("ps", "oracle", "trainer")
-TOOLS = ("export", "predict")  # subcommands, each with its own arguments
+TOOLS = ("export", "predict", "stop")  # subcommands, each with its own arguments
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,6 +81,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="restart from the latest complete checkpoint")
     parser.add_argument("--run-dir", type=Path, help="where records, logs and reports go (default runs/<name>)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (a log line every 10%%)")
+    parser.add_argument("--until", type=int, metavar="ITERATION",
+                        help="a stream (data.watch): train until this iteration, then end with a checkpoint "
+                             "(the oracle; a local cluster passes it on). Without it a stream trains until "
+                             "train.max_iterations, or until SIGTERM to the oracle or POST /v1/stop")
     joined = parser.add_argument_group("joining through the coordinator (the oracle)")
     joined.add_argument("--coordinator", help="HOST:PORT of the oracle: PS and trainer roles learn the job from it")
     joined.add_argument("--bind", help="PS: HOST:PORT to serve on (default: this host's address towards "
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.cluster import TlsChoice, run_local_cluster
 
         return _reporting_errors(lambda: run_local_cluster(
-            Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet,
+            Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet, until=args.until,
             tls=TlsChoice(generate=args.tls, mutual=args.tls_mutual, files=tls_files(args, None))))
     faulthandler.enable()  # a role killed by a signal leaves every thread's Python stack in its log
     if args.role != "trainer":
@@ -166,6 +174,8 @@ def _run_tool(name: str, argv: list[str]) -> int:
 
     if name == "export":
         from serving.export import main as tool
+    elif name == "stop":
+        from launcher.stop import main as tool
     else:
         from serving.predict import main as tool
     configure_logging(name)
@@ -247,7 +257,8 @@ def run_role(args: argparse.Namespace) -> int:
         from oracle.main import run_oracle
 
         run(run_oracle(job, token=token, ready_file=args.ready_file, resume=args.resume,
-                       first_iteration=args.first_iteration, admin_port=args.admin_port, tls=tls))
+                       first_iteration=args.first_iteration, admin_port=args.admin_port, tls=tls,
+                       until=args.until))
     else:
         from trainer.collectives import Rendezvous
         from trainer.main import Peers, run_trainer

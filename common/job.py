@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from common.data.dataset import Dataset
 
 
+#: A stream's `DataFacts.iterations`: the most it may run. Its end is decided while it runs
+#: (`train.max_iterations`, the oracle's ``--until``, or a stop), so the roles that never read
+#: it take this bound, which versions and checkpoints stay below.
+OPEN_END = 1 << 40
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataFacts:
     """What the roles that never open the data need to know of it."""
@@ -78,16 +84,16 @@ def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
     """Parse the role-owned sections and read the data's facts (table sizes the spec leaves
     to the data, the run's length) from the data itself: `dataset`, when the caller has
     opened it already (the launcher, converting in the background). A stream's
-    (`data.watch`) come from the spec: its sizes, and `train.max_iterations`."""
+    (`data.watch`) come from the spec, its length bounded by `OPEN_END`."""
     from common.data import open_dataset
 
     data = parse_data_spec(spec.sections["data"], base_dir=spec.source.parent)
     train = spec.train
-    if data.watch:  # a stream: nothing to open yet; it runs until train.max_iterations
+    if data.watch:  # a stream: nothing to open yet, and an end decided while it runs
         from common.data.convert import num_dense_of
 
-        _check_stream_length(train.max_iterations, train.epochs)
-        facts = DataFacts(table_sizes=data.table_sizes, num_dense=num_dense_of(data), iterations=train.max_iterations)
+        _check_stream_epochs(train.epochs)
+        facts = DataFacts(table_sizes=data.table_sizes, num_dense=num_dense_of(data), iterations=OPEN_END)
         return job_from_facts(spec, facts, data=data)
     dataset = dataset or open_dataset(data)
     total = dataset.num_batches(train.batch_size, train.epochs)
@@ -99,12 +105,9 @@ def build_job(spec: ClusterSpec, *, dataset: Dataset | None = None) -> Job:
     return job_from_facts(spec, facts, data=data)
 
 
-def _check_stream_length(max_iterations: int, epochs: int) -> None:
+def _check_stream_epochs(epochs: int) -> None:
     from common.errors import ConfigError
 
-    if max_iterations < 1:
-        raise ConfigError("train.max_iterations", "a stream (data.watch) has no end of its own: set the "
-                          "iteration it trains until")  # fmt: skip
     if epochs != 1:
         raise ConfigError("train.epochs", f"a stream is read once, as its rows arrive: set 1, got {epochs}")
 

@@ -165,13 +165,16 @@ def make_servers(
     return servers
 
 
-async def wait_for_stop_signal() -> None:
+async def wait_for_stop_signal() -> signal.Signals:
+    """The first SIGTERM or SIGINT from now on: which one."""
+    received: list[signal.Signals] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
     await stop.wait()
-    log.info("stop signal received")
+    log.info("stop signal received (%s)", received[0].name)
+    return received[0]
 
 
 async def first_of(*awaitables: Awaitable[Any]) -> None:

@@ -21,6 +21,7 @@ on its command line, checked here before any role starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -148,9 +149,10 @@ class LocalCluster:
 
     def __init__(
         self, job: Job, run_dir: Path, *, token: str, resume: bool = False, ps_host: PsHost | None = None,
-        tls: TlsSection | None = None,
+        tls: TlsSection | None = None, until: int | None = None,
     ) -> None:
         self.job = job
+        self.until = until  # a stream's end (the oracle's --until)
         self.run_dir = run_dir
         self.token = token
         self.tls = tls
@@ -182,7 +184,7 @@ class LocalCluster:
             for i in range(ps_shards(spec))
         ]
         # The oracle needs no PS: it starts with them, its planner compiling meanwhile.
-        oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        oracle = self._spawn("oracle", ["--role", "oracle", *self._until_args], ready=True)
         self.ps_addresses = [self._wait_ready(role) for role in ps]
         self.oracle_address = oracle_address = self._wait_ready(oracle)
         rendezvous = spec.trainers.rendezvous
@@ -206,7 +208,7 @@ class LocalCluster:
 
     def _start_joined(self) -> None:
         spec = self.job.spec
-        oracle = self._spawn("oracle", ["--role", "oracle"], ready=True)
+        oracle = self._spawn("oracle", ["--role", "oracle", *self._until_args], ready=True)
         self.oracle_address = self._wait_ready(oracle)
         joined = ["--coordinator", str(self.oracle_address)]
         ps = [self._spawn(f"ps-{i}", ["--role", "ps", *joined, "--index", str(i)], ready=True)
@@ -239,6 +241,10 @@ class LocalCluster:
     def _ps_prefix(self) -> tuple[str, ...]:
         return self.ps_host.command_prefix if self.ps_host is not None else ()
 
+    @property
+    def _until_args(self) -> list[str]:
+        return [] if self.until is None else ["--until", str(self.until)]
+
     def can_restart_alone(self, name: str) -> bool:
         """Whether role `name` can come back on its own: the oracle always (it replans),
         a PS shard when checkpoints are taken (trainers replay what its snapshot lacks); in
@@ -253,7 +259,7 @@ class LocalCluster:
         if name == "oracle":
             assert self.oracle_address is not None
             args = ["--role", "oracle", "--oracle-address", str(self.oracle_address),
-                    "--first-iteration", str(self.first_iteration), "--admin-port", "0"]
+                    "--first-iteration", str(self.first_iteration), "--admin-port", "0", *self._until_args]
             prefix: tuple[str, ...] = ()
         else:
             index = name.removeprefix("ps-")
@@ -299,7 +305,8 @@ class LocalCluster:
         """SIGTERM every live role (trainers first), then SIGKILL what is left after a grace."""
         live = [r for r in reversed(self.roles) if r.process.poll() is None]
         for role in live:
-            role.process.send_signal(signal.SIGTERM)
+            # SIGINT: a stream's oracle takes SIGTERM as "end at the next checkpoint"
+            role.process.send_signal(signal.SIGINT if role.name == "oracle" else signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for role in live:
             try:
@@ -359,6 +366,7 @@ def run_cluster(
     on_poll: Callable[[LocalCluster], None] | None = None,
     ps_host: PsHost | None = None,
     tls: TlsSection | None = None,
+    until: int | None = None,
 ) -> ClusterResult:
     """Run a local cluster to the end; `on_poll(cluster)` is called every 0.2 s while it runs.
     Every role's RSS is recorded in ``run_dir/rss.jsonl`` about once a second (`launcher.memory`).
@@ -386,7 +394,7 @@ def run_cluster(
     restarts: list[Restart] = []
     rss = RssRecorder(run_dir / RSS_FILE)
     while True:
-        cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host, tls=tls)
+        cluster = LocalCluster(job, run_dir, token=token, resume=resume, ps_host=ps_host, tls=tls, until=until)
         try:
             cluster.start()
             _watch(cluster, on_poll, restarts, rss)
@@ -429,9 +437,46 @@ def _watch(
         on_poll(cluster)
 
 
+def _run_length(records: dict[int, list[Any]]) -> int:
+    """The iterations trained, from the records (a stream's end is known only once it ends)."""
+    from trainer.records import IterationRecord
+
+    return 1 + max((r.iteration for rs in records.values() for r in rs if isinstance(r, IterationRecord)), default=-1)
+
+
+class GracefulStop:
+    """Ctrl-C on a local stream's run: the first asks the oracle to end the stream at its
+    next checkpoint (SIGTERM), the second stops every role at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self._asked = False
+        self._passed_on = False
+        self._previous: Any = None
+
+    def __enter__(self) -> GracefulStop:
+        self._previous = signal.signal(signal.SIGINT, self._interrupted)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _interrupted(self, signum: int, frame: object) -> None:
+        if self._asked:
+            raise KeyboardInterrupt
+        self._asked = True
+        print("\nbagpipe: ending the stream at its next checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+
+    def pass_on(self, cluster: LocalCluster) -> None:
+        if self._asked and not self._passed_on:
+            self._passed_on = True
+            oracle = next((r for r in cluster.roles if r.name == "oracle"), None)
+            if oracle is not None and oracle.process.poll() is None:
+                oracle.process.send_signal(signal.SIGTERM)
+
+
 def run_local_cluster(
     spec_path: Path, *, resume: bool = False, run_dir: Path | None = None, quiet: bool = False,
-    tls: TlsChoice = TlsChoice(),
+    tls: TlsChoice = TlsChoice(), until: int | None = None,
 ) -> int:
     """`python launch.py SPEC`: run, show progress, print and save the report."""
     from common.data.dataset import open_dataset
@@ -447,14 +492,15 @@ def run_local_cluster(
     dataset = None if data.watch else open_dataset(data, progress=not quiet, background=True)
     conversion = getattr(dataset, "conversion", None)
     try:
-        return _run_local(spec, dataset, conversion, resume=resume, run_dir=run_dir, quiet=quiet, tls=tls)
+        return _run_local(spec, dataset, conversion, resume=resume, run_dir=run_dir, quiet=quiet, tls=tls,
+                          until=until)
     finally:
         if conversion is not None and not conversion.done:
             conversion.stop()  # what it converted is kept: the next run resumes it
 
 
 def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: BackgroundConversion | None, *, resume: bool,
-               run_dir: Path | None, quiet: bool, tls: TlsChoice) -> int:  # fmt: skip
+               run_dir: Path | None, quiet: bool, tls: TlsChoice, until: int | None) -> int:  # fmt: skip
     from launcher.memory import format_rss, read_rss, rss_curves, summarise_rss
     from launcher.plots import plot_rss, plot_run, plot_terms
     from launcher.progress import ProgressBar
@@ -470,11 +516,16 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
     run_dir = (run_dir or Path("runs") / spec.name).resolve()
     token = spec.cluster.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     section = tls.section(spec, run_dir)
-    total = job.iterations
+    stream = job.data.watch
+    ends = [n for n in (until, spec.train.max_iterations) if n]
+    total = (min(ends) if ends else None) if stream else job.iterations
     tail = RunTail(run_dir, spec.trainers.max_count)  # an elastic run's trainers come and go
     over = "" if section is None else f", over {'mutual ' if section.mutual else ''}TLS"
     print(f"bagpipe: {spec.name}: {spec.oracle.mode}, {ps_shards(spec) or 'no'} PS, {spec.trainers.count} trainers, "
-          f"{total} iterations{over}; logs in {run_dir / 'logs'}", file=sys.stderr)
+          f"{total or 'a stream of'} iterations{over}; logs in {run_dir / 'logs'}", file=sys.stderr)
+    if stream:
+        print(f"bagpipe: training from the stream {job.data.path} as it arrives; Ctrl-C ends it at the next "
+              "checkpoint (twice: at once)", file=sys.stderr)
     if tls.generate and section is not None:
         print(f"bagpipe: a throw-away CA and certificate in {section.ca.parent} (curl --cacert {section.ca} "
               f"--cert {section.cert} --key {section.key} https://…)", file=sys.stderr)
@@ -483,8 +534,11 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
               file=sys.stderr)
 
     told: list[bool] = []
+    stop = GracefulStop() if stream else None
 
     def poll(cluster: LocalCluster) -> None:
+        if stop is not None:
+            stop.pass_on(cluster)
         if cluster.elastic and not told:
             told.append(True)
             print(f"bagpipe: an elastic job ({spec.trainers.min_count} to {spec.trainers.max_count} trainers): "
@@ -494,8 +548,9 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
         bar.update(tail.poll())
 
     try:  # the bar closes (and logs its last line) before an error is shown
-        with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar:
-            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=poll, tls=section)
+        with ProgressBar(total, spec.name, trainers=spec.trainers.count, enabled=False if quiet else None) as bar, \
+                stop or contextlib.nullcontext():
+            result = run_cluster(job, run_dir, token=token, resume=resume, on_poll=poll, tls=section, until=until)
     except KeyboardInterrupt:
         print("\nbagpipe: interrupted; all roles stopped", file=sys.stderr)
         return 130
@@ -508,7 +563,8 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
     trainers = terms[-1].trainers if terms else spec.trainers.count
     first = terms[-1].first_iteration if terms else 0
     summary = summarise(records, mode=spec.oracle.mode, global_batch=spec.train.batch_size,
-                        warmup=min(5, max(0, (total - first) // 10)), trainers=trainers)
+                        warmup=min(5, max(0, (_run_length(records) if total is None else total) - first) // 10),
+                        trainers=trainers)
     print(format_summary(summary))
     if len(terms) > 1:
         print(format_terms(terms))
@@ -525,7 +581,7 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
     plots = plot_run(run_dir, records, warmup=summary.warmup)
     plots.append(plot_rss(curves, warm_from, run_dir / "memory.png"))
     if terms:
-        plots.append(plot_terms(terms, total, run_dir / "trainers.png"))
+        plots.append(plot_terms(terms, total or _run_length(records), run_dir / "trainers.png"))
     print(f"report: {report}\nplots: {', '.join(str(p) for p in plots)}")
     return 0
 

@@ -255,7 +255,7 @@ def start_role(start: RoleStart, *, prefix: Sequence[str] = ()) -> RoleProcess:
         return subprocess.Popen(
             [*prefix, sys.executable, start.script, *start.argv], stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=start.env, cwd=start.cwd, start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid(), death_signal(kind)),
         )
 
 
@@ -273,15 +273,22 @@ def _become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def die_with_parent(parent: int) -> None:
-    """In a child: get SIGTERM when `parent` dies (Linux). If it died before the prctl, the
-    signal will never come (the parent is already someone else): SIGTERM now."""
+def death_signal(kind: str) -> signal.Signals:
+    """What a role gets when its launcher dies: SIGTERM, or the oracle SIGINT, which stops
+    it at once (to a stream's oracle SIGTERM means "end at the next checkpoint", which
+    trainers gone with the launcher would never reach)."""
+    return signal.SIGINT if kind == "oracle" else signal.SIGTERM
+
+
+def die_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> None:
+    """In a child: get `sig` when `parent` dies (Linux). If it died before the prctl, the
+    signal will never come (the parent is already someone else): `sig` now."""
     try:
-        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _libc().prctl(_PR_SET_PDEATHSIG, sig)
     except OSError:
         return
     if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
 
 @functools.cache
@@ -360,7 +367,8 @@ def _become(start: RoleStart, waiting: int) -> None:
     of `start`, run it, exit as it exits."""
     os.read(waiting, 1)
     os.close(waiting)
-    die_with_parent(start.launcher)
+    kind = start.argv[start.argv.index("--role") + 1] if "--role" in start.argv else ""
+    die_with_parent(start.launcher, death_signal(kind))
     os.setsid()
     os.chdir(start.cwd)
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -78,6 +78,12 @@ class StepBuffer:
             self._produced += 1
         self._notify()
 
+    def set_end(self, end: int) -> None:
+        """The run ends at `end` (a stream stopped): streams past it end at once."""
+        with self._lock:
+            self.end = end
+        self._notify()
+
     def caught_up(self) -> bool:
         """Whether every trainer has received every step put so far: at a live stream's
         edge, the moment to cut the plan (`oracle.live`)."""

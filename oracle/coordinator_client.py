@@ -36,6 +36,7 @@ from oracle.protocol import (
     REGISTER,
     REGISTER_HOLD_S,
     RESUME_POINT,
+    STOP,
     CheckpointCompleted,
     DenseCheckpoint,
     DenseRequest,
@@ -137,6 +138,11 @@ class CoordinatorClient:
         """The checkpoint the coordinator's run resumed from, or None."""
         answer: ResumePoint = await ask(self._client, RESUME_POINT)
         return answer.resumed_from
+
+    async def stop_stream(self) -> None:
+        """End the job's stream (`data.watch`) at its next checkpoint (``POST /v1/stop``);
+        Conflict for a run over a data set."""
+        await ask(self._client, STOP)
 
     async def dense_state(self, checkpoint: int) -> bytes:
         """Complete checkpoint `checkpoint`'s dense state, as `torch.save` wrote it."""

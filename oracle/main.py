@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import shutil
+import signal
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 async def run_oracle(
     job: Job, *, token: str, ready_file: Path | None, resume: bool = False, first_iteration: int | None = None,
-    admin_port: int | None = None, tls: Tls | None = None,
+    admin_port: int | None = None, tls: Tls | None = None, until: int | None = None,
 ) -> None:
     """Plan and serve the directive streams, and coordinate the job (`oracle.coordinator_service`),
     until every trainer has finished (then it exits by itself, so a batch job completes) or
@@ -44,6 +45,10 @@ async def run_oracle(
     An elastic job runs in terms (`oracle.membership`): at each regroup the oracle stops
     planning, and plans again from the checkpoint the next term resumes from, for its
     trainers; its servers, its coordinator and the trainers' store stay up throughout.
+
+    A stream (`data.watch`) trains until `until` (``--until``) or `train.max_iterations`, or
+    until it is stopped: SIGTERM (or ``POST /v1/stop``) ends it at its next checkpoint, a
+    second SIGTERM, or SIGINT, at once (docs/design.md#online-training).
     """
     spec = job.spec
     restarted_alone = first_iteration is not None
@@ -53,7 +58,7 @@ async def run_oracle(
     if not resume and not restarted_alone and job.data.watch:
         # a fresh run reads its stream from the start, in the order parts come now
         shutil.rmtree(stream_folder(spec.checkpoint.dir), ignore_errors=True)
-    planning = Planning(job, first_iteration, restarted_alone=restarted_alone)
+    planning = Planning(job, first_iteration, restarted_alone=restarted_alone, until=until)
     address = spec.oracle.address
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
                               resumed_from=first_iteration - 1 if first_iteration else None,
@@ -75,7 +80,8 @@ async def run_oracle(
         while True:
             service = planning.service
             assert service.failed is not None
-            await first_of(wait_for_stop_signal(), asyncio.shield(service.failed), coordinator.finished.wait(),
+            stop_signal = asyncio.ensure_future(wait_for_stop_signal())
+            await first_of(stop_signal, asyncio.shield(service.failed), coordinator.finished.wait(),
                            coordinator.regrouping.wait(), coordinator.failed.wait())
             if coordinator.failure is not None:
                 raise SystemExit(f"oracle: {coordinator.failure}")
@@ -93,6 +99,11 @@ async def run_oracle(
                 if linger and not await service.final_scrape.wait(linger):
                     log.info("no scrape read the final metrics within metrics_linger_s = %g s", linger)
                 log.info("every trainer has finished: the oracle exits")
+                return
+            graceful = stop_signal.done() and not stop_signal.cancelled() and stop_signal.result() == signal.SIGTERM
+            if graceful and service.is_stream and not service.stopping:
+                service.request_stop()  # the trainers finish the stream; the oracle exits with them
+                continue
             return
     finally:
         membership.cancel()
@@ -106,10 +117,11 @@ class Planning:
     the service (`regroup`), not the servers."""
 
     def __init__(self, job: Job, first_iteration: int, *, restarted_alone: bool = False,
-                 metrics: Registry | None = None, every_count: bool = True) -> None:
+                 metrics: Registry | None = None, every_count: bool = True, until: int | None = None) -> None:
         """`every_count`: check the capacity rule at every trainer count an elastic job may
-        come to (at start-up; a regroup's count was among them)."""
-        workload = build_workload(job, start=first_iteration)
+        come to (at start-up; a regroup's count was among them). `until`: a stream's end."""
+        self.until = until
+        workload = build_workload(job, start=first_iteration, until=until)
         config = planner_config(job, workload, every_count=every_count)
         compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
         segments = SegmentLog(stream_folder(job.spec.checkpoint.dir)) if job.data.watch else None
@@ -139,7 +151,8 @@ class Planning:
         job = dataclasses.replace(coordinator.job, spec=with_trainer_count(coordinator.job.spec,
                                                                             decision.term.trainers))
         first = 0 if decision.term.resumed_from is None else decision.term.resumed_from + 1
-        following = await asyncio.to_thread(Planning, job, first, metrics=old.metrics, every_count=False)
+        following = await asyncio.to_thread(Planning, job, first, metrics=old.metrics, every_count=False,
+                                            until=self.until)
         self.service = following.service
         self.service.start()
         coordinator.begin_term(job, decision)

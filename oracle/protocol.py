@@ -495,9 +495,10 @@ COMPLETE_CHECKPOINT = Route(method="POST", path="/v1/checkpoint", request=DenseC
 RESUME_POINT = Route(method="GET", path="/v1/checkpoint", response=ResumePoint)
 DENSE = Route(method="GET", path="/v1/dense", request=DenseRequest)  # torch.save's bytes
 PRESENCE = Route(method="POST", path="/v1/presence", request=Presence, response=PresenceAnswer)
+STOP = Route(method="POST", path="/v1/stop")  # a stream ends at its next checkpoint (202)
 
 #: What `oracle.service` serves.
-SERVICE_ROUTES: tuple[Route, ...] = (STREAM, ACKNOWLEDGE, HEALTH, METRICS)
+SERVICE_ROUTES: tuple[Route, ...] = (STREAM, ACKNOWLEDGE, HEALTH, METRICS, STOP)
 #: What `oracle.coordinator_service` serves.
 COORDINATOR_ROUTES: tuple[Route, ...] = (REGISTER, EVAL, FINISHED, COMPLETE_CHECKPOINT, RESUME_POINT, DENSE,
                                          PRESENCE)

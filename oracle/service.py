@@ -13,6 +13,8 @@ Routes (their messages are in `oracle.protocol`):
   these acknowledgements and the starts of J's streams move, never by more than was sent
   for J (`oracle.buffer`): a stray reader of a trainer's stream, however much of it it
   reads, makes the oracle drop no step the trainer still needs.
+* ``POST /v1/stop``: a stream (`data.watch`) ends at its next checkpoint, as on SIGTERM
+  (202); a run over a data set answers 409.
 * ``GET /v1/health``, ``GET /metrics`` (public): Prometheus text of the planner's progress
   and rate, each trainer's position and the steps held ahead of it, and the open streams.
 """
@@ -32,7 +34,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 
 from common.data.dataset import Dataset
-from common.errors import BagpipeError, ConfigError
+from common.errors import BagpipeError, ConfigError, Conflict
 from common.keys import TableLayout
 from common.prometheus import FinalScrape, Registry
 from common.steps import EndOfStream, trainer_steps
@@ -45,6 +47,7 @@ from oracle.protocol import (
     ACKNOWLEDGE,
     HEALTH,
     METRICS,
+    STOP,
     STREAM,
     OracleHealth,
     Route,
@@ -168,6 +171,9 @@ class OracleService:
         # a live stream's cuts: those of the plan replayed (restarted alone), logged as made
         self._segment_log = segment_log
         self._replayed_ends: list[int] = []
+        self._end = workload.num_iterations  # a stream's moves to where a stop ends it
+        self._stop_requested = threading.Event()
+        self._end_fixed = False
         if segment_log is not None:
             if restarted_alone:
                 self._replayed_ends = segment_log.ends_of(workload.start)
@@ -176,7 +182,7 @@ class OracleService:
 
     #: Each route of `SERVICE_ROUTES` and the method that serves it.
     HANDLERS: ClassVar[dict[Route, str]] = {STREAM: "stream", ACKNOWLEDGE: "acknowledge", HEALTH: "health",
-                                            METRICS: "render_metrics"}
+                                            METRICS: "render_metrics", STOP: "stop_stream"}
 
     def router(self) -> Router:
         router = Router()
@@ -190,11 +196,35 @@ class OracleService:
         first = self.workload.start
         self.buffer = StepBuffer(
             self.config.num_trainers, self.max_ahead, loop, first=first,
-            end=self.workload.num_iterations, restarted_alone=self.restarted_alone,
+            end=self._end, restarted_alone=self.restarted_alone,
         )
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
         self._thread.start()
+
+    @property
+    def is_stream(self) -> bool:
+        return isinstance(self.workload, LiveWorkload)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop of the stream was asked for."""
+        return self._stop_requested.is_set()
+
+    @property
+    def end(self) -> int:
+        """The run's length: a data set's; a stream's most, until a stop fixes it."""
+        return self._end
+
+    def request_stop(self) -> None:
+        """End a stream at its next checkpoint (at once without checkpoints): it plans the
+        batches up to there, as they arrive, then ends as a run does, with a complete
+        checkpoint and the final model. Conflict (409) for a run over a data set."""
+        if not isinstance(self.workload, LiveWorkload):
+            raise Conflict("a run over a data set ends with its data; only a stream (data.watch) is stopped")
+        if not self._stop_requested.is_set():
+            log.info("stop requested: the stream ends at its next checkpoint")
+        self._stop_requested.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -222,7 +252,7 @@ class OracleService:
             if self._stop.is_set():
                 return
             self._publish(self._timed(planner, planner.finish, 0), batches)
-            log.info("planned all %d iterations", self.workload.num_iterations)
+            log.info("planned all %d iterations", self.end)
         except Exception as exc:
             log.exception("planner failed")
             self.buffer.fail(exc)
@@ -238,9 +268,12 @@ class OracleService:
         for the lookahead to fill."""
         workload = self.workload
         assert isinstance(workload, LiveWorkload) and self.buffer is not None and self._segment_log is not None
-        for x in range(workload.start, workload.num_iterations):
+        x = workload.start
+        while x < self._end_at(x):
             while not workload.arrived(x):
                 if self._stop.is_set():
+                    return
+                if x >= self._end_at(x):
                     return
                 if planner.in_segment and self.buffer.caught_up():
                     self._segment_log.end(planner.read)  # logged before any directive it ends is sent
@@ -257,6 +290,20 @@ class OracleService:
             batches[x] = (labels, dense)
             self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
             self.lag = StreamLag(rows=workload.source.num_rows - (x + 1) * workload.batch_size)
+            x += 1
+
+    def _end_at(self, x: int) -> int:
+        """The stream's end, with x the next batch to plan: once a stop is asked for, the
+        iteration after the first checkpoint from x - 1 on (x itself without checkpoints),
+        so that every batch planned is trained and the run ends with a checkpoint."""
+        if self._stop_requested.is_set() and not self._end_fixed:
+            self._end_fixed = True
+            every = self.config.checkpoint_every
+            self._end = min(x if every == 0 else -(-x // every) * every, self._end)
+            assert self.buffer is not None
+            self.buffer.set_end(self._end)
+            log.info("the stream ends after iteration %d", self._end - 1)
+        return self._end
 
     def _timed_read(self, read: Callable[[], _T]) -> _T:
         started = time.thread_time()
@@ -307,7 +354,7 @@ class OracleService:
 
     async def stream(self, ask: StreamRequest) -> StreamResponse:
         assert self.buffer is not None
-        ask.within(trainer=(0, self.config.num_trainers - 1), start=(self.workload.start, self.workload.num_iterations))
+        ask.within(trainer=(0, self.config.num_trainers - 1), start=(self.workload.start, self.end))
         trainer, start = ask.trainer, ask.start
         self.buffer.check_resumable(start)
         log.info("trainer %d streams from iteration %d", trainer, start)
@@ -343,17 +390,23 @@ class OracleService:
                 return None
             raise
 
+    def stop_stream(self, _: None) -> Response:
+        """``POST /v1/stop``: end a stream at its next checkpoint (202); 409 for a run over
+        a data set, which ends with its data."""
+        self.request_stop()
+        return Response(status=202)
+
     def acknowledge(self, ack: StreamAck) -> Response:
         """Trainer J has received every step before `next` (answered at once, without a
         body: an answer must not wait for flow-control credit the stream holds)."""
         assert self.buffer is not None
-        ack.within(trainer=(0, self.config.num_trainers - 1), next=(self.workload.start, self.workload.num_iterations))
+        ack.within(trainer=(0, self.config.num_trainers - 1), next=(self.workload.start, self.end))
         self.buffer.acknowledge(ack.trainer, ack.next)
         return Response(status=204)
 
     async def health(self, _: None) -> OracleHealth:
         return OracleHealth(role="oracle", mode=self.config.mode, trainers=self.config.num_trainers,
-                            iterations=self.workload.num_iterations, planned=self.progress.iterations)
+                            iterations=self.end, planned=self.progress.iterations)
 
     async def render_metrics(self, _: None) -> Response:
         self._copy_progress()
@@ -375,7 +428,7 @@ class OracleService:
         """Copy what the planning thread and the buffer hold into the registry (which only
         this event loop touches)."""
         p, m = self.progress, self.metrics
-        m.set("run_iterations", self.workload.num_iterations, help="Iterations of the whole run")
+        m.set("run_iterations", self.end, help="Iterations of the whole run (a stream's: the most it may have)")
         m.set_total("iterations_planned_total", p.iterations, help="Iterations whose directives are final")
         m.set_total("planner_key_uses_total", p.key_uses, help="Key uses fed to the planner")
         m.set_total("planner_seconds_total", p.planning_s, help="Seconds the planner worked")

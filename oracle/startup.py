@@ -13,7 +13,7 @@ import numpy as np
 from common.data.dataset import open_dataset
 from common.data.live import LiveSource
 from common.errors import ConfigError
-from common.job import Job
+from common.job import OPEN_END, Job
 from common.spec import with_trainer_count
 from oracle.config import PlannerConfig, capacity_bound, hottest_keys, required_capacity
 from oracle.service import Workload
@@ -22,13 +22,18 @@ from oracle.stream import LiveWorkload, stream_folder
 log = logging.getLogger(__name__)
 
 
-def build_workload(job: Job, start: int = 0) -> Workload | LiveWorkload:
-    """The batches the oracle plans: a data set's, or a live stream's (`data.watch`)."""
+def build_workload(job: Job, start: int = 0, *, until: int | None = None) -> Workload | LiveWorkload:
+    """The batches the oracle plans: a data set's, or a live stream's (`data.watch`), which
+    trains until `until` (``--until``) or `train.max_iterations`, the sooner, or until stopped."""
     train = job.spec.train
     if job.data.watch:
         source = LiveSource(job.data, stream_folder(job.spec.checkpoint.dir))
+        ends = [n for n in (until, train.max_iterations) if n]
         return LiveWorkload(source=source, layout=job.layout, batch_size=train.batch_size,
-                            max_iterations=train.max_iterations, start=start)
+                            until=min(ends) if ends else OPEN_END, start=start)
+    if until is not None:
+        raise ConfigError("--until", "only a stream (data.watch) is trained until an iteration given here: "
+                          "set train.max_iterations")  # fmt: skip
     return Workload(
         dataset=open_dataset(job.data, progress=True),
         layout=job.layout,

@@ -20,6 +20,7 @@ import orjson
 
 from common.data.live import LiveSource
 from common.errors import ConfigError
+from common.job import OPEN_END
 from common.keys import TableLayout
 
 log = logging.getLogger(__name__)
@@ -35,27 +36,28 @@ def stream_folder(checkpoint_dir: Path) -> Path:
 @dataclass(frozen=True, kw_only=True)
 class LiveWorkload:
     """The batches of a live stream: batch g is rows [g B, (g + 1) B) of the parts in the
-    order they were taken, available once those rows have arrived. The run ends after
-    `max_iterations` (`train.max_iterations`: required with a stream).
+    order they were taken, available once those rows have arrived. The run trains until
+    iteration `until` at most (`train.max_iterations` or ``--until``; `OPEN_END` when
+    neither is set); a stop ends it sooner (`oracle.service`).
 
     `start` is the first global iteration planned, as for `oracle.service.Workload`."""
 
     source: LiveSource
     layout: TableLayout
     batch_size: int
-    max_iterations: int
+    until: int = OPEN_END
     start: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_iterations < 1:
-            raise ConfigError("train.max_iterations", "a stream (data.watch) has no end of its own: "
-                              "set the iteration it trains until")  # fmt: skip
-        if type(self.start) is not int or not 0 <= self.start <= self.max_iterations:
-            raise ConfigError("--first-iteration", f"must be in 0..{self.max_iterations}, got {self.start!r}")
+        if type(self.until) is not int or not 0 < self.until <= OPEN_END:
+            raise ConfigError("--until", f"must be in 1..{OPEN_END}, got {self.until!r}")
+        if type(self.start) is not int or not 0 <= self.start <= self.until:
+            raise ConfigError("--first-iteration", f"must be in 0..{self.until} (--until), got {self.start!r}")
 
     @property
     def num_iterations(self) -> int:
-        return self.max_iterations
+        """The most iterations the run may have (its end, unless it is stopped first)."""
+        return self.until
 
     @property
     def poll_s(self) -> float:

@@ -7,7 +7,9 @@ repeats nothing."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +17,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from common.job import Job, build_job
-from common.spec import load_spec
-from launcher.cluster import Restart, run_cluster
+from common.checkpoints import final_paths, latest_complete
+from common.job import OPEN_END, Job, build_job
+from common.spec import TOKEN_ENV, load_spec
+from launcher.cluster import LocalCluster, Restart, run_cluster
 from tests.cluster_helpers import TOKEN, as_final, assert_identical, final_model, reference_for, write_spec
 from tests.test_recovery import KillAt
+from trainer.records import IterationRecord, RunTail
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +49,15 @@ def data_section(path: str | list[str], *, watch: bool) -> dict[str, object]:
     return section | ({"watch": True, "poll_s": 0.1} if watch else {})
 
 
-def overrides(mode: str, **extra: dict[str, object]) -> dict[str, dict[str, object]]:
+def overrides(mode: str, iterations: int = ITERATIONS, **extra: dict[str, object]) -> dict[str, dict[str, object]]:
     return {"oracle": {"mode": mode, "cache_rows": 450},
-            "train": {"batch_size": 32, "max_iterations": ITERATIONS}, **extra}
+            "train": {"batch_size": 32, "max_iterations": iterations}, **extra}
 
 
-def offline_reference(tmp_path: Path, parts: list[Path], mode: str) -> Job:
-    spec = write_spec(tmp_path, f"offline-{mode}", overrides(mode), data=data_section([str(p) for p in parts],
-                                                                                      watch=False))
+def offline_reference(tmp_path: Path, parts: list[Path], mode: str, iterations: int = ITERATIONS) -> Job:
+    """The job of the offline run over `parts`, in their order, for as many iterations."""
+    spec = write_spec(tmp_path, f"offline-{mode}", overrides(mode, iterations),
+                      data=data_section([str(p) for p in parts], watch=False))
     return build_job(load_spec(spec))
 
 
@@ -103,7 +108,7 @@ def test_kill_a_role_during_online_training_and_recover_bit_identically(tmp_path
     incoming = tmp_path / "incoming"
     incoming.mkdir()
     extra = {"checkpoint": {"every": 5, "restart": True}}
-    spec = write_spec(tmp_path, "killed", overrides("bagpipe", **extra), data=data_section(str(incoming / "*.tsv"),
+    spec = write_spec(tmp_path, "killed", overrides("bagpipe", checkpoint=extra["checkpoint"]), data=data_section(str(incoming / "*.tsv"),
                                                                                           watch=True))
     job = build_job(load_spec(spec))
     kill = KillAt(tmp_path / "run", role, random.Random(role).randrange(10, 40))
@@ -116,3 +121,73 @@ def test_kill_a_role_during_online_training_and_recover_bit_identically(tmp_path
     assert result.restarts == (Restart(role, alone=role != "trainer-1"),)
     want = as_final(reference_for(offline_reference(tmp_path, parts, "bagpipe")))
     assert_identical(final_model(job, result.run_dir), want)
+
+
+class StopAt:
+    """on_poll hook: stop the stream once every trainer has finished iteration `iteration`:
+    SIGTERM to the oracle, or ``launch.py stop``."""
+
+    def __init__(self, run_dir: Path, iteration: int, how: str) -> None:
+        self.tail = RunTail(run_dir, 2)
+        self.iteration, self.how = iteration, how
+        self.done: dict[int, int] = {}
+        self.sent = False
+
+    def __call__(self, cluster: LocalCluster) -> None:
+        for trainer, records in self.tail.poll().items():
+            for r in records:
+                if isinstance(r, IterationRecord):
+                    self.done[trainer] = max(self.done.get(trainer, -1), r.iteration)
+        if not self.sent and len(self.done) == 2 and min(self.done.values()) >= self.iteration:
+            self.sent = True
+            if self.how == "sigterm":
+                next(r for r in cluster.roles if r.name == "oracle").process.send_signal(signal.SIGTERM)
+                return
+            stopped = subprocess.run([sys.executable, "launch.py", "stop", "--coordinator", str(cluster.oracle_address)],
+                                     cwd=ROOT, env={**os.environ, TOKEN_ENV: TOKEN}, capture_output=True, text=True)
+            assert stopped.returncode == 0, stopped.stderr
+            assert "ends at its next checkpoint" in stopped.stderr
+
+
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("stop", marks=pytest.mark.nightly)])
+def test_a_stopped_stream_ends_at_its_next_checkpoint(tmp_path: Path, how: str) -> None:
+    """No end is set: the stream trains until it is stopped (SIGTERM to the oracle, or
+    ``launch.py stop``), which ends it at the next checkpoint; the run ends there,
+    bit-identical to offline over as many batches."""
+    parts = split_sample(tmp_path / "parts")
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    open_ended = {"oracle": {"mode": "bagpipe", "cache_rows": 450}, "train": {"batch_size": 32},
+                  "checkpoint": {"every": 7}}
+    spec = write_spec(tmp_path, "stopped", open_ended, data=data_section(str(incoming / "*.tsv"), watch=True))
+    job = build_job(load_spec(spec))
+    assert job.iterations == OPEN_END  # the roles that never read the stream
+    stop = StopAt(tmp_path / "run", 20, how)
+    writer = start_writer(incoming, parts, 5, tmp_path / "run")
+    try:
+        result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=stop)
+    finally:
+        writer.wait(30)
+    assert stop.sent
+    n = orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"]
+    assert n > 20 and n % 7 == 0, n
+    assert latest_complete(job.spec.checkpoint.dir, job.spec.ps.num_shards) == n - 1
+    offline = offline_reference(tmp_path, parts, "bagpipe", iterations=n)
+    assert_identical(final_model(job, result.run_dir), as_final(reference_for(offline)))
+
+
+def test_until_ends_a_stream_there(tmp_path: Path) -> None:
+    parts = split_sample(tmp_path / "parts")
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    spec = write_spec(tmp_path, "until", {"oracle": {"mode": "local"}, "train": {"batch_size": 32}},
+                      data=data_section(str(incoming / "*.tsv"), watch=True))
+    job = build_job(load_spec(spec))
+    writer = start_writer(incoming, parts, 6, tmp_path / "run")
+    try:
+        result = run_cluster(job, tmp_path / "run", token=TOKEN, until=37)
+    finally:
+        writer.wait(30)
+    assert orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"] == 37
+    offline = offline_reference(tmp_path, parts, "local", iterations=37)
+    assert_identical(final_model(job, result.run_dir), as_final(reference_for(offline)))

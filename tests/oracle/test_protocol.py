@@ -37,6 +37,7 @@ from oracle.protocol import (
     RESUME_POINT,
     ROUTES,
     SERVICE_ROUTES,
+    STOP,
     STREAM,
     CheckpointCompleted,
     DenseCheckpoint,
@@ -366,6 +367,7 @@ class FakeOracle:
             RESUME_POINT: lambda _: ResumePoint(resumed_from=4),
             DENSE: lambda ask: Response(body=b"dense state %d" % ask.checkpoint),
             PRESENCE: lambda seen: PresenceAnswer(term=seen.term + (seen.failure is not None), regroup=bool(seen.failure)),
+            STOP: lambda _: Response(status=202),
         }
         assert set(answers) == set(ROUTES)
         router = Router()
@@ -434,6 +436,7 @@ def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
                 await coordinator.complete_checkpoint(dense_checkpoint()),
                 await coordinator.resumed_from(),
                 await coordinator.dense_state(4),
+                await coordinator.stop_stream(),
             )
             await coordinator.present(Presence(role="trainer", index=0, term=2))
             with pytest.raises(Regrouped, match="trainer 0's term 2 is over"):
@@ -443,7 +446,7 @@ def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
             await coordinator.close()
             return answers
 
-        got, kept, resumed, dense = io.run(coordinate(), timeout=30)
+        got, kept, resumed, dense, _ = io.run(coordinate(), timeout=30)
         assert (got.index, kept, resumed, dense) == (1, (4,), 4, b"dense state 4")
 
         stream = DirectiveStream(io, endpoint, token="t", transport="h2", trainer=0, timeout_s=10)
