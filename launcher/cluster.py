@@ -437,6 +437,14 @@ def _watch(
         on_poll(cluster)
 
 
+def _stream_summary(job: Job) -> dict[str, Any] | None:
+    """What the oracle of a stream's run wrote as it ended (None if it did not end cleanly)."""
+    from oracle.stream import STREAM_SUMMARY, stream_folder
+
+    path = stream_folder(job.spec.checkpoint.dir) / STREAM_SUMMARY
+    return orjson.loads(path.read_bytes()) if path.is_file() else None
+
+
 def _run_length(records: dict[int, list[Any]]) -> int:
     """The iterations trained, from the records (a stream's end is known only once it ends)."""
     from trainer.records import IterationRecord
@@ -505,7 +513,7 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
     from launcher.plots import plot_rss, plot_run, plot_terms
     from launcher.progress import ProgressBar
     from launcher.summary import iteration_series, summarise, write_report
-    from launcher.text import format_summary, format_terms
+    from launcher.text import format_stream, format_summary, format_terms
     from trainer.records import RunTail, read_run, terms_of, within_last_term
 
     job = build_job(spec, dataset=dataset)
@@ -577,6 +585,9 @@ def _run_local(spec: ClusterSpec, dataset: Dataset | None, conversion: Backgroun
                              "rss": [f.to_json() for f in memory.values()]}
     if terms:
         extra["terms"] = [{"term": t.term, "trainers": t.trainers, "first_iteration": t.first_iteration} for t in terms]
+    if stream and (streamed := _stream_summary(job)) is not None:
+        print(format_stream(streamed))
+        extra["stream"] = streamed
     report = write_report(run_dir, summary, extra)
     plots = plot_run(run_dir, records, warmup=summary.warmup)
     plots.append(plot_rss(curves, warm_from, run_dir / "memory.png"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from common.spec import MODES
 from launcher.summary import THREAD_GROUPS, RunSummary
@@ -145,3 +146,15 @@ def format_terms(terms: Sequence[TermRecord]) -> str:
     for t in terms:
         lines.append(f"  term {t.term}: {t.trainers} trainer(s) from iteration {t.first_iteration}")
     return "\n".join(lines)
+
+
+def format_stream(stream: Mapping[str, Any]) -> str:
+    """A stream's run (`oracle.service.OracleService.stream_summary`): what it took, and how
+    far the trainers were behind its newest rows."""
+    return "\n".join([
+        "Stream (rows trained as they arrived)",
+        f"  parts {stream['parts']}, rows {stream['rows']:,} ({stream['bad_rows']:,} malformed, quarantined), "
+        f"{stream['iterations']} iterations, plan cut {stream['cuts']} time(s) where the trainers caught up",
+        f"  lag behind the newest rows: p50 {stream['lag_s_p50']:.2f} s, p99 {stream['lag_s_p99']:.2f} s, "
+        f"max {stream['lag_s_max']:.2f} s and {stream['lag_rows_max']:,} rows",
+    ])

@@ -10,7 +10,10 @@ import signal
 from functools import partial
 from pathlib import Path
 
+import orjson
+
 from common.checkpoints import latest_complete
+from common.files import write_atomically
 from common.job import Job
 from common.prometheus import Registry
 from common.runtime import first_of, make_servers, wait_for_stop_signal, write_ready_file
@@ -21,7 +24,7 @@ from oracle.coordinator_service import Coordinator
 from oracle.membership import RegroupFailed
 from oracle.protocol import HEALTH, OracleHealth, add_handlers
 from oracle.service import OracleService
-from oracle.stream import SegmentLog, stream_folder
+from oracle.stream import STREAM_SUMMARY, SegmentLog, stream_folder
 from oracle.startup import build_workload, planner_config
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,10 @@ async def run_oracle(
             return
     finally:
         membership.cancel()
+        if planning.service.is_stream:  # also when stopped: the launcher stops it as the trainers end
+            summary = planning.service.stream_summary()
+            write_atomically(stream_folder(spec.checkpoint.dir) / STREAM_SUMMARY,
+                             orjson.dumps(summary, option=orjson.OPT_INDENT_2))
         planning.service.stop()
         for server in servers:
             await server.stop()

@@ -22,6 +22,7 @@ Routes (their messages are in `oracle.protocol`):
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -98,11 +99,8 @@ _KeyBatch = tuple[np.ndarray, np.ndarray, np.ndarray]  # what `Workload.key_batc
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
-class StreamLag:
-    """How far a live stream's planning is behind its newest arrival."""
-
-    rows: int = 0  # rows taken from the stream and not yet planned
+LAG_EVERY_S = 0.5  # how often a stream's lag is sampled (for its summary)
+LAG_SAMPLES = 100_000  # the samples kept: the last 14 hours at that rate, a bounded memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +159,9 @@ class OracleService:
         self.metrics = registry or Registry()
         self.final_scrape = FinalScrape()  # finished by the coordinator, once every trainer is
         self.progress = PlannerProgress()
-        self.lag = StreamLag()
+        self._lag_seconds: collections.deque[float] = collections.deque(maxlen=LAG_SAMPLES)
+        self._lag_max = (0, 0.0)  # rows, seconds
+        self._lag_sampler: asyncio.Task[None] | None = None
         self.streams_open = [0] * config.num_trainers  # every open stream, counted or not
         self.buffer: StepBuffer | None = None
         self._thread: threading.Thread | None = None
@@ -201,6 +201,8 @@ class OracleService:
         self.failed = loop.create_future()
         self._thread = threading.Thread(target=self._plan, name="planner", daemon=True)
         self._thread.start()
+        if self.is_stream:
+            self._lag_sampler = loop.create_task(self._sample_lag())
 
     @property
     def is_stream(self) -> bool:
@@ -226,7 +228,40 @@ class OracleService:
             log.info("stop requested: the stream ends at its next checkpoint")
         self._stop_requested.set()
 
+    def stream_lag(self) -> tuple[int, float]:
+        """How far the trainers are behind a stream's newest arrival: the rows of the full
+        batches taken that the slowest trainer has not received, and the seconds since the
+        oldest of them arrived; (0, 0.0) when it has every batch there is (a partial batch
+        waits for rows, not for the trainers)."""
+        assert isinstance(self.workload, LiveWorkload) and self.buffer is not None
+        source, b = self.workload.source, self.workload.batch_size
+        received = min(self.buffer.depths().positions) * b
+        rows = min(source.num_rows // b, self.end) * b - received
+        if rows <= 0:
+            return 0, 0.0
+        return rows, max(0.0, time.time() - source.taken_s(received))
+
+    def stream_summary(self) -> dict[str, object]:
+        """What a stream's run did: its parts, rows, bad rows and lag (the report's)."""
+        assert isinstance(self.workload, LiveWorkload)
+        source = self.workload.source
+        lag = np.array(self._lag_seconds or [0.0])
+        return {"parts": len(source.parts), "rows": source.num_rows, "bad_rows": source.bad_rows,
+                "iterations": self.end, "cuts": len(self._segment_log.ends_of(self.workload.start))
+                if self._segment_log is not None else 0,
+                "lag_rows_max": self._lag_max[0], "lag_s_max": self._lag_max[1],
+                "lag_s_p50": float(np.percentile(lag, 50)), "lag_s_p99": float(np.percentile(lag, 99))}
+
+    async def _sample_lag(self) -> None:
+        while True:
+            rows, seconds = self.stream_lag()
+            self._lag_seconds.append(seconds)
+            self._lag_max = (max(self._lag_max[0], rows), max(self._lag_max[1], seconds))
+            await asyncio.sleep(LAG_EVERY_S)
+
     def stop(self) -> None:
+        if self._lag_sampler is not None:
+            self._lag_sampler.cancel()
         self._stop.set()
         if self.buffer is not None:
             self.buffer.fail(RuntimeError("the oracle is stopping"))
@@ -289,7 +324,6 @@ class OracleService:
             keys, labels, dense = self._timed_read(lambda: workload.batch(x))
             batches[x] = (labels, dense)
             self._publish(self._timed(planner, lambda: planner.push(keys), keys.size), batches)
-            self.lag = StreamLag(rows=workload.source.num_rows - (x + 1) * workload.batch_size)
             x += 1
 
     def _end_at(self, x: int) -> int:
@@ -443,6 +477,14 @@ class OracleService:
                         help="CPU seconds of the oracle by phase: read, plan, plan_workers, encode, serve")
         if self.buffer is None:
             return
+        if isinstance(self.workload, LiveWorkload):
+            source = self.workload.source
+            rows, seconds = self.stream_lag()
+            m.set_total("stream_rows_taken_total", source.num_rows, help="Rows taken from the stream's parts")
+            m.set_total("stream_parts_taken_total", len(source.parts), help="Parts of the stream taken")
+            m.set_total("stream_bad_rows_total", source.bad_rows, help="Malformed rows of the stream, quarantined")
+            m.set("stream_lag_rows", rows, help="Rows taken that the slowest trainer has not received")
+            m.set("stream_lag_seconds", seconds, help="Seconds since the oldest row the slowest trainer lacks arrived")
         depths = self.buffer.depths()
         m.set("steps_held", depths.held, help="Steps kept in memory (not yet sent, or kept for a resume)")
         for trainer, position in enumerate(depths.positions):

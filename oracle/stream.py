@@ -25,6 +25,7 @@ from common.keys import TableLayout
 
 log = logging.getLogger(__name__)
 SEGMENTS = "segments.jsonl"
+STREAM_SUMMARY = "summary.json"  # what a stream's run did (the oracle writes it as it ends)
 
 _KeyBatch = tuple[np.ndarray, np.ndarray, np.ndarray]
 

@@ -33,20 +33,25 @@ CUTS = (0, 700, 1000, 1650, 1680, 2400, 3300)  # six parts, one of 30 rows
 ITERATIONS = 100  # of 32 rows: the stream holds 103 batches
 
 
+BAD_LINE = "1\tnot a row\n"  # in part 3, at its line 2: quarantined, never trained
+
+
 def split_sample(folder: Path) -> list[Path]:
-    """The sample's first rows as parts of uneven sizes, in natural order."""
+    """The sample's first rows as parts of uneven sizes, in natural order; part 3 holds a
+    malformed line."""
     folder.mkdir()
     lines = SAMPLE.read_text().splitlines(keepends=True)
     parts = []
     for k, (a, b) in enumerate(zip(CUTS, CUTS[1:])):
         parts.append(folder / f"part-{k}.tsv")
-        parts[-1].write_text("".join(lines[a:b]))
+        rows = lines[a:b]
+        parts[-1].write_text("".join(rows[:1] + [BAD_LINE] + rows[1:] if k == 3 else rows))
     return parts
 
 
 def data_section(path: str | list[str], *, watch: bool) -> dict[str, object]:
     section: dict[str, object] = {"format": "criteo", "path": path, "table_sizes": [97] * 26}
-    return section | ({"watch": True, "poll_s": 0.1} if watch else {})
+    return section | ({"watch": True, "poll_s": 0.1} if watch else {"on_error": "skip"})
 
 
 def overrides(mode: str, iterations: int = ITERATIONS, **extra: dict[str, object]) -> dict[str, dict[str, object]]:
@@ -93,6 +98,11 @@ def test_an_online_run_is_bit_identical_to_offline(tmp_path: Path, mode: str) ->
     # the trainers caught up with the stream, so the plan was cut, and trained through
     ends = segment_ends(job)
     assert ends and all(0 < e < ITERATIONS for e in ends), ends
+    summary = orjson.loads((job.spec.checkpoint.dir / "stream" / "summary.json").read_bytes())
+    assert (summary["parts"], summary["rows"], summary["bad_rows"], summary["cuts"]) == (6, 3300, 1, len(ends))
+    (kept,) = (job.spec.checkpoint.dir / "stream" / "quarantine.jsonl").read_bytes().splitlines()
+    assert orjson.loads(kept) | {"why": ""} == {"part": str(incoming / "part-3.tsv"), "line": 2, "why": "",
+                                                "text": BAD_LINE.rstrip("\n")}
 
 
 KILLS = [pytest.param(role, marks=[] if role == "oracle" else [pytest.mark.nightly])

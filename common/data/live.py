@@ -18,8 +18,12 @@ taken when it completes, with a warning: the stream is the order parts were take
 That order is the stream's one fact that is not in the files: `StreamLog` appends each
 part to ``parts.jsonl`` (fsync) before its rows are read, and a source opened again reads
 the log first, so a restarted oracle, or a resumed run, sees the same rows in the same
-order. Each part is read as the batch format reads one file: converted into its own cache
-(raw click logs; `common.data.convert`) or read in place (parquet).
+order. Each part is converted as the batch format converts one file, into its own cache
+(`common.data.convert`).
+
+A bad row never stops a stream: parts are read with ``on_error = "skip"``, and the lines a
+part lost are found again (`common.data.raw.bad_lines`) and kept, with their part, line and
+what is wrong, in ``quarantine.jsonl`` beside the log. The good rows of the part train.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 import orjson
 
 from common.data.files import is_pattern
+from common.data.raw import BadLine
 from common.data.spec import DataSpec
 from common.data.synthetic import Rows
 from common.errors import ConfigError
@@ -45,6 +50,7 @@ from common.errors import ConfigError
 log = logging.getLogger(__name__)
 SUCCESS = "_SUCCESS"
 LOG_NAME = "parts.jsonl"
+QUARANTINE = "quarantine.jsonl"
 OPEN_PARTS = 4  # part data sets kept open: reads go forward, across at most two parts
 
 
@@ -57,6 +63,7 @@ class TakenPart:
     mtime_ns: int
     rows: int
     taken_s: float  # time.time() when it was taken: where a row's freshness starts
+    bad_rows: int = 0  # lines dropped as malformed (kept in the quarantine)
 
 
 def watch_root(spec: DataSpec) -> Path:
@@ -103,6 +110,7 @@ class StreamLog:
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / LOG_NAME
+        self.quarantine = folder / QUARANTINE
 
     def read(self) -> list[TakenPart]:
         if not self.path.is_file():
@@ -126,6 +134,15 @@ class StreamLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab") as fh:
             fh.write(orjson.dumps(dataclasses.asdict(part)) + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def keep_bad(self, part: Path, bad: list[BadLine]) -> None:
+        """Append a part's bad lines to the quarantine (fsync)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.quarantine, "ab") as fh:
+            fh.write(b"".join(orjson.dumps({"part": str(part), "line": b.line, "why": b.why, "text": b.text}) + b"\n"
+                             for b in bad))
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -159,6 +176,16 @@ class LiveSource:
     @property
     def num_rows(self) -> int:
         return self._starts[-1]
+
+    def taken_s(self, row: int) -> float:
+        """When the part holding `row` (taken) was taken."""
+        k = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return self.parts[min(k, len(self.parts) - 1)].taken_s
+
+    @property
+    def bad_rows(self) -> int:
+        """Lines of the parts taken that were malformed (quarantined, not trained)."""
+        return sum(p.bad_rows for p in self.parts)
 
     def refresh(self) -> int:
         """Take every part that is complete and not yet taken; the rows taken in all."""
@@ -209,12 +236,29 @@ class LiveSource:
         import time
 
         st = path.stat()
-        dataset = self._open_part(self._part_spec(path))
+        spec = self._part_spec(path)
+        dataset = self._open_part(spec)
         rows = int(dataset.num_train_rows)  # type: ignore[attr-defined]
-        part = TakenPart(path=str(path), bytes=st.st_size, mtime_ns=st.st_mtime_ns, rows=rows, taken_s=time.time())
+        bad = _skipped_lines(dataset)
+        if bad:
+            self._quarantine(spec, path, bad)
+        part = TakenPart(path=str(path), bytes=st.st_size, mtime_ns=st.st_mtime_ns, rows=rows, taken_s=time.time(),
+                         bad_rows=bad)
         self.log.append(part)
-        log.info("stream: took %s (%d rows)", path.name, rows)
+        log.info("stream: took %s (%d rows%s)", path.name, rows, f", {bad} bad" if bad else "")
         self._add(part, dataset)
+
+    def _quarantine(self, spec: DataSpec, path: Path, count: int) -> None:
+        if spec.is_raw:
+            from common.data.raw import bad_lines
+
+            found = bad_lines(spec, path)
+        else:  # parquet: the rows are counted; which ones, the batch reader in fail mode says
+            found = []
+        self.log.keep_bad(path, found)
+        first = f" (first at line {found[0].line}: {found[0].why})" if found else ""
+        log.warning("stream: %s has %d malformed row(s), kept in %s and not trained%s", path, count,
+                    self.log.quarantine, first)
 
     def _add(self, part: TakenPart, dataset: object | None = None) -> None:
         self.parts.append(part)
@@ -241,7 +285,15 @@ class LiveSource:
         cache = Path(self.spec.cache_dir) if self.spec.cache_dir else cache_path(self.spec)
         root = watch_root(self.spec)
         name = str(path.relative_to(root) if path.is_relative_to(root) else path.name).replace(os.sep, "__")
-        return dataclasses.replace(self.spec, path=str(path), watch=False, cache_dir=str(cache / "parts" / name))
+        return dataclasses.replace(self.spec, path=str(path), watch=False, on_error="skip",
+                                   cache_dir=str(cache / "parts" / name))
+
+
+def _skipped_lines(dataset: object) -> int:
+    """The malformed lines a part's conversion dropped (its manifest says)."""
+    data = getattr(dataset, "data", None)
+    source = data.manifest.source if data is not None else {}
+    return int(source.get("skipped_lines", 0))
 
 
 def _open_part_dataset(spec: DataSpec) -> object:

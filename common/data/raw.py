@@ -401,3 +401,49 @@ class RawReader(Reader):
                 self.skipped += reader.skipped
         if self.skipped:
             log.warning("skipped %d malformed line(s) in %s", self.skipped, self.spec.path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BadLine:
+    """A malformed line of a file: its number (1-based), what is wrong, and its text."""
+
+    line: int
+    why: str
+    text: str
+
+
+def bad_lines(spec: DataSpec, path: Path) -> list[BadLine]:
+    """Every malformed line of one raw file, as the parser in fail mode judges them: each
+    block is parsed until its next bad line, then on from the line after it, so a file
+    costs one pass plus one block's parse per bad line (the error path, for a stream's
+    quarantine: `common.data.live`)."""
+    fmt = raw_format(spec)
+    header = header_lines(fmt, path)
+    found: list[BadLine] = []
+    lines = 0
+    for block in _blocks(Piece(path=path, index=0, start=0, stop=path.stat().st_size), lambda n: None):
+        if lines < header:
+            block = block[block.find(b"\n") + 1 :] if b"\n" in block else b""
+            lines = header
+        while block:
+            parsed = fmt.parse(block, False)
+            if parsed.error is None:
+                lines += parsed.lines
+                break
+            at, why = parsed.error
+            start = _nth_line_start(block, at)
+            end = block.find(b"\n", start)
+            end = len(block) if end < 0 else end + 1
+            found.append(BadLine(line=lines + at + 1, why=why,
+                                 text=block[start:end].rstrip(b"\r\n").decode("utf-8", errors="replace")))
+            lines += at + 1
+            block = block[end:]
+    return found
+
+
+def _nth_line_start(block: bytes, n: int) -> int:
+    """The offset where line n (0-based) of `block` starts."""
+    if n == 0:
+        return 0
+    newlines = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
+    return int(newlines[n - 1]) + 1

@@ -146,6 +146,9 @@ class DataSpec:
                               "stream hashes ('hash', or 'none' for ids)")  # fmt: skip
         if self.eval_fraction:
             raise ConfigError("data.eval_fraction", "a stream has no last rows to hold out: set 0 with watch")
+        if self.on_error != "skip":
+            raise ConfigError("data.on_error", "a stream never stops on a bad row (it quarantines it): "
+                              "leave on_error out, or set 'skip'")  # fmt: skip
 
     @property
     def num_tables(self) -> int:
@@ -256,6 +259,8 @@ def parse_data_spec(section: dict[str, Any], *, base_dir: Path) -> DataSpec:
         if key in fields:
             fields[key] = float(fields[key])
     fields["table_sizes"] = _table_sizes(section)
+    if section.get("watch") is True:
+        fields.setdefault("on_error", "skip")  # a stream's bad rows are quarantined, never fatal
     if section.get("format") not in ("synthetic", None) and "num_dense" in section:
         raise ConfigError("data.num_dense", "is set by the format; only synthetic data takes it")
     return DataSpec(**fields)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from common.data.dataset import open_dataset
@@ -28,7 +29,7 @@ def land(folder: Path, name: str, lines: list[str]) -> Path:
 
 
 def watch_spec(path: Path, **fields: object) -> DataSpec:
-    return DataSpec(format="criteo", path=str(path), table_sizes=tuple(SIZES), watch=True, **fields)
+    return DataSpec(format="criteo", path=str(path), table_sizes=tuple(SIZES), watch=True, on_error="skip", **fields)
 
 
 def sample_lines(n: int) -> list[str]:
@@ -119,12 +120,33 @@ def test_a_torn_last_log_line_is_dropped_and_a_torn_middle_one_refused(tmp_path:
         log.read()
 
 
+def test_bad_rows_are_quarantined_with_their_part_and_line_and_the_good_ones_read(tmp_path: Path) -> None:
+    lines = sample_lines(40)
+    bad = {3: "1\t2\n", 17: "x" + lines[17], 39: lines[39].replace("\t", "\tzz", 1)}  # 1-based line numbers
+    written = [bad.get(n, line) for n, line in enumerate(lines, start=1)]
+    incoming, logs = tmp_path / "in", tmp_path / "log"
+    incoming.mkdir()
+    land(incoming, "part-0.tsv", written)
+    source = LiveSource(watch_spec(incoming), logs)
+    assert source.refresh() == 37 and source.bad_rows == 3
+    kept = [orjson.loads(line) for line in (logs / "quarantine.jsonl").read_bytes().splitlines()]
+    assert [k["line"] for k in kept] == [3, 17, 39]
+    assert [k["text"] for k in kept] == [bad[n].rstrip("\n") for n in (3, 17, 39)]
+    assert all(k["part"] == str(incoming / "part-0.tsv") and k["why"] for k in kept)
+    good = tmp_path / "good.tsv"
+    good.write_text("".join(line for n, line in enumerate(lines, start=1) if n not in bad))
+    want = open_dataset(DataSpec(format="criteo", path=str(good), table_sizes=tuple(SIZES))).rows(0, 37)
+    np.testing.assert_array_equal(source.rows(0, 37).sparse, want.sparse)
+    assert LiveSource(watch_spec(incoming), logs).refresh() == 37  # the log keeps the count
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     ({"format": "criteo-npy"}, "data.watch"),
     ({"hashing": "dictionary"}, "data.hashing"),
     ({"eval_fraction": 0.1}, "data.eval_fraction"),
     ({"ready": "soon"}, "data.ready"),
     ({"poll_s": 0}, "data.poll_s"),
+    ({"on_error": "fail"}, "data.on_error"),
 ])
 def test_a_stream_the_reader_cannot_follow_fails_naming_the_field(fields: dict, field: str) -> None:
     section = {"format": "criteo", "path": "in/*.tsv", "watch": True, **fields}
