@@ -36,7 +36,7 @@ GENERATED = ("bench/results", "docs/benchmarks.md")
 # docs/benchmarks.md shows them.
 BENCHES = (
     "e2e", "cluster", "recovery", "planner", "ps_fetch", "ps_waiting", "abuse", "sync_sum",
-    "data", "export", "linkrate", "gpu_check", "scale",
+    "data", "export", "linkrate", "gpu_check", "scale", "online",
 )  # fmt: skip
 
 

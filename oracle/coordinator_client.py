@@ -32,6 +32,7 @@ from oracle.protocol import (
     COMPLETE_CHECKPOINT,
     DENSE,
     HEALTH,
+    INGEST,
     PRESENCE,
     REGISTER,
     REGISTER_HOLD_S,
@@ -40,6 +41,8 @@ from oracle.protocol import (
     CheckpointCompleted,
     DenseCheckpoint,
     DenseRequest,
+    IngestBody,
+    IngestReceipt,
     Joined,
     Presence,
     PresenceAnswer,
@@ -143,6 +146,11 @@ class CoordinatorClient:
         """End the job's stream (`data.watch`) at its next checkpoint (``POST /v1/stop``);
         Conflict for a run over a data set."""
         await ask(self._client, STOP)
+
+    async def ingest(self, rows: bytes) -> IngestReceipt:
+        """Push rows to the job's stream (``POST /v1/ingest``), in its format; answered once
+        they are on disk. BadRequest naming the first bad line."""
+        return await ask(self._client, INGEST, IngestBody(data=rows))
 
     async def dense_state(self, checkpoint: int) -> bytes:
         """Complete checkpoint `checkpoint`'s dense state, as `torch.save` wrote it."""

@@ -450,6 +450,39 @@ class DenseRequest(_QueryMessage):
     checkpoint: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class IngestBody:
+    """Rows pushed to a stream (``POST /v1/ingest``): the body as the stream's format writes
+    a file (Criteo TSV or Avazu CSV lines, or a parquet file). Checked whole by the oracle
+    (`common.data.spool`), which answers 400 naming the bad line or row."""
+
+    CONTENT_TYPE: ClassVar[str] = BINARY
+
+    data: bytes
+
+    def to_wire(self) -> bytes:
+        return self.data
+
+    @classmethod
+    def from_wire(cls, body: bytes | bytearray | memoryview) -> IngestBody:
+        return cls(data=bytes(body))
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestReceipt(_JsonMessage):
+    """The answer to an `IngestBody`: it is on disk, as the stream's part `part`."""
+
+    NAME: ClassVar[str] = "ingest receipt"
+
+    part: str
+    rows: int
+
+    def __post_init__(self) -> None:
+        _check(self, isinstance(self.part, str) and bool(self.part), "part", "must be a non-empty string, got %r",
+               self.part)
+        _check_counts(self, "rows")
+
+
 # --------------------------------------------------------------------------- routes
 @dataclass(frozen=True, kw_only=True)
 class Route:
@@ -496,9 +529,10 @@ RESUME_POINT = Route(method="GET", path="/v1/checkpoint", response=ResumePoint)
 DENSE = Route(method="GET", path="/v1/dense", request=DenseRequest)  # torch.save's bytes
 PRESENCE = Route(method="POST", path="/v1/presence", request=Presence, response=PresenceAnswer)
 STOP = Route(method="POST", path="/v1/stop")  # a stream ends at its next checkpoint (202)
+INGEST = Route(method="POST", path="/v1/ingest", request=IngestBody, response=IngestReceipt)
 
 #: What `oracle.service` serves.
-SERVICE_ROUTES: tuple[Route, ...] = (STREAM, ACKNOWLEDGE, HEALTH, METRICS, STOP)
+SERVICE_ROUTES: tuple[Route, ...] = (STREAM, ACKNOWLEDGE, HEALTH, METRICS, STOP, INGEST)
 #: What `oracle.coordinator_service` serves.
 COORDINATOR_ROUTES: tuple[Route, ...] = (REGISTER, EVAL, FINISHED, COMPLETE_CHECKPOINT, RESUME_POINT, DENSE,
                                          PRESENCE)

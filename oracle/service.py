@@ -13,6 +13,8 @@ Routes (their messages are in `oracle.protocol`):
   these acknowledgements and the starts of J's streams move, never by more than was sent
   for J (`oracle.buffer`): a stray reader of a trainer's stream, however much of it it
   reads, makes the oracle drop no step the trainer still needs.
+* ``POST /v1/ingest``: rows pushed to a stream, in its format; 200 with the part they became
+  once they are on disk (fsync, then rename), 400 naming the first bad line (nothing kept).
 * ``POST /v1/stop``: a stream (`data.watch`) ends at its next checkpoint, as on SIGTERM
   (202); a run over a data set answers 409.
 * ``GET /v1/health``, ``GET /metrics`` (public): Prometheus text of the planner's progress
@@ -47,9 +49,12 @@ from oracle.stream import LiveWorkload, SegmentLog
 from oracle.protocol import (
     ACKNOWLEDGE,
     HEALTH,
+    INGEST,
     METRICS,
     STOP,
     STREAM,
+    IngestBody,
+    IngestReceipt,
     OracleHealth,
     Route,
     StreamAck,
@@ -182,7 +187,7 @@ class OracleService:
 
     #: Each route of `SERVICE_ROUTES` and the method that serves it.
     HANDLERS: ClassVar[dict[Route, str]] = {STREAM: "stream", ACKNOWLEDGE: "acknowledge", HEALTH: "health",
-                                            METRICS: "render_metrics", STOP: "stop_stream"}
+                                            METRICS: "render_metrics", STOP: "stop_stream", INGEST: "ingest"}
 
     def router(self) -> Router:
         router = Router()
@@ -429,6 +434,15 @@ class OracleService:
         a data set, which ends with its data."""
         self.request_stop()
         return Response(status=202)
+
+    async def ingest(self, body: IngestBody) -> IngestReceipt:
+        """``POST /v1/ingest``: rows pushed to a stream, answered once they are a part of it
+        on disk (`common.data.spool`); 400 naming the bad line, 409 for a run over a data set."""
+        if not isinstance(self.workload, LiveWorkload):
+            raise Conflict("a run over a data set takes no pushed rows; only a stream (data.watch) does")
+        got = await asyncio.to_thread(self.workload.source.spool.accept, body.data)
+        self.metrics.inc("stream_rows_pushed_total", got.rows, help="Rows pushed to the stream (POST /v1/ingest)")
+        return IngestReceipt(part=got.part, rows=got.rows)
 
     def acknowledge(self, ack: StreamAck) -> Response:
         """Trainer J has received every step before `next` (answered at once, without a

@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -36,16 +37,16 @@ ITERATIONS = 100  # of 32 rows: the stream holds 103 batches
 BAD_LINE = "1\tnot a row\n"  # in part 3, at its line 2: quarantined, never trained
 
 
-def split_sample(folder: Path) -> list[Path]:
+def split_sample(folder: Path, *, bad_line: bool = True) -> list[Path]:
     """The sample's first rows as parts of uneven sizes, in natural order; part 3 holds a
-    malformed line."""
+    malformed line unless not `bad_line`."""
     folder.mkdir()
     lines = SAMPLE.read_text().splitlines(keepends=True)
     parts = []
     for k, (a, b) in enumerate(zip(CUTS, CUTS[1:])):
         parts.append(folder / f"part-{k}.tsv")
         rows = lines[a:b]
-        parts[-1].write_text("".join(rows[:1] + [BAD_LINE] + rows[1:] if k == 3 else rows))
+        parts[-1].write_text("".join(rows[:1] + [BAD_LINE] + rows[1:] if k == 3 and bad_line else rows))
     return parts
 
 
@@ -66,11 +67,22 @@ def offline_reference(tmp_path: Path, parts: list[Path], mode: str, iterations: 
     return build_job(load_spec(spec))
 
 
-def start_writer(incoming: Path, parts: list[Path], seed: int, run_dir: Path) -> subprocess.Popen:
-    """The writer: the first part at once, the others while the trainers train."""
+def start_writer(incoming: Path, parts: list[Path], seed: int, run_dir: Path, *,
+                 push_to: str | None = None) -> subprocess.Popen:
+    """The writer: the first part at once, the others while the trainers train; with
+    `push_to` (the oracle's address) every second part pushed to it instead."""
     started = run_dir / "trainer-0.jsonl"
+    push = ["--push", push_to] if push_to else []
     return subprocess.Popen([sys.executable, "-m", "tests.stream_writer", str(incoming), str(seed), str(started),
-                             *map(str, parts)], cwd=ROOT)
+                             *push, *map(str, parts)], cwd=ROOT, env={**os.environ, TOKEN_ENV: TOKEN})
+
+
+def taken_order(job: Job, parts: list[Path]) -> list[Path]:
+    """The parts in the order the stream took them (a pushed part by its content)."""
+    logged = [Path(orjson.loads(line)["path"]) for line in
+              (job.spec.checkpoint.dir / "stream" / "parts.jsonl").read_bytes().splitlines()]
+    by_content = {p.read_bytes(): p for p in parts}
+    return [by_content[p.read_bytes()] for p in logged]
 
 
 def segment_ends(job: Job) -> list[int]:
@@ -103,6 +115,37 @@ def test_an_online_run_is_bit_identical_to_offline(tmp_path: Path, mode: str) ->
     (kept,) = (job.spec.checkpoint.dir / "stream" / "quarantine.jsonl").read_bytes().splitlines()
     assert orjson.loads(kept) | {"why": ""} == {"part": str(incoming / "part-3.tsv"), "line": 2, "why": "",
                                                 "text": BAD_LINE.rstrip("\n")}
+
+
+class WriterOnceServing:
+    """on_poll hook: start the writer once the oracle serves (it pushes to it)."""
+
+    def __init__(self, start: Callable[[str], subprocess.Popen]) -> None:
+        self.start, self.writer = start, None
+
+    def __call__(self, cluster: LocalCluster) -> None:
+        if self.writer is None and cluster.oracle_address is not None:
+            self.writer = self.start(str(cluster.oracle_address))
+
+
+def test_rows_pushed_and_landed_train_bit_identical_to_offline_in_the_order_taken(tmp_path: Path) -> None:
+    """A body with a bad line is refused whole (tests/common/data/test_spool.py): these parts
+    are all good."""
+    parts = split_sample(tmp_path / "parts", bad_line=False)
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    spec = write_spec(tmp_path, "pushed", overrides("bagpipe"), data=data_section(str(incoming / "*.tsv"), watch=True))
+    job = build_job(load_spec(spec))
+    hook = WriterOnceServing(lambda oracle: start_writer(incoming, parts, 9, tmp_path / "run", push_to=oracle))
+    try:
+        result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=hook)
+    finally:
+        if hook.writer is not None:
+            assert hook.writer.wait(30) == 0
+    order = taken_order(job, parts)
+    assert sorted(order) == parts and len(list((job.spec.checkpoint.dir / "stream" / "spool").iterdir())) == 3
+    offline = offline_reference(tmp_path, order, "bagpipe")
+    assert_identical(final_model(job, result.run_dir), as_final(reference_for(offline)))
 
 
 KILLS = [pytest.param(role, marks=[] if role == "oracle" else [pytest.mark.nightly])

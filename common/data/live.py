@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import orjson
 from common.data.files import is_pattern
 from common.data.raw import BadLine
 from common.data.spec import DataSpec
+from common.data.spool import Spool
 from common.data.synthetic import Rows
 from common.errors import ConfigError
 
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 SUCCESS = "_SUCCESS"
 LOG_NAME = "parts.jsonl"
 QUARANTINE = "quarantine.jsonl"
+SPOOL = "spool"
 OPEN_PARTS = 4  # part data sets kept open: reads go forward, across at most two parts
 
 
@@ -154,8 +157,8 @@ class StreamLog:
 class LiveSource:
     """The rows of a watched folder, in the order its parts were taken.
 
-    `refresh` takes the parts completed since the last call (log first, then the folder),
-    converting each; `rows` reads rows already taken. Both run on the caller's thread (the
+    `refresh` takes the parts completed since the last call (log first, then the folder,
+    then the rows pushed to the oracle: `spool`), converting each; `rows` reads rows already taken. Both run on the caller's thread (the
     oracle's planner): converting a part is the only way its rows come to be, and nothing
     is read ahead of what the planner asks for.
     """
@@ -172,6 +175,7 @@ class LiveSource:
         self._logged = self.log.read()
         self._open: OrderedDict[int, object] = OrderedDict()
         self._lock = threading.Lock()
+        self.spool = Spool(spec, log_folder / SPOOL)  # rows pushed to the oracle (POST /v1/ingest)
 
     @property
     def num_rows(self) -> int:
@@ -193,7 +197,7 @@ class LiveSource:
             while len(self.parts) < len(self._logged):
                 self._take_logged(self._logged[len(self.parts)])
             taken = {p.path for p in self.parts}
-            for path in complete_parts(self.spec):
+            for path in complete_parts(self.spec) + self.spool.parts():
                 if str(path) not in taken:
                     self._take_new(path)
             return self.num_rows
@@ -229,12 +233,7 @@ class LiveSource:
         self._add(part)
 
     def _take_new(self, path: Path) -> None:
-        if self.parts and _natural_key(path, watch_root(self.spec)) < _natural_key(Path(self.parts[-1].path),
-                                                                                    watch_root(self.spec)):
-            log.warning("%s completed after %s, which sorts after it: taken now, after it", path,
-                        self.parts[-1].path)
-        import time
-
+        self._warn_if_late(path)
         st = path.stat()
         spec = self._part_spec(path)
         dataset = self._open_part(spec)
@@ -247,6 +246,15 @@ class LiveSource:
         self.log.append(part)
         log.info("stream: took %s (%d rows%s)", path.name, rows, f", {bad} bad" if bad else "")
         self._add(part, dataset)
+
+    def _warn_if_late(self, path: Path) -> None:
+        """A folder part that sorts before the last folder part taken arrived late."""
+        if path.parent == self.spool.folder:
+            return
+        root = watch_root(self.spec)
+        last = next((Path(p.path) for p in reversed(self.parts) if Path(p.path).parent != self.spool.folder), None)
+        if last is not None and _natural_key(path, root) < _natural_key(last, root):
+            log.warning("%s completed after %s, which sorts after it: taken now, after it", path, last)
 
     def _quarantine(self, spec: DataSpec, path: Path, count: int) -> None:
         if spec.is_raw:

@@ -75,6 +75,7 @@ SMOKES = (
     Smoke("export", needs=_no_gnu_time),
     Smoke("linkrate", needs=_namespaces_unavailable),
     Smoke("gpu_check", ("--device", DEVICE)),
+    Smoke("online", out=True),
 )
 
 

@@ -31,6 +31,7 @@ from oracle.protocol import (
     EVAL,
     FINISHED,
     HEALTH,
+    INGEST,
     METRICS,
     PRESENCE,
     REGISTER,
@@ -45,6 +46,7 @@ from oracle.protocol import (
     EvalRequest,
     Finished,
     FinishProgress,
+    IngestReceipt,
     Joined,
     OracleHealth,
     Presence,
@@ -368,6 +370,7 @@ class FakeOracle:
             DENSE: lambda ask: Response(body=b"dense state %d" % ask.checkpoint),
             PRESENCE: lambda seen: PresenceAnswer(term=seen.term + (seen.failure is not None), regroup=bool(seen.failure)),
             STOP: lambda _: Response(status=202),
+            INGEST: lambda body: IngestReceipt(part="ingest-000000000000.tsv", rows=body.data.count(b"\n")),
         }
         assert set(answers) == set(ROUTES)
         router = Router()
@@ -437,6 +440,7 @@ def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
                 await coordinator.resumed_from(),
                 await coordinator.dense_state(4),
                 await coordinator.stop_stream(),
+                await coordinator.ingest(b"1\t2\n0\t3\n"),
             )
             await coordinator.present(Presence(role="trainer", index=0, term=2))
             with pytest.raises(Regrouped, match="trainer 0's term 2 is over"):
@@ -446,8 +450,8 @@ def test_every_client_asks_the_oracle_only_for_routes_of_the_table() -> None:
             await coordinator.close()
             return answers
 
-        got, kept, resumed, dense, _ = io.run(coordinate(), timeout=30)
-        assert (got.index, kept, resumed, dense) == (1, (4,), 4, b"dense state 4")
+        got, kept, resumed, dense, _, pushed = io.run(coordinate(), timeout=30)
+        assert (got.index, kept, resumed, dense, pushed.rows) == (1, (4,), 4, b"dense state 4", 2)
 
         stream = DirectiveStream(io, endpoint, token="t", transport="h2", trainer=0, timeout_s=10)
         try:

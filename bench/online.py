@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Online training against offline on the same rows (docs/design.md#online-training).
+
+The rows: synthetic Criteo-like ones (top 1% of rows = 92% of accesses) written as Criteo TSV
+parts of `PART_BATCHES` batches each. Three runs of the same job (T = 2, S = 2, bagpipe,
+a small DLRM):
+
+* **offline**: the parts as a list, all there before the run starts;
+* **online, fast**: a watched folder the parts land in at twice the offline run's rate
+  (rows per second), from when the trainers start: the stream runs ahead of training, so
+  the lookahead is full and the plan is never cut;
+* **online, slow**: the parts land at half that rate: the trainers wait at the live edge and
+  the plan is cut there.
+
+For each: samples/s and hit rate over the measured iterations (the first fifth and the
+oracle's last `max_ahead` left out), the lag behind the newest rows (p50, p99, maximum:
+`stream/summary.json`), the plan's cuts, and every role's RSS growth per 1,000 iterations
+after the warm-up. Targets with rows arriving faster than the trainers train: samples/s
+>= 0.9x offline and hit rate within 2 points of it; every role's RSS flat.
+
+Not measured yet: freshness (seconds from a row's arrival to the first export trained on
+it) needs exports of a running stream, which do not exist yet; `freshness_p99_s` is null.
+
+    python bench/online.py --quick
+    python bench/online.py --smoke        (seconds: the code path, for tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orjson  # noqa: E402
+
+from bench import SMOKE_RESULTS, Table, add_result_options, config_of, results_path, write_results  # noqa: E402
+from bench.data import criteo_text  # noqa: E402
+from common.data.spec import DataSpec  # noqa: E402
+from common.data.synthetic import SyntheticGenerator  # noqa: E402
+from common.job import build_job  # noqa: E402
+from common.spec import load_spec, spec_toml  # noqa: E402
+from launcher.cluster import run_cluster  # noqa: E402
+from launcher.memory import read_rss, rss_curves, summarise_rss  # noqa: E402
+from launcher.summary import iteration_series, summarise  # noqa: E402
+from trainer.records import read_run  # noqa: E402
+
+NAME = "online"
+TOKEN = "online-bench"
+SEED = 5
+PART_BATCHES = 25  # batches per part: a part is a few seconds of training here
+MODEL = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    iterations: int
+    batch: int
+    cache_rows: int
+    table_rows: int  # rows per table (26 tables)
+    max_ahead: int = 64
+    growth_span: int = 1000  # iterations after the warm-up an RSS growth figure needs
+
+
+SIZES = {
+    "quick": Size(iterations=1500, batch=512, cache_rows=16384, table_rows=100_000),
+    "smoke": Size(iterations=60, batch=128, cache_rows=4096, table_rows=1000, max_ahead=8, growth_span=20),
+}
+
+
+def write_parts(folder: Path, size: Size) -> list[Path]:
+    """The run's rows (and two parts more, so that the last batches never wait) as parts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = SyntheticGenerator(DataSpec(format="synthetic", rows=2**40, table_sizes=(size.table_rows,) * 26))
+    rows = PART_BATCHES * size.batch
+    parts = []
+    for k in range(-(-size.iterations // PART_BATCHES) + 2):
+        part = folder / f"part-{k:05d}.tsv"
+        if not part.exists():
+            part.write_bytes(criteo_text(lambda first: gen.rows(first, first + rows), k * rows, rows, seed=SEED))
+        parts.append(part)
+    return parts
+
+
+def job_sections(size: Size, data: dict[str, Any], run_dir: Path) -> dict[str, dict]:
+    return {
+        "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
+        "oracle": {"lookahead": 40, "prefetch_lead": 4, "cache_rows": size.cache_rows, "max_ahead": size.max_ahead},
+        "ps": {"shards": 2},
+        "trainers": {"count": 2},
+        "data": {"format": "criteo", "table_sizes": [size.table_rows] * 26, "workers": 1, **data},
+        "model": dict(MODEL),
+        "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
+        "train": {"batch_size": size.batch, "max_iterations": size.iterations},
+        "checkpoint": {"dir": str(run_dir / "checkpoints")},
+    }
+
+
+class Writer(threading.Thread):
+    """Lands `parts` in `folder` at `rows_per_s`: two at once, the rest from when the
+    trainers start (their first records), each when the rate says, by rename."""
+
+    def __init__(self, parts: list[Path], folder: Path, rows_per_s: float, rows_per_part: int, started: Path) -> None:
+        super().__init__(daemon=True)
+        self.parts, self.folder, self.started = parts, folder, started
+        self.every_s = rows_per_part / rows_per_s
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        for part in self.parts[:2]:
+            self._land(part)
+        while not self.started.exists() and not self.stop.is_set():
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        for k, part in enumerate(self.parts[2:], start=1):
+            if self.stop.wait(max(0.0, t0 + k * self.every_s - time.monotonic())):
+                return
+            self._land(part)
+
+    def _land(self, part: Path) -> None:
+        hidden = self.folder / f".{part.name}.tmp"
+        shutil.copyfile(part, hidden)
+        os.replace(hidden, self.folder / part.name)
+
+
+def run_case(name: str, size: Size, out: Path, parts: list[Path], rate: float | None) -> dict[str, Any]:
+    """One run: offline over `parts` (rate None), or online with parts landing at `rate` rows/s."""
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    writer = None
+    if rate is None:
+        data: dict[str, Any] = {"path": [str(p) for p in parts]}
+    else:
+        incoming = run_dir / "incoming"
+        incoming.mkdir()
+        data = {"path": str(incoming / "*.tsv"), "watch": True, "poll_s": 0.1}
+        writer = Writer(parts, incoming, rate, PART_BATCHES * size.batch, run_dir / "trainer-0.jsonl")
+    spec = run_dir / f"{name}.toml"
+    spec.write_text(spec_toml(f"online-{name}", SEED, job_sections(size, data, run_dir)))
+    job = build_job(load_spec(spec))
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    if writer is not None:
+        writer.start()
+    try:
+        run_cluster(job, run_dir, token=TOKEN)
+    finally:
+        if writer is not None:
+            writer.stop.set()
+            writer.join()
+    return figures_of(run_dir, size, stream=rate is not None)
+
+
+def figures_of(run_dir: Path, size: Size, *, stream: bool) -> dict[str, Any]:
+    warmup = max(2, size.iterations // 5)
+    records = read_run(run_dir, 2)
+    summary = summarise(records, mode="bagpipe", global_batch=size.batch, warmup=warmup, cooldown=size.max_ahead,
+                        trainers=2)
+    series = iteration_series(records, trainers=2)
+    curves = rss_curves(read_rss(run_dir), series.iterations, series.end_time)
+    rss = summarise_rss(curves, warmup, min_span=size.growth_span)
+    out: dict[str, Any] = {
+        "samples_per_s": summary.samples_per_s, "hit_rate": summary.hit_rate,
+        "wait_directive_ms": 1000 * summary.phase_s.get("wait_directive", math.nan),
+        "rss": {role: f.to_json() for role, f in rss.items()},
+    }
+    if stream:
+        out["stream"] = orjson.loads((run_dir / "checkpoints" / "stream" / "summary.json").read_bytes())
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the size this machine runs in minutes (the default)")
+    parser.add_argument("--out", type=Path, help="run folders and parts (default runs/bench/online, "
+                                                 f"with --smoke {SMOKE_RESULTS}/online)")
+    add_result_options(parser, NAME, "60 iterations of 128 on tables of 1,000 rows")
+    args = parser.parse_args()
+    size = SIZES["smoke" if args.smoke else "quick"]
+    out = (args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench/online"))).resolve()
+    parts = write_parts(out / "parts", size)
+    offline = run_case("offline", size, out, parts, None)
+    rate = offline["samples_per_s"]
+    fast = run_case("online-fast", size, out, parts, 2 * rate)
+    slow = run_case("online-slow", size, out, parts, rate / 2)
+    figures = {
+        "offline": offline, "online_fast": fast, "online_slow": slow,
+        "throughput_vs_offline": fast["samples_per_s"] / rate,
+        "hit_rate_drop_vs_offline": 100 * (offline["hit_rate"] - fast["hit_rate"]),
+        "freshness_p99_s": None,
+        "oracle_rss_growth_mb_per_1k": max(c["rss"]["oracle"]["growth_mb_per_1k"] for c in (fast, slow)),
+        "max_rss_growth_mb_per_1k": max(r["growth_mb_per_1k"] for c in (offline, fast, slow)
+                                        for r in c["rss"].values()),
+    }
+    headline = headline_of(figures)
+    print(render(headline))
+    path = results_path(NAME, args.json, args.smoke)
+    write_results(path, bench=NAME, config=config_of(args, **vars_of(size)), figures=figures, headline=headline,
+                  smoke=args.smoke)
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
+def vars_of(size: Size) -> dict[str, Any]:
+    return {"iterations": size.iterations, "batch": size.batch, "cache_rows": size.cache_rows,
+            "table_rows": size.table_rows, "part_batches": PART_BATCHES, "model": MODEL}
+
+
+def headline_of(f: dict[str, Any]) -> Table:
+    rows = []
+    for name, key, rate in (("offline", "offline", "all there"), ("online, fast", "online_fast", "2x offline"),
+                            ("online, slow", "online_slow", "0.5x offline")):
+        c = f[key]
+        s = c.get("stream", {})
+        growth = max(r["growth_mb_per_1k"] for r in c["rss"].values())
+        rows.append((name, rate, c["samples_per_s"], c["samples_per_s"] / f["offline"]["samples_per_s"],
+                     100 * c["hit_rate"], s.get("cuts", 0), s.get("lag_s_p50", math.nan), s.get("lag_s_p99", math.nan),
+                     growth))
+    return Table(("run", "rows arrive", "samples/s", "vs offline", "hit rate %", "cuts", "lag p50 s", "lag p99 s",
+                  "max RSS growth MB/1k it"), tuple(rows))
+
+
+def render(table: Table) -> str:
+    lines = ["  ".join(f"{c:>14}" for c in table.columns)]
+    for row in table.rows:
+        lines.append("  ".join(f"{v:>14.3g}" if isinstance(v, float) else f"{v!s:>14}" for v in row))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
