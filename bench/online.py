@@ -12,14 +12,17 @@ a small DLRM):
 * **online, slow**: the parts land at half that rate: the trainers wait at the live edge and
   the plan is cut there.
 
-For each: samples/s and hit rate over the measured iterations (the first fifth and the
-oracle's last `max_ahead` left out), the lag behind the newest rows (p50, p99, maximum:
-`stream/summary.json`), the plan's cuts, and every role's RSS growth per 1,000 iterations
-after the warm-up. Targets with rows arriving faster than the trainers train: samples/s
->= 0.9x offline and hit rate within 2 points of it; every role's RSS flat.
+Every run takes a checkpoint every `CHECKPOINT_EVERY` iterations and exports (a base, then
+deltas: `serving.chain`) every `EXPORT_EVERY`, the offline one too, so that all pay the same.
 
-Not measured yet: freshness (seconds from a row's arrival to the first export trained on
-it) needs exports of a running stream, which do not exist yet; `freshness_p99_s` is null.
+For each: samples/s and hit rate over the measured iterations (the first fifth and the
+oracle's last `max_ahead` left out), the lag behind the newest rows (p50, p99, maximum), the
+freshness (seconds from a row's arrival to the first export trained on it; p50, p99), the
+plan's cuts (`stream/summary.json`), and every role's RSS growth per 1,000 iterations after
+the warm-up. Targets with rows arriving faster than the trainers train: samples/s >= 0.9x
+offline and hit rate within 2 points of it; arriving slower: freshness p99 <= the export
+interval (`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D iterations
+(offline's); every role's RSS flat.
 
     python bench/online.py --quick
     python bench/online.py --smoke        (seconds: the code path, for tests)
@@ -57,6 +60,8 @@ NAME = "online"
 TOKEN = "online-bench"
 SEED = 5
 PART_BATCHES = 25  # batches per part: a part is a few seconds of training here
+CHECKPOINT_EVERY, EXPORT_EVERY = 50, 100
+LOOKAHEAD, LEAD = 40, 4
 MODEL = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
 
 
@@ -68,11 +73,14 @@ class Size:
     table_rows: int  # rows per table (26 tables)
     max_ahead: int = 64
     growth_span: int = 1000  # iterations after the warm-up an RSS growth figure needs
+    checkpoint_every: int = CHECKPOINT_EVERY
+    export_every: int = EXPORT_EVERY
 
 
 SIZES = {
     "quick": Size(iterations=1500, batch=512, cache_rows=16384, table_rows=100_000),
-    "smoke": Size(iterations=60, batch=128, cache_rows=4096, table_rows=1000, max_ahead=8, growth_span=20),
+    "smoke": Size(iterations=60, batch=128, cache_rows=4096, table_rows=1000, max_ahead=8, growth_span=20,
+                  checkpoint_every=10, export_every=20),
 }
 
 
@@ -93,14 +101,16 @@ def write_parts(folder: Path, size: Size) -> list[Path]:
 def job_sections(size: Size, data: dict[str, Any], run_dir: Path) -> dict[str, dict]:
     return {
         "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
-        "oracle": {"lookahead": 40, "prefetch_lead": 4, "cache_rows": size.cache_rows, "max_ahead": size.max_ahead},
+        "oracle": {"lookahead": LOOKAHEAD, "prefetch_lead": LEAD, "cache_rows": size.cache_rows,
+                   "max_ahead": size.max_ahead},
         "ps": {"shards": 2},
         "trainers": {"count": 2},
         "data": {"format": "criteo", "table_sizes": [size.table_rows] * 26, "workers": 1, **data},
         "model": dict(MODEL),
         "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
         "train": {"batch_size": size.batch, "max_iterations": size.iterations},
-        "checkpoint": {"dir": str(run_dir / "checkpoints")},
+        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": size.checkpoint_every},
+        "export": {"dir": str(run_dir / "exports"), "every_iterations": size.export_every},
     }
 
 
@@ -191,17 +201,21 @@ def main() -> int:
     rate = offline["samples_per_s"]
     fast = run_case("online-fast", size, out, parts, 2 * rate)
     slow = run_case("online-slow", size, out, parts, rate / 2)
+    slow_rate = rate / 2
     figures = {
         "offline": offline, "online_fast": fast, "online_slow": slow,
         "throughput_vs_offline": fast["samples_per_s"] / rate,
         "hit_rate_drop_vs_offline": 100 * (offline["hit_rate"] - fast["hit_rate"]),
-        "freshness_p99_s": None,
+        "freshness_p99_s": slow["stream"].get("freshness_s_p99"),
+        "freshness_target_s": size.export_every * size.batch / slow_rate + (LOOKAHEAD + LEAD) * size.batch / rate,
         "oracle_rss_growth_mb_per_1k": max(c["rss"]["oracle"]["growth_mb_per_1k"] for c in (fast, slow)),
         "max_rss_growth_mb_per_1k": max(r["growth_mb_per_1k"] for c in (offline, fast, slow)
                                         for r in c["rss"].values()),
     }
     headline = headline_of(figures)
     print(render(headline))
+    print(f"freshness p99 {figures['freshness_p99_s']:.2f} s (target <= {figures['freshness_target_s']:.2f} s: the "
+          f"export interval at the slow rate plus L + D iterations)")
     path = results_path(NAME, args.json, args.smoke)
     write_results(path, bench=NAME, config=config_of(args, **vars_of(size)), figures=figures, headline=headline,
                   smoke=args.smoke)
@@ -211,7 +225,8 @@ def main() -> int:
 
 def vars_of(size: Size) -> dict[str, Any]:
     return {"iterations": size.iterations, "batch": size.batch, "cache_rows": size.cache_rows,
-            "table_rows": size.table_rows, "part_batches": PART_BATCHES, "model": MODEL}
+            "table_rows": size.table_rows, "part_batches": PART_BATCHES, "model": MODEL,
+            "checkpoint_every": size.checkpoint_every, "export_every": size.export_every}
 
 
 def headline_of(f: dict[str, Any]) -> Table:
@@ -223,9 +238,9 @@ def headline_of(f: dict[str, Any]) -> Table:
         growth = max(r["growth_mb_per_1k"] for r in c["rss"].values())
         rows.append((name, rate, c["samples_per_s"], c["samples_per_s"] / f["offline"]["samples_per_s"],
                      100 * c["hit_rate"], s.get("cuts", 0), s.get("lag_s_p50", math.nan), s.get("lag_s_p99", math.nan),
-                     growth))
+                     s.get("freshness_s_p50", math.nan), s.get("freshness_s_p99", math.nan), growth))
     return Table(("run", "rows arrive", "samples/s", "vs offline", "hit rate %", "cuts", "lag p50 s", "lag p99 s",
-                  "max RSS growth MB/1k it"), tuple(rows))
+                  "freshness p50 s", "freshness p99 s", "max RSS growth MB/1k it"), tuple(rows))
 
 
 def render(table: Table) -> str:

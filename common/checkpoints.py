@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -130,15 +131,15 @@ def latest_complete(directory: Path, num_shards: int) -> int | None:
     return next(iter(complete_checkpoints(directory, num_shards)), None)
 
 
-def prune(directory: Path, num_shards: int, keep: int) -> list[int]:
+def prune(directory: Path, num_shards: int, keep: int, *, protect: Collection[int] = ()) -> list[int]:
     """Delete every checkpoint, complete or not, older than the `keep` newest complete ones
-    (0 keeps all); returns their ids. The manifest goes first, so no checkpoint is ever seen
-    complete with a part missing."""
+    (0 keeps all), but those in `protect` (one being exported); returns their ids. The
+    manifest goes first, so no checkpoint is ever seen complete with a part missing."""
     complete = complete_checkpoints(directory, num_shards)
     if keep <= 0 or len(complete) <= keep:
         return []
     oldest_kept = complete[keep - 1]
-    gone = sorted(c for c in _ids_on_disk(directory, num_shards) if c < oldest_kept)
+    gone = sorted(c for c in _ids_on_disk(directory, num_shards) if c < oldest_kept and c not in protect)
     for c in gone:
         manifest_path(directory, c).unlink(missing_ok=True)
         dense_path(directory, c).unlink(missing_ok=True)

@@ -193,6 +193,21 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExportSection:
+    """Exports while the job runs (`serving.chain`): at the first complete checkpoint at
+    least `every_iterations` iterations, or `every_s` seconds, after the last export (0: not
+    by that measure); a base, then deltas, in `dir`."""
+
+    dir: Path
+    every_iterations: int = 0
+    every_s: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_iterations or self.every_s)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     name: str
     seed: int
@@ -204,6 +219,7 @@ class ClusterSpec:
     train: TrainSection
     checkpoint: CheckpointSection
     sections: dict[str, dict[str, Any]]
+    export: ExportSection = field(default_factory=lambda: ExportSection(dir=Path("runs/exports").resolve()))
     """Raw data, model and optimizer sections, each parsed by its own module (`common/job.py`)."""
     document: dict[str, Any] = field(default_factory=dict, compare=False)
     """The whole TOML document as read: the coordinator sends it to roles that have no spec
@@ -364,6 +380,17 @@ def _checkpoint(s: _Section, name: str) -> CheckpointSection:
     )
 
 
+def _export(s: _Section, name: str) -> ExportSection:
+    every_s = s.get("every_s", float, 0.0)
+    if every_s < 0 or every_s != every_s or every_s == float("inf"):
+        raise ConfigError("export.every_s", f"must be a finite number >= 0, got {every_s}")
+    return ExportSection(
+        dir=Path(s.get("dir", str, f"runs/{name}/exports")).resolve(),  # relative to the working directory
+        every_iterations=s.int("every_iterations", 0, low=0),
+        every_s=every_s,
+    )
+
+
 ROLE_SECTIONS = ("data", "model", "optimizer")
 
 
@@ -384,6 +411,7 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
         trainers=_parse(raw, "trainers", _trainers),
         train=_parse(raw, "train", _train),
         checkpoint=_parse(raw, "checkpoint", lambda s: _checkpoint(s, name)),
+        export=_parse(raw, "export", lambda s: _export(s, name)),
         sections={key: _Section(raw.pop(key, {}), key).raw for key in ROLE_SECTIONS},
         document=document,
     )
@@ -393,6 +421,9 @@ def parse_spec(raw: dict[str, Any], source: Path) -> ClusterSpec:
         raise ConfigError("trainers.min_count", "an elastic job (min_count or max_count other than count) "
                                                 "needs checkpoints: a change of trainers goes back to the "
                                                 "latest complete one; set [checkpoint] every")
+    if spec.export.enabled and not spec.checkpoint.every:
+        raise ConfigError("export.every_iterations" if spec.export.every_iterations else "export.every_s",
+                          "exports are taken at checkpoints: set [checkpoint] every")
     _check_batch_divides(spec.train.batch_size, spec.trainers.count)
     return spec
 

@@ -157,4 +157,6 @@ def format_stream(stream: Mapping[str, Any]) -> str:
         f"{stream['iterations']} iterations, plan cut {stream['cuts']} time(s) where the trainers caught up",
         f"  lag behind the newest rows: p50 {stream['lag_s_p50']:.2f} s, p99 {stream['lag_s_p99']:.2f} s, "
         f"max {stream['lag_s_max']:.2f} s and {stream['lag_rows_max']:,} rows",
+        *([f"  freshness (a row's arrival to the first export trained on it), over {stream['exports']} export(s): "
+           f"p50 {stream['freshness_s_p50']:.2f} s, p99 {stream['freshness_s_p99']:.2f} s"] if "exports" in stream else []),
     ])

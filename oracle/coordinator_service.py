@@ -79,6 +79,7 @@ from oracle.protocol import (
     add_handlers,
     fingerprint,
 )
+from oracle.exporter import Exporter
 from oracle.membership import Candidate, Decision, Membership, RegroupFailed
 
 log = logging.getLogger(__name__)
@@ -246,9 +247,11 @@ class Coordinator:
     oracle then plans for, answering the registrations it held."""
 
     def __init__(self, job: Job, *, start_store: Callable[[], tuple[object, Endpoint]],
-                 resumed_from: int | None = None, metrics: Metrics | None = None) -> None:
+                 resumed_from: int | None = None, metrics: Metrics | None = None,
+                 exporter: Exporter | None = None) -> None:
         spec = job.spec
         self.job = job
+        self.exporter = exporter  # [export]: checkpoints it completes are offered to it
         self.resumed_from = resumed_from
         self.metrics = metrics or Metrics()
         self._start_store = start_store
@@ -541,8 +544,11 @@ class Coordinator:
         dense.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(dense, done.dense)
         write_manifest(directory, done.checkpoint, shards, {"bytes": done.nbytes, "seconds": done.seconds})
+        if self.exporter is not None:
+            self.exporter.offer(done.checkpoint)
         try:
-            gone = prune(directory, shards, spec.checkpoint.keep)
+            protect = self.exporter.protected() if self.exporter is not None else set()
+            gone = prune(directory, shards, spec.checkpoint.keep, protect=protect)
         except OSError as exc:  # costs only disk space
             log.warning("old checkpoints in %s could not be deleted: %s", directory, exc)
         else:

@@ -21,6 +21,7 @@ from common.spec import Endpoint, with_trainer_count
 from common.transport import Router, Tls
 from oracle.compiled import compile_planner
 from oracle.coordinator_service import Coordinator
+from oracle.exporter import Exporter
 from oracle.membership import RegroupFailed
 from oracle.protocol import HEALTH, OracleHealth, add_handlers
 from oracle.service import OracleService
@@ -63,9 +64,12 @@ async def run_oracle(
         shutil.rmtree(stream_folder(spec.checkpoint.dir), ignore_errors=True)
     planning = Planning(job, first_iteration, restarted_alone=restarted_alone, until=until)
     address = spec.oracle.address
+    if spec.export.enabled and not resume and not restarted_alone:
+        Exporter.start_fresh(job)
+    exporter = Exporter(job) if spec.export.enabled else None
     coordinator = Coordinator(job, start_store=lambda: trainer_store(address.host),
                               resumed_from=first_iteration - 1 if first_iteration else None,
-                              metrics=planning.service.metrics)
+                              metrics=planning.service.metrics, exporter=exporter)
     router = planning.router(coordinator)
     coordinator.add_routes(router)
     servers = make_servers(spec.cluster, router, address, token=token, admin_port=admin_port, tls=tls)
@@ -110,6 +114,8 @@ async def run_oracle(
             return
     finally:
         membership.cancel()
+        if exporter is not None and not exporter.wait_idle(60):
+            log.warning("an export was still being written as the oracle stopped")
         if planning.service.is_stream:  # also when stopped: the launcher stops it as the trainers end
             summary = planning.service.stream_summary()
             write_atomically(stream_folder(spec.checkpoint.dir) / STREAM_SUMMARY,
@@ -132,8 +138,10 @@ class Planning:
         config = planner_config(job, workload, every_count=every_count)
         compile_planner(config.mode)  # before it reports ready: trainers then never wait on numba
         segments = SegmentLog(stream_folder(job.spec.checkpoint.dir)) if job.data.watch else None
+        export_dir = job.spec.export.dir if job.spec.export.enabled else None
         self.service = OracleService(config, workload, max_ahead=job.spec.oracle.max_ahead,
-                                     restarted_alone=restarted_alone, registry=metrics, segment_log=segments)
+                                     restarted_alone=restarted_alone, registry=metrics, segment_log=segments,
+                                     export_dir=export_dir)
 
     def router(self, coordinator: Coordinator) -> Router:
         """`OracleService`'s routes, each served by whichever service is current; the health

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, TypeVar
 
 import numpy as np
@@ -45,7 +46,7 @@ from common.transport import Response, Router, StreamResponse, encode_message
 from oracle.buffer import StepBuffer
 from oracle.config import PlannerConfig
 from oracle.live import LivePlanner
-from oracle.stream import LiveWorkload, SegmentLog
+from oracle.stream import LiveWorkload, SegmentLog, freshness, weighted_percentile
 from oracle.protocol import (
     ACKNOWLEDGE,
     HEALTH,
@@ -151,6 +152,7 @@ class OracleService:
         restarted_alone: bool = False,
         registry: Registry | None = None,
         segment_log: SegmentLog | None = None,
+        export_dir: Path | None = None,
     ) -> None:
         if config.first_iteration != workload.start:
             raise ConfigError(
@@ -175,6 +177,7 @@ class OracleService:
         self.failed: asyncio.Future[BaseException] | None = None
         # a live stream's cuts: those of the plan replayed (restarted alone), logged as made
         self._segment_log = segment_log
+        self._export_dir = export_dir  # where a stream's exports go ([export]): its freshness
         self._replayed_ends: list[int] = []
         self._end = workload.num_iterations  # a stream's moves to where a stop ends it
         self._stop_requested = threading.Event()
@@ -251,11 +254,21 @@ class OracleService:
         assert isinstance(self.workload, LiveWorkload)
         source = self.workload.source
         lag = np.array(self._lag_seconds or [0.0])
-        return {"parts": len(source.parts), "rows": source.num_rows, "bad_rows": source.bad_rows,
-                "iterations": self.end, "cuts": len(self._segment_log.ends_of(self.workload.start))
-                if self._segment_log is not None else 0,
-                "lag_rows_max": self._lag_max[0], "lag_s_max": self._lag_max[1],
-                "lag_s_p50": float(np.percentile(lag, 50)), "lag_s_p99": float(np.percentile(lag, 99))}
+        summary = {"parts": len(source.parts), "rows": source.num_rows, "bad_rows": source.bad_rows,
+                   "iterations": self.end, "cuts": len(self._segment_log.ends_of(self.workload.start))
+                   if self._segment_log is not None else 0,
+                   "lag_rows_max": self._lag_max[0], "lag_s_max": self._lag_max[1],
+                   "lag_s_p50": float(np.percentile(lag, 50)), "lag_s_p99": float(np.percentile(lag, 99))}
+        if self._export_dir is not None:
+            from serving.chain import ExportChain
+
+            links = ExportChain.read(self._export_dir).links
+            seconds, rows = freshness(source.parts, [(x.checkpoint, x.exported_s) for x in links],
+                                      self.workload.batch_size)
+            summary |= {"exports": len(links), "freshness_s_p50": weighted_percentile(seconds, rows, 50),
+                        "freshness_s_p99": weighted_percentile(seconds, rows, 99),
+                        "freshness_s_max": float(seconds.max()) if seconds.size else float("nan")}
+        return summary
 
     async def _sample_lag(self) -> None:
         while True:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from common.data.live import LiveSource
+from common.data.live import LiveSource, TakenPart
 from common.errors import ConfigError
 from common.job import OPEN_END
 from common.keys import TableLayout
@@ -125,3 +125,35 @@ class SegmentLog:
             fh.write(orjson.dumps(entry) + b"\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def freshness(parts: list[TakenPart], links: list[tuple[int, float]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds from each row's arrival to the first export that trained on it, as (seconds,
+    rows) pairs: `links` are the exports' (checkpoint, time.time() once written), in order;
+    export c holds the rows of iterations up to c, rows [0, (c + 1) B). Rows no export holds
+    yet are left out."""
+    seconds, weights = [], []
+    start = 0
+    covered = [((c + 1) * batch_size, t) for c, t in links]
+    for part in parts:
+        a, end = start, start + part.rows
+        for rows_through, exported_s in covered:
+            if rows_through <= a:
+                continue
+            b = min(end, rows_through)
+            seconds.append(exported_s - part.taken_s)
+            weights.append(b - a)
+            a = b
+            if a >= end:
+                break
+        start = end
+    return np.array(seconds, np.float64), np.array(weights, np.int64)
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The q-th percentile of `values`, each counted `weights` times (NaN for none)."""
+    if values.size == 0 or weights.sum() == 0:
+        return float("nan")
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, q / 100 * cumulative[-1])])

@@ -28,6 +28,7 @@ from common.data.dataset import Batch, Dataset, open_dataset
 from common.data.spec import RAW_FORMATS
 from common.errors import ConfigError
 from common.files import write_atomically
+from serving.chain import CHAIN_FILE, ExportChain, deltas, index_key, rows_key
 from serving.manifest import MODEL_FILE, ExportManifest, dense_key, embedding_key
 from serving.safetensors import FormatError, SafetensorsFile
 from common.steps import held_out_share
@@ -50,7 +51,10 @@ class ExportedModel:
 
 
 def load_export(directory: Path) -> ExportedModel:
-    """The model exported into `directory`; FormatError if the folder is not a complete export."""
+    """The model exported into `directory`, or the last link of the chain there (a running
+    job's exports: `serving.chain`); FormatError if the folder is not a complete export."""
+    if (directory / CHAIN_FILE).is_file():
+        return load_chain(directory)
     manifest = ExportManifest.read(directory)
     weights = SafetensorsFile(directory / MODEL_FILE)
     model = build_model(manifest.model, manifest.num_dense, len(manifest.table_sizes))
@@ -66,6 +70,30 @@ def load_export(directory: Path) -> ExportedModel:
             raise FormatError(f"{weights.path}: table {t} has shape {table.shape}, the manifest says "
                               f"({rows}, {manifest.model.embedding_dim})")
     return ExportedModel(manifest=manifest, model=model, tables=tables)
+
+
+def load_chain(directory: Path) -> ExportedModel:
+    """The chain in `directory` (`serving.chain`) at its last link: its base, each delta's
+    rows written over it in order, the last delta's dense parameters."""
+    chain = ExportChain.read(directory)
+    if not chain.links:
+        raise FormatError(f"{directory / CHAIN_FILE} holds no export yet")
+    base = load_export(directory / chain.links[0].folder)
+    tables = [np.array(t) for t in base.tables]  # copies: the deltas are written over them
+    model = base.model
+    for link, delta in deltas(chain):
+        for t, table in enumerate(tables):
+            index, rows = delta.array(index_key(t)), delta.array(rows_key(t))
+            if index.size and (index[0] < 0 or index[-1] >= table.shape[0] or rows.shape != (index.size, table.shape[1])):
+                raise FormatError(f"{delta.path}: table {t}'s rows do not fit its {table.shape} table")
+            table[index] = rows
+        state = {key: torch.from_numpy(np.array(delta.array(dense_key(key)))) for key in model.state_dict()}
+        model.load_state_dict(state)
+    manifest = dataclasses.replace(base.manifest, origin=dataclasses.replace(
+        base.manifest.origin, iterations=chain.links[-1].checkpoint + 1))
+    for table in tables:
+        table.flags.writeable = False
+    return ExportedModel(manifest=manifest, model=model, tables=tuple(tables))
 
 
 def score(exported: ExportedModel, batches: Iterable[Batch], trainers: int = 1) -> EvalResult:

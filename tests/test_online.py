@@ -15,13 +15,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
+import torch
 
 from common.checkpoints import final_paths, latest_complete
 from common.job import OPEN_END, Job, build_job
 from common.spec import TOKEN_ENV, load_spec
 from launcher.cluster import LocalCluster, Restart, run_cluster
+from serving.chain import ExportChain
+from serving.export import export_model
+from serving.predict import load_export
+from serving.sources import open_checkpoint
 from tests.cluster_helpers import TOKEN, as_final, assert_identical, final_model, reference_for, write_spec
 from tests.test_recovery import KillAt
 from trainer.records import IterationRecord, RunTail
@@ -31,7 +37,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "samples" / "criteo_kaggle_head8000.tsv"
 CUTS = (0, 700, 1000, 1650, 1680, 2400, 3300)  # six parts, one of 30 rows
-ITERATIONS = 100  # of 32 rows: the stream holds 103 batches
+ITERATIONS, BATCH = 100, 32  # the stream holds 103 batches
 
 
 BAD_LINE = "1\tnot a row\n"  # in part 3, at its line 2: quarantined, never trained
@@ -56,8 +62,9 @@ def data_section(path: str | list[str], *, watch: bool) -> dict[str, object]:
 
 
 def overrides(mode: str, iterations: int = ITERATIONS, **extra: dict[str, object]) -> dict[str, dict[str, object]]:
+    """The test job's sections in `mode`, with `extra` sections (or sections replaced)."""
     return {"oracle": {"mode": mode, "cache_rows": 450},
-            "train": {"batch_size": 32, "max_iterations": iterations}, **extra}
+            "train": {"batch_size": BATCH, "max_iterations": iterations}, **extra}
 
 
 def offline_reference(tmp_path: Path, parts: list[Path], mode: str, iterations: int = ITERATIONS) -> Job:
@@ -74,7 +81,7 @@ def start_writer(incoming: Path, parts: list[Path], seed: int, run_dir: Path, *,
     started = run_dir / "trainer-0.jsonl"
     push = ["--push", push_to] if push_to else []
     return subprocess.Popen([sys.executable, "-m", "tests.stream_writer", str(incoming), str(seed), str(started),
-                             *push, *map(str, parts)], cwd=ROOT, env={**os.environ, TOKEN_ENV: TOKEN})
+                             str(BATCH), *push, *map(str, parts)], cwd=ROOT, env={**os.environ, TOKEN_ENV: TOKEN})
 
 
 def taken_order(job: Job, parts: list[Path]) -> list[Path]:
@@ -220,7 +227,7 @@ def test_a_stopped_stream_ends_at_its_next_checkpoint(tmp_path: Path, how: str) 
     try:
         result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=stop)
     finally:
-        writer.wait(30)
+        writer.kill()  # the run ends before the stream does
     assert stop.sent
     n = orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"]
     assert n > 20 and n % 7 == 0, n
@@ -240,7 +247,34 @@ def test_until_ends_a_stream_there(tmp_path: Path) -> None:
     try:
         result = run_cluster(job, tmp_path / "run", token=TOKEN, until=37)
     finally:
-        writer.wait(30)
+        writer.kill()  # the run ends before the stream does
     assert orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"] == 37
     offline = offline_reference(tmp_path, parts, "local", iterations=37)
     assert_identical(final_model(job, result.run_dir), as_final(reference_for(offline)))
+
+
+def test_a_stream_exports_a_base_then_deltas_that_read_back_as_full_exports(tmp_path: Path) -> None:
+    """[export] every 10 iterations, at checkpoints every 5: the chain read back at its last
+    link is the full export of that checkpoint, bit for bit; freshness is in the summary."""
+    parts = split_sample(tmp_path / "parts")
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    extra = {"checkpoint": {"every": 5, "keep": 0}, "export": {"dir": str(tmp_path / "exports"), "every_iterations": 10}}
+    spec = write_spec(tmp_path, "exported", overrides("bagpipe", **extra), data=data_section(str(incoming / "*.tsv"),
+                                                                                            watch=True))
+    job = build_job(load_spec(spec))
+    writer = start_writer(incoming, parts, 4, tmp_path / "run")
+    try:
+        run_cluster(job, tmp_path / "run", token=TOKEN)
+    finally:
+        writer.wait(30)
+    links = ExportChain.read(tmp_path / "exports").links
+    assert [x.kind for x in links] == ["base"] + ["delta"] * (len(links) - 1) and len(links) >= 5
+    assert all(b.checkpoint - a.checkpoint >= 10 for a, b in zip(links, links[1:]))
+    last = links[-1].checkpoint
+    export_model(open_checkpoint(job, last), tmp_path / "full", chunk_rows=1000)
+    chain, full = load_export(tmp_path / "exports"), load_export(tmp_path / "full")
+    assert all(np.array_equal(a, b) for a, b in zip(chain.tables, full.tables, strict=True))
+    assert all(torch.equal(chain.model.state_dict()[k], v) for k, v in full.model.state_dict().items())
+    summary = orjson.loads((job.spec.checkpoint.dir / "stream" / "summary.json").read_bytes())
+    assert summary["exports"] == len(links) and 0 < summary["freshness_s_p50"] <= summary["freshness_s_p99"]
