@@ -1,5 +1,6 @@
 """``python launch.py predict EXPORT_DIR``: score data with an exported model; prints AUC and
-log loss.
+log loss. EXPORT_DIR may be a running job's chain of exports (``[export]``; `serving.chain`):
+it is read as the full export of its last link.
 
 By default it scores the held-out rows of the data the run trained on the way the run's own
 evaluation did (`trainer.final`): the same rows in batches of the run's global batch, the

@@ -278,3 +278,28 @@ def test_a_stream_exports_a_base_then_deltas_that_read_back_as_full_exports(tmp_
     assert all(torch.equal(chain.model.state_dict()[k], v) for k, v in full.model.state_dict().items())
     summary = orjson.loads((job.spec.checkpoint.dir / "stream" / "summary.json").read_bytes())
     assert summary["exports"] == len(links) and 0 < summary["freshness_s_p50"] <= summary["freshness_s_p99"]
+
+
+def test_the_online_example_runs_as_its_comment_says(tmp_path: Path) -> None:
+    """examples/online.toml fed by examples/feed_stream.py (their folders moved here)."""
+    incoming = tmp_path / "incoming"
+    text = (ROOT / "examples" / "online.toml").read_text()
+    for old, new in (('path = "../runs/online/incoming/*.tsv"', f'path = "{incoming}/*.tsv"'),
+                     ("[checkpoint]\n", f'[checkpoint]\ndir = "{tmp_path / "checkpoints"}"\n'),
+                     ("[export]\n", f'[export]\ndir = "{tmp_path / "exports"}"\n')):
+        assert old in text
+        text = text.replace(old, new)
+    (tmp_path / "online.toml").write_text(text)
+    job = build_job(load_spec(tmp_path / "online.toml"))
+    feeder = subprocess.Popen([sys.executable, "examples/feed_stream.py", "--every", "0.3", "--to", str(incoming)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        result = run_cluster(job, tmp_path / "run", token=TOKEN)
+    finally:
+        feeder.kill()
+    assert orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"] == 60
+    links = ExportChain.read(tmp_path / "exports").links
+    # the base at the first checkpoint; a checkpoint due while an export runs is passed over
+    assert links[0].checkpoint == 9 and all(b.checkpoint - a.checkpoint >= 20 for a, b in zip(links, links[1:]))
+    assert all((x.checkpoint + 1) % 10 == 0 for x in links)
+    assert load_export(tmp_path / "exports").manifest.origin.iterations == links[-1].checkpoint + 1
