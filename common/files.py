@@ -31,3 +31,12 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the names in `folder` durable (a rename into it survives a crash once this returns)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

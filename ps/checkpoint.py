@@ -18,6 +18,7 @@ import orjson
 
 from common.checkpoints import CHECKPOINT_GLOB, checkpoint_name, parse_checkpoint_name, ps_dir
 from common.errors import NotFound
+from common.files import fsync_folder
 from ps.store import Snapshot
 
 _ARRAYS = ("local", "rows", "state", "versions")
@@ -44,7 +45,7 @@ def save_snapshot(directory: Path, checkpoint_id: int, snap: Snapshot, meta: dic
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_folder(directory)
     return final, written
 
 
@@ -158,9 +159,3 @@ def _write_fsynced(path: Path, data: np.ndarray | bytes) -> int:
         return fh.tell()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -19,6 +19,7 @@ from pathlib import Path
 from common.data.chunks import MalformedData
 from common.data.spec import DataSpec
 from common.errors import BadRequest, ConfigError
+from common.files import fsync_folder
 
 PREFIX = "ingest-"
 EXTENSIONS = {"criteo": ".tsv", "criteo-terabyte": ".tsv", "avazu": ".csv", "parquet": ".parquet"}
@@ -63,7 +64,7 @@ class Spool:
             with self._lock:
                 name = f"{PREFIX}{self._sequence():012d}{ext}"
                 os.replace(tmp, self.folder / name)
-                _fsync_folder(self.folder)
+                fsync_folder(self.folder)
                 self._next = (self._next or 0) + 1
         finally:
             tmp.unlink(missing_ok=True)
@@ -112,11 +113,3 @@ def _parquet_rows(spec: DataSpec, path: Path) -> int:
         raise MalformedData(path, None, f"is not a parquet file the stream's columns can be read from: {exc}") from None
     dataset.rows(0, dataset.num_rows)  # reads and checks every row
     return dataset.num_rows
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
