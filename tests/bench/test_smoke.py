@@ -75,7 +75,8 @@ SMOKES = (
     Smoke("export", needs=_no_gnu_time),
     Smoke("linkrate", needs=_namespaces_unavailable),
     Smoke("gpu_check", ("--device", DEVICE)),
-    Smoke("online", out=True),
+    # three clusters; CI's tier runs the same streams in tests/test_online.py
+    Smoke("online", out=True, nightly=True),
 )
 
 
