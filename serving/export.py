@@ -9,6 +9,7 @@ written to a temporary name and renamed, so a failed export leaves no torn file.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.files import write_atomically
-from common.job import build_job
+from common.job import Job, build_job
 from common.spec import load_spec
 from serving.manifest import (
+    CODE_FOLDER,
     MANIFEST_FILE,
     MODEL_FILE,
     TORCHREC_FILE,
@@ -53,13 +55,15 @@ def export_model(
     if chunk_rows < 1:
         raise ConfigError("--chunk-mb", f"a chunk must hold at least one row, got {chunk_rows} rows")
     started = time.perf_counter()
-    manifest = _manifest(trained, torchrec)
+    manifest = _manifest(trained, torchrec, _factory_code(trained.job))
     names = torchrec_dlrm_names(manifest) if torchrec else None
     out.mkdir(parents=True, exist_ok=True)
     # The folder is a complete export again only once the manifest, written last, is back.
     (out / MANIFEST_FILE).unlink(missing_ok=True)
     tensors = model_tensors(trained, chunk_rows)
     files = {MODEL_FILE: write_safetensors(out / MODEL_FILE, tensors, METADATA)}
+    if manifest.factory_code is not None:
+        files[manifest.factory_code] = _copy_factory_code(trained.job, out / manifest.factory_code)
     if names is None:
         (out / TORCHREC_FILE).unlink(missing_ok=True)  # an earlier export's would not match
     else:  # the same bytes under TorchRec's names: copied, not computed again
@@ -94,14 +98,41 @@ def _table_chunks(
     return lambda: trained.tables.chunks(table, chunk_rows)
 
 
-def _manifest(trained: TrainedModel, torchrec: bool) -> ExportManifest:
+def _manifest(trained: TrainedModel, torchrec: bool, factory_code: str | None) -> ExportManifest:
     job = trained.job
     return ExportManifest(
         model=job.model, num_dense=job.num_dense, table_sizes=job.layout.sizes, optimizer=job.optimizer,
         data=job.data, seed=job.spec.seed, batch_size=job.spec.train.batch_size,
         trainers=job.spec.trainers.count, origin=trained.origin,
-        held_out=trained.held_out, torchrec=torchrec,
+        held_out=trained.held_out, torchrec=torchrec, factory_code=factory_code,
     )  # fmt: skip
+
+
+def _factory_module(job: Job) -> tuple[str, Path] | None:
+    """A factory model's module: its dotted name and its source file (None for a built-in
+    model); ConfigError naming `model.factory` when it is not a module file to copy."""
+    if job.model.factory is None:
+        return None
+    module = job.model.factory.partition(":")[0]
+    found = importlib.util.find_spec(module)
+    if found is None or found.origin is None or not found.origin.endswith(".py"):
+        raise ConfigError("model.factory", f"{module!r} is not a Python source file export can copy for predict")
+    return module, Path(found.origin)
+
+
+def _factory_code(job: Job) -> str | None:
+    """Where the factory's module goes in the export: under CODE_FOLDER at its import path."""
+    module = _factory_module(job)
+    return None if module is None else str(Path(CODE_FOLDER, *module[0].split(".")).with_suffix(".py"))
+
+
+def _copy_factory_code(job: Job, to: Path) -> int:
+    module = _factory_module(job)
+    assert module is not None
+    to.parent.mkdir(parents=True, exist_ok=True)
+    body = module[1].read_bytes()
+    write_atomically(to, body)
+    return len(body)
 
 
 def chunk_rows_of(chunk_mb: float, dim: int) -> int:

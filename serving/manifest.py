@@ -4,7 +4,9 @@ An export folder holds ``model.safetensors`` (every embedding table as ``embeddi
 ``[rows_i, d]`` float32, and every dense parameter as ``dense.<state_dict key>``), optionally
 ``torchrec_dlrm.safetensors`` (the same DLRM under `torchrec.models.dlrm.DLRM`'s names, see
 `serving.torchrec`), and ``model.json``, written last: a folder with it is complete.
-``model.json`` records what serving needs (the model spec, dense features, table sizes) and
+A `[model] factory` model's module is copied under ``code/`` at its import path, so that
+`predict` rebuilds the model wherever it runs. ``model.json`` records what serving needs
+(the model spec, dense features, table sizes) and
 what re-scoring the run's held-out rows exactly needs (the data spec, the global batch and
 the trainer count its evaluation used, and the result it recorded).
 """
@@ -27,6 +29,7 @@ from serving.sources import Origin, RunEval
 MODEL_FILE = "model.safetensors"
 TORCHREC_FILE = "torchrec_dlrm.safetensors"
 MANIFEST_FILE = "model.json"
+CODE_FOLDER = "code"
 FORMAT = "bagpipe-export"
 VERSION = 1
 
@@ -58,6 +61,9 @@ class ExportManifest:
     origin: Origin
     held_out: RunEval | None
     torchrec: bool  # whether TORCHREC_FILE was written
+    #: A `[model] factory` model's module, copied under CODE_FOLDER at its import path (e.g.
+    #: "code/mypkg/model.py"), which `predict` imports it from; None for a built-in model.
+    factory_code: str | None = None
 
     def to_json(self) -> bytes:
         body = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
@@ -88,6 +94,7 @@ def _from_json(path: Path, body: dict[str, Any]) -> ExportManifest:
             data=DataSpec(**_tuples(body["data"])), seed=body["seed"], batch_size=body["batch_size"],
             trainers=body["trainers"], origin=Origin(**body["origin"]),
             held_out=None if held_out is None else RunEval.from_json(held_out), torchrec=body["torchrec"],
+            factory_code=body.get("factory_code"),  # exports written before it have none
         )  # fmt: skip
     except (KeyError, TypeError) as exc:
         raise FormatError(f"{path}: a field is missing or malformed: {exc}") from None

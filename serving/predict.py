@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from common.data.spec import RAW_FORMATS
 from common.errors import ConfigError
 from common.files import write_atomically
 from serving.chain import CHAIN_FILE, ExportChain, deltas, index_key, rows_key
-from serving.manifest import MODEL_FILE, ExportManifest, dense_key, embedding_key
+from serving.manifest import CODE_FOLDER, MODEL_FILE, ExportManifest, dense_key, embedding_key
 from serving.safetensors import FormatError, SafetensorsFile
 from common.steps import held_out_share
 from trainer.evaluation import EvalResult, MetricAccumulator
@@ -58,6 +59,10 @@ def load_export(directory: Path) -> ExportedModel:
         return load_chain(directory)
     manifest = ExportManifest.read(directory)
     weights = SafetensorsFile(directory / MODEL_FILE)
+    if manifest.factory_code is not None:  # the factory's own module, as exported, comes first
+        code = str((directory / CODE_FOLDER).resolve())
+        if code not in sys.path:
+            sys.path.insert(0, code)
     model = build_model(manifest.model, manifest.num_dense, len(manifest.table_sizes))
     state = {key: torch.from_numpy(np.array(weights.array(dense_key(key)))) for key in model.state_dict()}
     try:
