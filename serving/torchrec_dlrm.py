@@ -68,12 +68,30 @@ def torchrec_dlrm_names(manifest: ExportManifest) -> dict[str, str]:
 
 def load_torchrec_dlrm(directory: Path) -> DLRM:
     """TorchRec's DLRM (CPU) holding the parameters of the export in `directory`, which must
-    have been made with ``--torchrec``. Its tables are copied into memory."""
+    have been made with ``--torchrec``, or of the last link of the chain of exports there
+    (`serving.chain`: its base and deltas, renamed as ``--torchrec`` names them). Its tables
+    are copied into memory."""
+    from serving.chain import CHAIN_FILE
+
+    if (directory / CHAIN_FILE).is_file():
+        from serving.predict import load_chain
+
+        exported = load_chain(directory)
+        ours = {embedding_key(t): torch.from_numpy(np.array(table)) for t, table in enumerate(exported.tables)}
+        ours |= {dense_key(key): value for key, value in exported.model.state_dict().items()}
+        names = torchrec_dlrm_names(exported.manifest)
+        return _torchrec_dlrm(exported.manifest, {names[name]: tensor for name, tensor in ours.items()})
+    weights = SafetensorsFile(directory / TORCHREC_FILE)
+    state = {name: torch.from_numpy(np.array(weights.array(name))) for name in weights.names}
+    return _torchrec_dlrm(ExportManifest.read(directory), state)
+
+
+def _torchrec_dlrm(manifest: ExportManifest, state: dict[str, torch.Tensor]) -> DLRM:
+    """TorchRec's DLRM of `manifest`'s model, holding `state` (its own keys, strictly)."""
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    manifest = ExportManifest.read(directory)
     spec = manifest.model
     configs = [EmbeddingBagConfig(name=table_name(t), embedding_dim=spec.embedding_dim, num_embeddings=n,
                                   feature_names=[feature_name(t)], pooling=PoolingType.SUM)
@@ -82,8 +100,6 @@ def load_torchrec_dlrm(directory: Path) -> DLRM:
     tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     model = DLRM(embedding_bag_collection=tables, dense_in_features=manifest.num_dense,
                  dense_arch_layer_sizes=list(spec.bottom_mlp), over_arch_layer_sizes=[*spec.top_mlp, 1])
-    weights = SafetensorsFile(directory / TORCHREC_FILE)
-    state = {name: torch.from_numpy(np.array(weights.array(name))) for name in weights.names}
     model.load_state_dict(state, strict=True, assign=True)
     return model
 

@@ -121,3 +121,23 @@ def test_a_link_is_not_in_the_chain_until_whole(tmp_path: Path, three_checkpoint
     (folder / CHAIN_FILE).write_text("{")
     with pytest.raises(FormatError, match="malformed"):
         ExportChain.read(folder)
+
+
+def test_torchrecs_dlrm_loads_a_chain_as_the_full_export_of_its_last_checkpoint(
+    tmp_path: Path, three_checkpoints: tuple
+) -> None:
+    pytest.importorskip("torchrec", reason="torchrec is optional: pip install --no-deps -r bench/requirements-torchrec.txt")
+    from serving.torchrec_dlrm import keyed_features, load_torchrec_dlrm
+
+    job, _, _ = three_checkpoints
+    for c in (C1, C2, C3):
+        export_link(job, c, tmp_path / "exports", chunk_rows=64)
+    export_model(open_checkpoint(job, C3), tmp_path / "full", chunk_rows=64, torchrec=True)
+    chain, full = load_torchrec_dlrm(tmp_path / "exports"), load_torchrec_dlrm(tmp_path / "full")
+    for key, value in full.state_dict().items():
+        assert torch.equal(chain.state_dict()[key], value), key
+    batch = next(every_batch(open_dataset(job.data), 64))
+    chain.eval(), full.eval()
+    with torch.no_grad():
+        dense = torch.from_numpy(np.array(batch.dense))
+        assert torch.equal(chain(dense, keyed_features(batch.sparse)), full(dense, keyed_features(batch.sparse)))
