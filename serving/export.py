@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.errors import ConfigError, NotFound
 from common.files import write_atomically
 from common.job import Job, build_job
 from common.spec import load_spec
 from serving.manifest import (
     CODE_FOLDER,
     MANIFEST_FILE,
+    VOCABULARY_FOLDER,
     MODEL_FILE,
     TORCHREC_FILE,
     ExportManifest,
@@ -56,6 +57,7 @@ def export_model(
         raise ConfigError("--chunk-mb", f"a chunk must hold at least one row, got {chunk_rows} rows")
     started = time.perf_counter()
     manifest = _manifest(trained, torchrec, _factory_code(trained.job))
+    vocabularies = _vocabulary_files(trained.job)
     names = torchrec_dlrm_names(manifest) if torchrec else None
     out.mkdir(parents=True, exist_ok=True)
     # The folder is a complete export again only once the manifest, written last, is back.
@@ -64,6 +66,11 @@ def export_model(
     files = {MODEL_FILE: write_safetensors(out / MODEL_FILE, tensors, METADATA)}
     if manifest.factory_code is not None:
         files[manifest.factory_code] = _copy_factory_code(trained.job, out / manifest.factory_code)
+    for source in vocabularies:
+        (out / VOCABULARY_FOLDER).mkdir(exist_ok=True)
+        body = source.read_bytes()
+        write_atomically(out / VOCABULARY_FOLDER / source.name, body)
+        files[f"{VOCABULARY_FOLDER}/{source.name}"] = len(body)
     if names is None:
         (out / TORCHREC_FILE).unlink(missing_ok=True)  # an earlier export's would not match
     else:  # the same bytes under TorchRec's names: copied, not computed again
@@ -105,7 +112,24 @@ def _manifest(trained: TrainedModel, torchrec: bool, factory_code: str | None) -
         data=job.data, seed=job.spec.seed, batch_size=job.spec.train.batch_size,
         trainers=job.spec.trainers.count, origin=trained.origin,
         held_out=trained.held_out, torchrec=torchrec, factory_code=factory_code,
+        vocabulary=VOCABULARY_FOLDER if job.data.hashing == "dictionary" else None,
     )  # fmt: skip
+
+
+def _vocabulary_files(job: Job) -> list[Path]:
+    """A dictionary-encoded run's vocabularies, where its conversion left them; NotFound if
+    they are gone (the cache was deleted), before anything is written."""
+    if job.data.hashing != "dictionary":
+        return []
+    from common.data.dataset import cache_path
+    from common.data.mapping import vocabulary_file
+
+    folder = cache_path(job.data)
+    files = [folder / vocabulary_file(t) for t in range(job.layout.num_tables)]
+    if missing := [str(f) for f in files if not f.is_file()]:
+        raise NotFound(f"the run's dictionary is not in its conversion cache {folder} any more: "
+                       f"{', '.join(missing)}", missing=missing)
+    return files
 
 
 def _factory_module(job: Job) -> tuple[str, Path] | None:

@@ -30,6 +30,7 @@ MODEL_FILE = "model.safetensors"
 TORCHREC_FILE = "torchrec_dlrm.safetensors"
 MANIFEST_FILE = "model.json"
 CODE_FOLDER = "code"
+VOCABULARY_FOLDER = "vocab"
 FORMAT = "bagpipe-export"
 VERSION = 1
 
@@ -64,6 +65,10 @@ class ExportManifest:
     #: A `[model] factory` model's module, copied under CODE_FOLDER at its import path (e.g.
     #: "code/mypkg/model.py"), which `predict` imports it from; None for a built-in model.
     factory_code: str | None = None
+    #: A dictionary-encoded run's vocabularies (``vocab_<t>.npy`` as the conversion wrote them)
+    #: in this folder of the export, so that `predict --data` maps new raw rows as the run
+    #: did; None for hashed data.
+    vocabulary: str | None = None
 
     def to_json(self) -> bytes:
         body = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
@@ -94,7 +99,7 @@ def _from_json(path: Path, body: dict[str, Any]) -> ExportManifest:
             data=DataSpec(**_tuples(body["data"])), seed=body["seed"], batch_size=body["batch_size"],
             trainers=body["trainers"], origin=Origin(**body["origin"]),
             held_out=None if held_out is None else RunEval.from_json(held_out), torchrec=body["torchrec"],
-            factory_code=body.get("factory_code"),  # exports written before it have none
+            factory_code=body.get("factory_code"), vocabulary=body.get("vocabulary"),  # newer fields: may be absent
         )  # fmt: skip
     except (KeyError, TypeError) as exc:
         raise FormatError(f"{path}: a field is missing or malformed: {exc}") from None

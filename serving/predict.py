@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from common.data.dataset import Batch, Dataset, open_dataset
+from common.data.synthetic import Rows
 from common.data.spec import RAW_FORMATS
 from common.errors import ConfigError
 from common.files import write_atomically
@@ -114,17 +115,16 @@ def score(exported: ExportedModel, batches: Iterable[Batch], trainers: int = 1) 
     return acc.result()
 
 
-def open_data(manifest: ExportManifest, path: Path | None, fmt: str | None) -> Dataset:
+def open_data(manifest: ExportManifest, path: Path | None, fmt: str | None, vocabulary: Path | None = None) -> Dataset:
     """The run's data (`path` None), or the file `path` read with the run's data settings;
-    ConfigError if it does not fit the model's tables."""
+    ConfigError if it does not fit the model's tables. A dictionary-encoded run's file is
+    mapped through the vocabularies exported in the folder `vocabulary`."""
     spec = manifest.data
     if path is None and fmt is not None:
         raise ConfigError("--format", "applies to --data only")
     if path is not None:
         if spec.hashing == "dictionary":
-            raise ConfigError("--data", "the run mapped categorical values through a dictionary built "
-                              "from its own data, which is not exported: another file's values would land "
-                              "on other rows")
+            return _through_vocabulary(manifest, path, fmt, vocabulary)
         fmt = fmt or spec.format
         if fmt not in (*RAW_FORMATS, "preprocessed"):
             raise ConfigError("--format", f"{path} needs a file format ({', '.join(RAW_FORMATS)} or "
@@ -137,6 +137,45 @@ def open_data(manifest: ExportManifest, path: Path | None, fmt: str | None) -> D
                           f"{dataset.num_dense} dense features; the model has {list(manifest.table_sizes)} "
                           f"and {manifest.num_dense}")
     return dataset
+
+
+class _InMemory(Dataset):
+    """Rows already read (a file mapped through a run's dictionary)."""
+
+    def __init__(self, rows: Rows, table_sizes: tuple[int, ...]) -> None:
+        super().__init__(num_rows=len(rows.labels), num_dense=rows.dense.shape[1], table_sizes=table_sizes,
+                         eval_fraction=0.0)
+        self._rows = rows
+
+    def rows(self, start: int, stop: int) -> Rows:
+        r = self._rows
+        return Rows(labels=r.labels[start:stop], dense=r.dense[start:stop], sparse=r.sparse[start:stop])
+
+
+def _through_vocabulary(manifest: ExportManifest, path: Path, fmt: str | None, vocabulary: Path | None) -> Dataset:
+    """Every row of the raw file `path`, its values mapped to rows by the run's exported
+    dictionary: a value the run never saw (or saw too rarely) takes the rare row, as in
+    training. Read whole into memory."""
+    from common.data.mapping import RowMapper
+    from common.data.raw import RawReader
+
+    spec = manifest.data
+    if vocabulary is None or manifest.vocabulary is None:
+        raise ConfigError("--data", "the run mapped categorical values through a dictionary, and this export "
+                          "holds none (exported before dictionaries were): export the run again")
+    if (fmt or spec.format) != spec.format:
+        raise ConfigError("--format", f"a dictionary maps {spec.format} values: {fmt} rows cannot be scored")
+    spec = dataclasses.replace(spec, path=str(path.resolve()), cache_dir=None, on_error="fail")
+    mapper = RowMapper.load_dictionary(vocabulary, len(manifest.table_sizes), spec.table_sizes)
+    if mapper.sizes != manifest.table_sizes:
+        raise FormatError(f"{vocabulary}: its dictionaries make tables of {list(mapper.sizes)} rows, the model "
+                          f"has {list(manifest.table_sizes)}")
+    chunks = list(RawReader(spec).chunks())
+    if not chunks:
+        raise ConfigError("--data", f"{path} holds no rows")
+    return _InMemory(Rows(labels=np.concatenate([c.labels for c in chunks]),
+                          dense=np.concatenate([c.dense for c in chunks]),
+                          sparse=np.concatenate([mapper.rows(c.ids) for c in chunks])), manifest.table_sizes)
 
 
 def every_batch(dataset: Dataset, batch_size: int) -> Iterator[Batch]:
@@ -160,7 +199,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     exported = load_export(args.export)
     manifest = exported.manifest
-    dataset = open_data(manifest, args.data, args.format)
+    folder = args.export  # a chain's dictionaries are its base's
+    if (folder / CHAIN_FILE).is_file():
+        folder = folder / ExportChain.read(folder).links[0].folder
+    vocabulary = folder / manifest.vocabulary if manifest.vocabulary else None
+    dataset = open_data(manifest, args.data, args.format, vocabulary)
     if args.data is None:
         batches = dataset.eval_batches(manifest.batch_size)
         result = score(exported, batches, manifest.trainers)

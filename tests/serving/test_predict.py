@@ -105,5 +105,5 @@ def test_data_that_does_not_fit_the_model_is_refused(exported: Path, tmp_path: P
     with pytest.raises(ConfigError, match=r"\(50, 200, 1000, 5000\) does not match \(10, 10, 10, 10\)"):
         open_data(manifest, other, "preprocessed")
     dictionary = dataclasses.replace(manifest, data=dataclasses.replace(manifest.data, hashing="dictionary"))
-    with pytest.raises(ConfigError, match="dictionary built from its own data"):
+    with pytest.raises(ConfigError, match="this export holds none"):
         open_data(dictionary, other, "preprocessed")
