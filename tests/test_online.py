@@ -29,6 +29,7 @@ from serving.export import export_model
 from serving.predict import load_export
 from serving.sources import open_checkpoint
 from tests.cluster_helpers import TOKEN, as_final, assert_identical, final_model, reference_for, write_spec
+from tests.launcher.test_scrape import METRICS_DOC, Scraper
 from tests.test_recovery import KillAt
 from trainer.records import IterationRecord, RunTail
 
@@ -143,16 +144,24 @@ def test_rows_pushed_and_landed_train_bit_identical_to_offline_in_the_order_take
     parts = split_sample(tmp_path / "parts", bad_line=False)
     incoming = tmp_path / "incoming"
     incoming.mkdir()
-    spec = write_spec(tmp_path, "pushed", overrides("bagpipe"), data=data_section(str(incoming / "*.tsv"), watch=True))
+    lingering = overrides("bagpipe", cluster={"metrics_linger_s": 60})  # the oracle's last page is scraped
+    spec = write_spec(tmp_path, "pushed", lingering, data=data_section(str(incoming / "*.tsv"), watch=True))
     job = build_job(load_spec(spec))
     hook = WriterOnceServing(lambda oracle: start_writer(incoming, parts, 9, tmp_path / "run", push_to=oracle))
+    scraper = Scraper(tmp_path / "run")
     try:
-        result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=hook)
+        result = run_cluster(job, tmp_path / "run", token=TOKEN, on_poll=lambda c: (hook(c), scraper(c)))
     finally:
         if hook.writer is not None:
             assert hook.writer.wait(30) == 0
     order = taken_order(job, parts)
     assert sorted(order) == parts and len(list((job.spec.checkpoint.dir / "stream" / "spool").iterdir())) == 3
+    oracle = scraper.last["oracle"]
+    pushed = sum(p.read_bytes().count(b"\n") for p in parts[1::2])
+    assert (oracle.value("bagpipe_stream_rows_pushed_total"), oracle.value("bagpipe_stream_parts_taken_total"),
+            oracle.value("bagpipe_stream_rows_taken_total")) == (pushed, 6, 3300)
+    documented = METRICS_DOC.read_text()
+    assert [f for f in oracle.kinds if f.startswith("bagpipe_stream_") and f"`{f}`" not in documented] == []
     offline = offline_reference(tmp_path, order, "bagpipe")
     assert_identical(final_model(job, result.run_dir), as_final(reference_for(offline)))
 
