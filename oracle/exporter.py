@@ -3,7 +3,8 @@ checkpoint it completes, and the first one due becomes the chain's next link, wr
 thread of its own so that completing checkpoints never waits for it.
 
 A link is due at the first complete checkpoint at least `every_iterations` iterations, or
-`every_s` seconds, after the last link (the first checkpoint makes the base). One export runs
+`every_s` seconds, after the last link (the first checkpoint makes the base); when the run
+ends, its last complete checkpoint is exported too, if the chain does not hold it. One export runs
 at a time; a checkpoint offered meanwhile is passed over, and the next one due is taken. The
 checkpoint being exported is kept from pruning (`protected`). The oracle reads the shards'
 snapshots from the checkpoint directory, so exports need it on a disk the oracle sees (one
@@ -52,12 +53,17 @@ class Exporter:
         with self._lock:
             return set() if self._busy is None else {self._busy}
 
-    def offer(self, checkpoint: int) -> bool:
-        """Checkpoint `checkpoint` is complete: export it if it is due; whether it will be."""
+    def offer(self, checkpoint: int, *, final: bool = False) -> bool:
+        """Checkpoint `checkpoint` is complete: export it if it is due (`final`: the run's
+        last, exported once the export going on ends if it is newer than the last link);
+        whether it will be."""
         if not self.section.enabled:
             return False
+        if final and not self.wait_idle(60):
+            return False
         with self._lock:
-            if self._busy is not None or not self._due(checkpoint):
+            newer = self._last is None or checkpoint > self._last[0]
+            if self._busy is not None or not (self._due(checkpoint) or (final and newer)):
                 return False
             self._busy = checkpoint
         threading.Thread(target=self._export, args=(checkpoint,), name="export", daemon=True).start()

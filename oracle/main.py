@@ -101,6 +101,10 @@ async def run_oracle(
             if service.failed.done():
                 raise SystemExit(f"oracle: the planner failed: {service.failed.result()!r}")
             if coordinator.finished.is_set():
+                if exporter is not None:  # the chain ends with the run's last checkpoint
+                    last = latest_complete(spec.checkpoint.dir, spec.ps.num_shards)
+                    if last is not None:
+                        await asyncio.to_thread(exporter.offer, last, final=True)
                 service.final_scrape.finish()
                 linger = spec.cluster.metrics_linger_s
                 if linger and not await service.final_scrape.wait(linger):

@@ -265,8 +265,9 @@ def test_until_ends_a_stream_there(tmp_path: Path) -> None:
 
 
 def test_a_stream_exports_a_base_then_deltas_that_read_back_as_full_exports(tmp_path: Path) -> None:
-    """[export] every 10 iterations, at checkpoints every 5: the chain read back at its last
-    link is the full export of that checkpoint, bit for bit; freshness is in the summary."""
+    """[export] every 10 iterations, at checkpoints every 5, and the last checkpoint as the run
+    ends: the chain read back at its last link is the full export of that checkpoint, bit for
+    bit; freshness is in the summary."""
     parts = split_sample(tmp_path / "parts")
     incoming = tmp_path / "incoming"
     incoming.mkdir()
@@ -281,7 +282,8 @@ def test_a_stream_exports_a_base_then_deltas_that_read_back_as_full_exports(tmp_
         writer.wait(30)
     links = ExportChain.read(tmp_path / "exports").links
     assert [x.kind for x in links] == ["base"] + ["delta"] * (len(links) - 1) and len(links) >= 5
-    assert all(b.checkpoint - a.checkpoint >= 10 for a, b in zip(links, links[1:]))
+    due = links[:-1]  # the last is the run's last checkpoint, exported as the run ends
+    assert all(b.checkpoint - a.checkpoint >= 10 for a, b in zip(due, due[1:])) and links[-1].checkpoint == 99
     last = links[-1].checkpoint
     export_model(open_checkpoint(job, last), tmp_path / "full", chunk_rows=1000)
     chain, full = load_export(tmp_path / "exports"), load_export(tmp_path / "full")
@@ -311,6 +313,8 @@ def test_the_online_example_runs_as_its_comment_says(tmp_path: Path) -> None:
     assert orjson.loads(final_paths(result.run_dir).info.read_bytes())["iterations"] == 60
     links = ExportChain.read(tmp_path / "exports").links
     # the base at the first checkpoint; a checkpoint due while an export runs is passed over
-    assert links[0].checkpoint == 9 and all(b.checkpoint - a.checkpoint >= 20 for a, b in zip(links, links[1:]))
+    due = links[:-1]  # the last is the run's last checkpoint, exported as the run ends
+    assert links[0].checkpoint == 9 and all(b.checkpoint - a.checkpoint >= 20 for a, b in zip(due, due[1:]))
+    assert links[-1].checkpoint == 59
     assert all((x.checkpoint + 1) % 10 == 0 for x in links)
     assert load_export(tmp_path / "exports").manifest.origin.iterations == links[-1].checkpoint + 1
