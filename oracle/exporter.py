@@ -31,6 +31,7 @@ class Exporter:
         self.section = job.spec.export
         self._lock = threading.Lock()
         self._busy: int | None = None  # the checkpoint being exported
+        self._idle = threading.Condition(self._lock)  # notified when an export ends
         chain = ExportChain.read(self.section.dir)
         last = chain.links[-1] if chain.links else None
         self._last = (last.checkpoint, last.exported_s) if last is not None else None
@@ -71,10 +72,8 @@ class Exporter:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the export in progress, if any (the oracle's end)."""
-        deadline = time.monotonic() + timeout
-        while self.protected() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self.protected()
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy is None, timeout)
 
     def _due(self, checkpoint: int) -> bool:
         # caller holds self._lock
@@ -97,6 +96,7 @@ class Exporter:
             with self._lock:
                 self.failures += 1
                 self._busy = None
+                self._idle.notify_all()
             return
         log.info("exported checkpoint %d as a %s (%d rows, %d bytes) in %.2f s", checkpoint, link.kind, link.rows,
                  link.bytes, time.perf_counter() - started)
@@ -104,3 +104,4 @@ class Exporter:
             self._last = (link.checkpoint, link.exported_s)
             self.exported += 1
             self._busy = None
+            self._idle.notify_all()

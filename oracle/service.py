@@ -366,13 +366,7 @@ class OracleService:
 
     def _read(self, batches: Iterator[_KeyBatch]) -> Iterator[_KeyBatch]:
         """`batches`, the CPU of reading each counted (`PlannerProgress.read_cpu_s`)."""
-        while True:
-            started = time.thread_time()
-            batch = next(batches, None)
-            p = self.progress
-            self.progress = dataclasses.replace(p, read_cpu_s=p.read_cpu_s + time.thread_time() - started)
-            if batch is None:
-                return
+        while (batch := self._timed_read(lambda: next(batches, None))) is not None:
             yield batch
 
     def _timed(self, planner: LivePlanner, plan: Callable[[], list], key_uses: int) -> list:

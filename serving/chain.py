@@ -30,7 +30,7 @@ from ps.checkpoint import snapshot_files
 from serving.export import METADATA, export_model
 from serving.manifest import dense_key, embedding_key
 from serving.safetensors import FormatError, SafetensorsFile, StreamedTensor, dtype_code, write_safetensors
-from serving.sources import _dense_state, _open_shard, open_checkpoint
+from serving.sources import dense_state, open_shard, open_checkpoint
 
 CHAIN_FILE = "chain.json"
 DELTA_FILE = "delta.safetensors"
@@ -109,7 +109,7 @@ def _write_delta(job: Job, checkpoint: int, after: int, out: Path) -> tuple[int,
     """The rows of checkpoint `checkpoint` written after checkpoint `after`, and its dense
     state, into `out`/delta.safetensors; (rows, bytes)."""
     out.mkdir(parents=True, exist_ok=True)
-    dense = _dense_state(job, dense_path(job.spec.checkpoint.dir, checkpoint), lambda saved: saved["model"])
+    dense = dense_state(job, dense_path(job.spec.checkpoint.dir, checkpoint), lambda saved: saved["model"])
     keys, rows = _changed(job, checkpoint, after)
     offsets = job.layout.offsets
     tensors = [_whole(dense_key(k), v.detach().cpu().contiguous().numpy()) for k, v in dense.items()]
@@ -128,7 +128,7 @@ def _changed(job: Job, checkpoint: int, after: int) -> tuple[np.ndarray, np.ndar
     num_shards = job.spec.ps.num_shards
     keys, rows = [], []
     for s in range(num_shards):
-        _open_shard(job, s, num_shards, checkpoint)  # its meta and shapes checked against the spec
+        open_shard(job, s, num_shards, checkpoint)  # its meta and shapes checked against the spec
         files = snapshot_files(ps_dir(job.spec.checkpoint.dir, s), checkpoint)
         versions = np.load(files["versions"], mmap_mode="r")
         changed = np.flatnonzero(versions > after)

@@ -96,7 +96,7 @@ def open_final_run(job: Job, run_dir: Path) -> TrainedModel:
         raise NotFound(f"{run_dir} holds no finished run: {paths.info} is missing (a run writes it "
                        "last, once its model is saved)", missing=[str(paths.info)])
     info = orjson.loads(paths.info.read_bytes())
-    dense = _dense_state(job, paths.dense, lambda saved: saved)
+    dense = dense_state(job, paths.dense, lambda saved: saved)
     if info["ps_checkpoint"] is None:  # local mode: the trainer saved the whole table
         tables: TableSource = FullTable(job, NpyFile.open(paths.table))
     else:
@@ -120,14 +120,14 @@ def open_checkpoint(job: Job, checkpoint: int | None) -> TrainedModel:
     if missing:
         raise NotFound(f"checkpoint {checkpoint} in {directory} is incomplete: missing "
                        f"{', '.join(map(str, missing))}", missing=[str(p) for p in missing])
-    dense = _dense_state(job, dense_path(directory, checkpoint), lambda saved: saved["model"])
+    dense = dense_state(job, dense_path(directory, checkpoint), lambda saved: saved["model"])
     tables = ShardSnapshots.open(job, checkpoint)
     manifest = str(manifest_path(directory, checkpoint))
     origin = Origin(kind="checkpoint", path=manifest, iterations=checkpoint + 1)
     return TrainedModel(job=job, dense=dense, tables=tables, origin=origin, held_out=None)
 
 
-def _dense_state(job: Job, path: Path, state_of: Callable[[Any], StateDict]) -> StateDict:
+def dense_state(job: Job, path: Path, state_of: Callable[[Any], StateDict]) -> StateDict:
     """The state_dict in `path` (`state_of` picks it out of what was saved), checked against
     the spec's model: a spec edited since the run fails here, naming what differs."""
     if not path.is_file():
@@ -265,7 +265,7 @@ class ShardSnapshots:
     def open(cls, job: Job, checkpoint: int) -> ShardSnapshots:
         """NotFound if a shard's snapshot is missing; FormatError if one does not fit the spec."""
         num_shards = job.spec.ps.num_shards
-        return cls(job, [_open_shard(job, s, num_shards, checkpoint) for s in range(num_shards)])
+        return cls(job, [open_shard(job, s, num_shards, checkpoint) for s in range(num_shards)])
 
     def chunks(self, table: int, chunk_rows: int) -> Iterator[np.ndarray]:
         layout, seed, dim = self.job.layout, self.job.spec.seed, self.job.dim
@@ -279,7 +279,7 @@ class ShardSnapshots:
             yield rows
 
 
-def _open_shard(job: Job, shard: int, num_shards: int, checkpoint: int) -> _Shard:
+def open_shard(job: Job, shard: int, num_shards: int, checkpoint: int) -> _Shard:
     files = snapshot_files(ps_dir(job.spec.checkpoint.dir, shard), checkpoint)
     if not files["meta"].is_file():
         raise NotFound(f"PS shard {shard} has no snapshot {checkpoint}: {files['meta']} is missing",

@@ -171,6 +171,7 @@ class LiveSource:
         self.log = StreamLog(log_folder)
         self._open_part = open_part or _open_part_dataset
         self.parts: list[TakenPart] = []
+        self._bad_rows = 0  # of the parts taken (scraped with the metrics: not summed each time)
         self._starts = [0]  # rows before each part, and the total
         self._logged = self.log.read()
         self._open: OrderedDict[int, object] = OrderedDict()
@@ -189,7 +190,7 @@ class LiveSource:
     @property
     def bad_rows(self) -> int:
         """Lines of the parts taken that were malformed (quarantined, not trained)."""
-        return sum(p.bad_rows for p in self.parts)
+        return self._bad_rows
 
     def refresh(self) -> int:
         """Take every part that is complete and not yet taken; the rows taken in all."""
@@ -270,6 +271,7 @@ class LiveSource:
 
     def _add(self, part: TakenPart, dataset: object | None = None) -> None:
         self.parts.append(part)
+        self._bad_rows += part.bad_rows
         self._starts.append(self._starts[-1] + part.rows)
         if dataset is not None:
             self._keep_open(len(self.parts) - 1, dataset)
