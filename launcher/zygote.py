@@ -182,9 +182,13 @@ class Zygote:
             raise OSError(f"the {self.kind} zygote {'exited with code ' + str(code) if code is not None else 'said ' + repr(line)}")
         return line
 
-    def close(self) -> None:
+    def end_requests(self) -> None:
+        """Close its stdin: the zygote exits."""
         if self.process.stdin is not None:
-            self.process.stdin.close()  # end of requests: it exits
+            self.process.stdin.close()
+
+    def close(self) -> None:
+        self.end_requests()
         try:
             self.process.wait(5.0)
         except subprocess.TimeoutExpired:
@@ -238,6 +242,8 @@ class Zygotes:
     def close(self) -> None:
         with self._lock:
             zygotes, self._zygotes = list(self._zygotes.values()), {}
+        for zygote in zygotes:  # all told first: they exit in parallel
+            zygote.end_requests()
         for zygote in zygotes:
             zygote.close()
 
@@ -304,8 +310,8 @@ ZYGOTES = Zygotes()
 
 def serve(kind: str) -> None:
     """The zygote's main: import `kind`'s modules, then fork a role per request line on
-    stdin, answering each with the role's pid, until stdin closes. Returns (raises
-    SystemExit) only in a role."""
+    stdin, answering each with the role's pid, until stdin closes; then exits at once.
+    Returns (raises SystemExit) only in a role."""
     import importlib
 
     _set_cmdline(f"bagpipe zygote ({kind})".encode())
@@ -320,7 +326,10 @@ def serve(kind: str) -> None:
         pid = _fork_adopted(start)
         answers.write(b"%d\n" % pid)
         answers.flush()
-    raise SystemExit(0)
+    # Nothing to tear down: every answer is flushed and the zygote holds nothing else. An
+    # interpreter's exit with torch imported takes about a second of CPU, and the launcher
+    # waits for its zygotes as it exits.
+    os._exit(0)
 
 
 def _warm(kind: str) -> None:
