@@ -161,3 +161,12 @@ def test_the_roles_parse_the_data_section_without_loading_the_readers() -> None:
     code = "import sys, common.job, ps.main; print(sorted(m for m in ('pyarrow', 'common.data.convert') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_oracle_and_the_ps_start_without_torch() -> None:
+    """Neither plans nor serves with torch: the oracle imports it only to write an export
+    (`oracle.exporter`), so that a cold start of either skips its 2.5 CPU-seconds."""
+    code = ("import sys, oracle.main, oracle.compiled, common.data.dataset, ps.main; "
+            "print([m for m in ('torch',) if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
