@@ -31,12 +31,16 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.directive import Directive
 from oracle.config import PlannerConfig
 from oracle.planner import Planner
+
+if TYPE_CHECKING:
+    from oracle.workers import ProcessPool
 
 
 class LivePlanner:
@@ -45,12 +49,15 @@ class LivePlanner:
 
     `ends`: iterations where segments must end (those of a plan being replayed), besides
     those `end_segment` makes. `segment_ends` lists every end so far, in order.
+    `make_planner` makes each segment's planner (default: a `Planner`; with P > 1 workers,
+    every segment's plans in the worker processes the first one started).
     """
 
     def __init__(self, config: PlannerConfig, *, ends: Iterable[int] = (),
-                 make_planner: Callable[[PlannerConfig], Planner] = Planner) -> None:
+                 make_planner: Callable[[PlannerConfig], Planner] | None = None) -> None:
         self.config = config
-        self._make_planner = make_planner
+        self._make_planner = make_planner or self._planner_in_pool
+        self._pool: ProcessPool | None = None  # the segments' worker processes (P > 1)
         self._forced = sorted(e for e in ends if e > config.first_iteration)
         self.segment_ends: list[int] = []
         self._read = config.first_iteration  # the global iteration of the next batch
@@ -103,6 +110,8 @@ class LivePlanner:
     def close(self) -> None:
         if self._planner is not None:
             self._planner.close()
+        if self._pool is not None:
+            self._pool.close()
 
     @property
     def keys_held(self) -> int:
@@ -115,6 +124,18 @@ class LivePlanner:
         return self._worker_cpu_s + current
 
     # ----------------------------------------------------------------- internals
+    def _planner_in_pool(self, config: PlannerConfig) -> Planner:
+        """A segment's planner. A cut is where the stream runs dry, often every few
+        batches at the live edge: starting P processes there (numpy, numba's kernels)
+        would take seconds the trainers wait for, so the segments share one pool."""
+        if config.workers == 1:
+            return Planner(config)
+        if self._pool is None:
+            from oracle.workers import ProcessPool  # imports oracle.planner
+
+            self._pool = ProcessPool(config)
+        return Planner(config, pool=self._pool)
+
     def _start_segment(self) -> None:
         self._segment_first = self._read
         self._carried = _Versions.of(self._recent)

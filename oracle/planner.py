@@ -17,6 +17,7 @@ global numbers (`PlannerConfig.first_iteration`) in the one place directives are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from oracle.modes import LocalRules, StaticRules
 from oracle.parts import IterationParts, assemble
 from oracle.rules import Batch, Planned, Rules
 from oracle.stats import IterationStats, PlannerStats
+
+if TYPE_CHECKING:
+    from oracle.workers import ProcessPool
 
 __all__ = [
     "Directive",
@@ -84,16 +88,23 @@ class Planner:
     is collected). `push` then returns the directives that were final one batch earlier:
     the workers plan batch z while this process merges what batch z - 1 made final.
     Concatenated, the output is the same as when each batch's directives come with it.
+    Given a `pool` (`oracle.workers.ProcessPool`, whose planners have finished), it plans
+    in those processes instead, and leaves them running at `finish`: the segments of a
+    stream (oracle/live.py) share one pool.
     """
 
-    def __init__(self, config: PlannerConfig) -> None:
+    def __init__(self, config: PlannerConfig, *, pool: ProcessPool | None = None) -> None:
         self.config = config
         self.stats = PlannerStats(num_trainers=config.num_trainers)
         self._parallel = None
         if config.workers > 1:
             from oracle.workers import ParallelPlanner, ProcessPool  # imports this module
 
-            self._parallel = ParallelPlanner(config, ProcessPool(config), self.stats)
+            if pool is None:
+                self._parallel = ParallelPlanner(config, ProcessPool(config), self.stats)
+            else:
+                pool.restart(config)
+                self._parallel = ParallelPlanner(config, pool, self.stats, owns_pool=False)
             return
         self._lead = config.effective_lead
         self._rules: Rules = rules_class(config.mode)(config)

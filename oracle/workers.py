@@ -23,7 +23,9 @@ iteration, this process copies the whole out). A worker blocks only on its socke
 sees this process's death as the end of the socket and exits; it sends any error it meets
 before it exits, and this process raises it (a `ConfigError` as itself). A worker that dies
 fails the planner with `PlannerWorkerError`. `close` (also at `finish`, and when the planner
-is collected or the process exits) stops them.
+is collected or the process exits) stops them. The segments of a stream (oracle/live.py)
+plan in one pool instead: `ProcessPool.restart` gives its workers the next segment's
+planner, and only the last `close` stops them.
 """
 
 from __future__ import annotations
@@ -108,10 +110,12 @@ class ParallelPlanner:
     """The `Planner` of P > 1 workers: checks each batch, hands it to the pool, and merges
     and assembles what the workers made final (one batch later: module docstring)."""
 
-    def __init__(self, config: PlannerConfig, pool: Pool, stats: PlannerStats) -> None:
+    def __init__(self, config: PlannerConfig, pool: Pool, stats: PlannerStats, *, owns_pool: bool = True) -> None:
         self.config = config
         self.stats = stats
         self._pool = pool
+        self._owns_pool = owns_pool  # else `finish` leaves the workers to the next planner
+        self._ended_cleanly = False  # `finish` returned: every job collected
         self._shape: tuple[int, int] | None = None
         self._started = 0  # jobs started and not collected
         self._finished = False
@@ -135,7 +139,9 @@ class ParallelPlanner:
             self._pool.start_finish()
             self._started += 1
             out += self._collect()
-        self._pool.close()
+        if self._owns_pool:
+            self._pool.close()
+        self._ended_cleanly = True
         return out
 
     @property
@@ -147,6 +153,10 @@ class ParallelPlanner:
         return self._pool.cpu_s
 
     def close(self) -> None:
+        """Stop planning; the workers stop too, a borrowed pool's unless it has finished
+        cleanly (a failure leaves its workers in no state to plan for anyone)."""
+        if not self._owns_pool and self._ended_cleanly:
+            return
         self._finished = True
         self._pool.close()
 
@@ -232,6 +242,7 @@ class ProcessPool:
         self._cpu_s = 0.0
         self._copied = 0  # iterations whose input slots were copied out
         self._closed = False
+        self._used = False  # a job was started since the workers' planners were made
         # stops the processes if this pool is collected, or at exit, without `close`
         self._finalizer = weakref.finalize(self, _stop, self._workers, [self._batches, self._slots])
         try:
@@ -243,10 +254,30 @@ class ProcessPool:
             self.close()
             raise
 
+    def restart(self, config: PlannerConfig) -> None:
+        """Give every worker a new planner for `config` (the next segment of a stream: the
+        same workers, batch shape and rings), once the last one has finished; a pool that
+        has run no job yet keeps the planners it started with for the same config."""
+        if self._closed:
+            raise PlannerWorkerError("the planner workers were stopped")
+        if config.workers != len(self._workers):
+            raise ValueError(f"a pool of {len(self._workers)} workers cannot plan with {config.workers}")
+        if not self._used and config == self._config:
+            return
+        for worker in self._workers:
+            worker.send(("config", config.for_partition(worker.index)))
+        for worker in self._workers:
+            worker.expect_ready()
+        self._config, self._used = config, False
+        self._keys_held, self._cpu_s = 0, 0.0
+
     def start_push(self, keys: np.ndarray) -> None:
+        self._used = True
         if self._rings is None:
             self._rings = _Rings.create(self._batches, self._slots, keys.shape)
         rings = self._rings
+        if rings.batches.shape[1:] != keys.shape:
+            raise ValueError(f"batches of shape {keys.shape} in a pool of {rings.batches.shape[1:]}")
         slot = rings.batches_written % _BATCH_SLOTS
         np.copyto(rings.batches[slot], keys)
         rings.batches_written += 1
@@ -254,6 +285,7 @@ class ProcessPool:
             worker.send(("push", slot, keys.shape))
 
     def start_finish(self) -> None:
+        self._used = True
         for worker in self._workers:
             worker.send(("finish",))
 
@@ -437,13 +469,14 @@ def _worker_error(index: int, kind: str, field: str, message: str, trace: str) -
 
 # --------------------------------------------------------------------------- the worker
 def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
-    """A worker's life: its config, then jobs until "stop" or the end of the socket."""
+    """A worker's life: its config, then jobs until "stop" or the end of the socket; a new
+    config (the next segment of a stream) starts a new planner in the same rings."""
     config = connection.recv()[1]
     _load_kernels()
     planner = Planner(config)
     rings: _Rings | None = None
-    emitted = 0  # iterations whose input slots this worker has written
-    cpu = 0.0  # CPU seconds spent on jobs (not on starting)
+    emitted = 0  # iterations whose input slots this worker has written, every planner's
+    cpu = 0.0  # CPU seconds the current planner's jobs took (not starting)
     connection.send(("ready",))
     while True:
         try:
@@ -452,6 +485,10 @@ def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
             return
         if message[0] == "stop":
             return
+        if message[0] == "config":
+            planner, cpu = Planner(message[1]), 0.0
+            connection.send(("ready",))
+            continue
         started = time.process_time()
         if message[0] == "push":
             _, slot, shape = message

@@ -1,6 +1,7 @@
 """Planner worker processes (oracle/workers.py): the real `ProcessPool` against the in-process
-pool the property tests use, a worker's ConfigError at the caller, and the processes' end.
-Each test starts two worker processes (about a second: they load the cached kernels)."""
+pool the property tests use, a worker's ConfigError at the caller, the processes' end, and
+one set of processes for every segment of a stream. Each test starts two worker processes
+(about a second: they load the cached kernels)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def test_close_stops_the_workers_without_planning() -> None:
     planner.close()
     assert all(p.poll() is not None for p in processes)
     planner.close()  # idempotent
+
+
+def test_the_segments_of_a_stream_plan_in_one_set_of_worker_processes() -> None:
+    # cut where a stream runs dry, every segment plans in the processes the first started
+    # (restarting P processes at every cut would cost seconds the trainers wait for), and
+    # the plan is the one in-process planners make
+    from oracle.live import LivePlanner
+
+    batches = _stream(2, 24)
+    cfg = _config(batches)
+    pids = set()
+
+    def run(live: LivePlanner) -> list[list[bytes]]:
+        out = []
+        for z, b in enumerate(batches):
+            out += live.push(b)
+            if live._pool is not None:
+                pids.add(tuple(w.process.pid for w in live._pool._workers))
+            if z in (5, 6, 13):
+                out += live.end_segment()
+        out += live.finish()
+        return wire(out)
+
+    live = LivePlanner(cfg)
+    got = run(live)
+    processes = [w.process for w in live._pool._workers]  # type: ignore[union-attr]
+    assert live.segment_ends == [6, 7, 14]
+    assert len(pids) == 1 and all(p.poll() is None for p in processes)  # the same processes, still there
+    assert got == run(LivePlanner(cfg, make_planner=in_process_planner))
+    assert live.worker_cpu_s > 0
+    live.close()
+    assert all(p.poll() is not None for p in processes)
