@@ -5,14 +5,27 @@ Each run writes its results (`--json`) and, where the script takes `--out`, its 
 records under the test's own folder, named relative to the root as the default `--out` is,
 so that a path resolved twice would show. A script that needs what this machine lacks (root
 and network namespaces, TorchRec, GNU time) is skipped, saying which.
+
+A script runs in the test's process, as `python bench/NAME.py ...` would run it (`__main__`,
+its argv, the root as the working directory and its folder first on `sys.path`), not in a
+new interpreter: a new one would spend 3 CPU-seconds importing torch and its launcher
+seconds more starting zygotes that this process has warm, for every script. What a script
+may change in the process (torch's threads and random state, the root logger, `sys.path`)
+is put back after it; one that hangs ends the test process after `TIMEOUT_S`, with every
+thread's traceback. `test_a_smoke_run_leaves_the_real_results_alone` runs one in a new
+interpreter, from another folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import logging
 import os
+import runpy
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,22 +93,67 @@ SMOKES = (
 )
 
 
-def run_smoke(smoke: Smoke, tmp_path: Path) -> dict[str, Any]:
+def run_smoke(smoke: Smoke, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> dict[str, Any]:
     """Run the script as the repository root runs it; its results, read back."""
     results = tmp_path / f"{smoke.name}.json"
-    argv = [sys.executable, f"bench/{smoke.name}.py", "--smoke", *smoke.args, "--json", str(results)]
+    argv = [f"bench/{smoke.name}.py", "--smoke", *smoke.args, "--json", str(results)]
     if smoke.out:  # relative, as the default is (runs/bench/smoke/NAME), but under tmp_path
         argv += ["--out", os.path.relpath(tmp_path / "out", ROOT)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    code = run_script(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, f"python {' '.join(argv)} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
     return orjson.loads(results.read_bytes())
 
 
+def run_script(argv: list[str]) -> int | str | None:
+    """`python *argv` run from the repository root in this process (module docstring): the
+    script's exit code, 0 if it returned."""
+    with _script_process(argv), _ended_if_hung(TIMEOUT_S):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit_:
+            return exit_.code or 0
+    return 0
+
+
+@contextlib.contextmanager
+def _script_process(argv: list[str]) -> Iterator[None]:
+    """This process as `python *argv` would start, from the root; what a script may change
+    put back after it."""
+    saved_argv, saved_path, cwd = sys.argv, list(sys.path), os.getcwd()
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    os.chdir(ROOT)
+    sys.argv = list(argv)
+    sys.path.insert(0, str((ROOT / argv[0]).parent))
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+
+@contextlib.contextmanager
+def _ended_if_hung(timeout_s: float) -> Iterator[None]:
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.mark.parametrize("smoke", [s.param() for s in SMOKES])
-def test_a_benchmark_runs_at_smoke_size_and_writes_its_results(smoke: Smoke, tmp_path: Path) -> None:
+def test_a_benchmark_runs_at_smoke_size_and_writes_its_results(
+    smoke: Smoke, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     if smoke.needs is not None and (reason := smoke.needs()):
         pytest.skip(reason)
-    body = run_smoke(smoke, tmp_path)
+    body = run_smoke(smoke, tmp_path, capfd)
     assert body["bench"].split("/")[0] == smoke.name  # a variant is e2e/shaped-1gbit, say
     assert body["smoke"] is True and body["config"]["smoke"] is True
     assert body["command"].startswith(" ".join(["python", f"bench/{smoke.name}.py", "--smoke", *smoke.args]))
