@@ -27,11 +27,14 @@ interval (`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D ite
     python bench/online.py --quick
     python bench/online.py --quick --rounds 3     (offline and online-fast in turn: the median pair)
     python bench/online.py --smoke                (seconds: the code path, for tests)
+    python bench/online.py --quick --iterations 6000 --json runs/online-soak.json
+                                                  (RSS over a longer run: its flatness)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shutil
@@ -196,9 +199,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="offline and online-fast in turn this many times; the median pair's figures are "
                              "reported, with the range of the pairs' ratios (default %(default)s)")
+    parser.add_argument("--iterations", type=int,
+                        help=f"iterations of each run (default {SIZES['quick'].iterations:,}; with --smoke "
+                             f"{SIZES['smoke'].iterations})")  # fmt: skip
     add_result_options(parser, NAME, "60 iterations of 128 on tables of 1,000 rows")
     args = parser.parse_args()
     size = SIZES["smoke" if args.smoke else "quick"]
+    if args.iterations is not None:
+        if args.iterations < 5 * size.max_ahead:
+            parser.error(f"--iterations: at least {5 * size.max_ahead} (the warm-up and the oracle's last "
+                         f"{size.max_ahead} are left out), got {args.iterations}")
+        size = dataclasses.replace(size, iterations=args.iterations)
     out = (args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench/online"))).resolve()
     parts = write_parts(out / "parts", size)
     pairs = []
