@@ -105,7 +105,7 @@ def run_smoke(smoke: Smoke, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -
     return orjson.loads(results.read_bytes())
 
 
-def run_script(argv: list[str]) -> int | str | None:
+def run_script(argv: list[str]) -> int | str:
     """`python *argv` run from the repository root in this process (module docstring): the
     script's exit code, 0 if it returned."""
     with _script_process(argv), _ended_if_hung(TIMEOUT_S):
