@@ -366,6 +366,9 @@ class PsService:
                          help="Fetches waiting for a version or, restarted alone, for the trainers' replays")
         self.metrics.set("rejoin_trainers_waiting", len(self._rejoin_unreported),
                          help="Trainers a shard restarted alone waits for before serving fetches")
+        self.metrics.set("rows_held", self.store.rows_held,
+                         help="Rows this shard has touched: what its snapshots hold and its memory grows with")
+        self.metrics.set("table_rows", self.store.num_rows, help="Rows this shard owns")
         body = self.metrics.render().encode()
         self.final_scrape.scraped()
         return Response(body=body, content_type="text/plain; version=0.0.4")

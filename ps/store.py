@@ -114,14 +114,16 @@ class ShardStore:
         self._state = lazy_zeros((n, config.state_width), np.float32)
         self._versions = np.full(n, -1, dtype=np.int64)
         self._touched = lazy_zeros((n,), np.bool_)
+        self._held = 0  # rows touched: np.count_nonzero(self._touched), kept on each change
         self._saved: list[_Saved] = []
         self.last_checkpoint = -1  # the newest checkpoint taken or restored
         self.max_version = -1  # the highest version in the table, kept on each write
 
     @property
     def rows_held(self) -> int:
-        """Rows ever touched (fetched or written): the rows a snapshot holds."""
-        return int(np.count_nonzero(self._touched))
+        """Rows ever touched (fetched or written): the rows a snapshot holds, and what the
+        shard's memory grows with (its untouched pages are never mapped in)."""
+        return self._held
 
     @property
     def versions(self) -> np.ndarray:
@@ -270,6 +272,7 @@ class ShardStore:
         self._saved += [s for s in saved if len(s.until)]
         # the rows this write moves forward: all of them, not copied, in the usual write-back
         fresh, fresh_rows, fresh_state = (rows_where(ahead, a) for a in (local, rows, state))
+        self._held += int(np.count_nonzero(~self._touched[fresh]))  # `local` holds no duplicates
         self._rows[fresh] = fresh_rows
         self._state[fresh] = fresh_state
         self._versions[fresh] = version
@@ -305,6 +308,7 @@ class ShardStore:
         self._rows[fresh] = initial_rows(cfg.layout, cfg.seed, keys, cfg.dim)
         self._state[fresh] = cfg.state_init
         self._touched[fresh] = True
+        self._held += int(np.count_nonzero(np.diff(np.sort(fresh)))) + 1
 
     # -- persistence -------------------------------------------------------------------
 
@@ -315,19 +319,38 @@ class ShardStore:
         """
         if checkpoint is None:
             return self._stored(np.flatnonzero(self._touched))
-        parts = [self._stored(np.flatnonzero(self._touched & (self._versions <= checkpoint)))]
-        parts += [_take(s.rows, (s.rows.versions <= checkpoint) & (checkpoint < s.until)) for s in self._saved]
+        table = np.flatnonzero(self._touched & (self._versions <= checkpoint))
+        saved = [_take(s.rows, (s.rows.versions <= checkpoint) & (checkpoint < s.until)) for s in self._saved]
         self.last_checkpoint = max(self.last_checkpoint, checkpoint)
         kept = (_take_saved(s, self._serves_pending(s.rows.versions, s.until)) for s in self._saved)
         self._saved = [s for s in kept if len(s.until)]
-        return _overlay(parts)
+        return self._with_saved(table, _newest(saved), checkpoint)
+
+    def _with_saved(self, table: np.ndarray, saved: Snapshot | None, checkpoint: int) -> Snapshot:
+        """Checkpoint `checkpoint` from the table's rows at `table` (sorted, each at a version
+        <= checkpoint) and the saved rows that belong to it, the saved row winning where both
+        hold one at the same version (it is the later value: a replay or a late flush).
+
+        The rows are copied once, straight from the table into the snapshot, and the saved
+        rows written over them: a checkpoint's transient memory is one copy of the rows it
+        holds (plus 8-byte indices), whatever the table's size.
+        """
+        if saved is None:
+            return self._stored(table)
+        local = _merged(table, saved.local)  # a saved row's table value may be past it
+        snap = self._stored(local)
+        at = np.searchsorted(local, saved.local)
+        wins = (snap.versions[at] > checkpoint) | (saved.versions >= snap.versions[at])
+        for name in ("rows", "state", "versions"):
+            getattr(snap, name)[at[wins]] = getattr(saved, name)[wins]
+        return snap
 
     def restore(self, snap: Snapshot | Iterable[Snapshot], checkpoint: int = -1) -> None:
         """Replace the shard's contents with checkpoint `checkpoint`'s snapshot, given whole or
         in parts (a resharded one comes chunk by chunk: `ps.checkpoint.resharded`); BadRequest
         if a part does not fit this shard (the shard is then empty)."""
         cfg = self.config
-        if self._touched.any():  # a fresh shard (a process restarting) keeps its empty arrays
+        if self._held:  # a fresh shard (a process restarting) keeps its empty arrays
             self._rows = lazy_zeros((self.num_rows, cfg.dim), np.float32)
             self._state = lazy_zeros((self.num_rows, cfg.state_width), np.float32)
             self._versions = np.full(self.num_rows, -1, dtype=np.int64)
@@ -340,6 +363,8 @@ class ShardStore:
         except BadRequest:
             self.restore([], -1)
             raise
+        finally:
+            self._held = int(np.count_nonzero(self._touched))  # parts may name a row twice
         self.last_checkpoint = checkpoint
 
     def _restore_part(self, snap: Snapshot) -> None:
@@ -371,9 +396,20 @@ def _take_saved(saved: _Saved, keep: np.ndarray) -> _Saved:
     return saved if keep.all() else _Saved(rows=_take(saved.rows, keep), until=saved.until[keep])
 
 
-def _overlay(parts: list[Snapshot]) -> Snapshot:
-    """One snapshot from parts: for each index, its row with the highest version (the
-    later part's on a tie)."""
+def _merged(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The union of two sorted arrays of distinct indices, sorted (np.union1d sorts or hashes
+    both: ten times slower on a table's millions of indices)."""
+    at = np.searchsorted(a, b)
+    new = (at == len(a)) | (a[np.minimum(at, len(a) - 1)] != b) if len(a) else np.ones(len(b), dtype=bool)
+    return np.insert(a, at[new], b[new])
+
+
+def _newest(parts: list[Snapshot]) -> Snapshot | None:
+    """One snapshot from parts (None if they hold no row): for each index, its row with the
+    highest version (the later part's on a tie), sorted by index."""
+    parts = [p for p in parts if len(p.local)]
+    if not parts:
+        return None
     cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ("local", "rows", "state", "versions")}
     local, versions = cat["local"], cat["versions"]
     order = np.lexsort((np.arange(len(local)), versions, local))

@@ -124,6 +124,7 @@ async def test_metrics_count_rows_and_bytes(cluster: Cluster) -> None:
         await raw.close()
     assert 'bagpipe_rows_total{op="fetch"} 10' in text
     assert f'bagpipe_bytes_out_total{{op="fetch"}} {10 * (DIM + 1) * 4}' in text
+    assert "bagpipe_rows_held 10" in text and f"bagpipe_table_rows {cluster.services[0].store.num_rows}" in text
 
 
 def fetch_body(keys: list[int], **arrays: np.ndarray) -> bytes:

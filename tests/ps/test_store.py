@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import signal
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,6 +179,29 @@ def test_a_write_past_a_pending_checkpoint_keeps_the_old_value_for_it() -> None:
     assert values(store.snapshot(), [1, 7]) == [2.0, 3.0]  # the live rows moved on
 
 
+def test_a_checkpoint_copies_its_rows_once() -> None:
+    """A snapshot's transient memory is one copy of the rows it holds, plus indices: the rows
+    go straight from the table into it and the saved ones over them (docs/design.md#checkpoints).
+    Before, the table's rows were copied, concatenated with the saved ones and picked: three
+    copies, a PS's memory doubled for the length of every checkpoint."""
+    n, dim = 200_000, 16
+    store = ShardStore(ShardConfig(shard=0, num_shards=1, layout=TableLayout((n,)), dim=dim, state_width=1,
+                                   checkpoint_every=10))
+    keys = np.arange(n, dtype=np.int64)
+    store.write_back(keys, np.ones((n, dim), np.float32), np.ones((n, 1), np.float32), 9)
+    hot = keys[::50]  # written past checkpoint 10 before it is taken: their saved values belong to it
+    store.write_back(hot, np.full((len(hot), dim), 2.0, np.float32), np.ones((len(hot), 1), np.float32), 11)
+    tracemalloc.start()
+    try:
+        snap = store.snapshot(10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    held = sum(a.nbytes for a in (snap.local, snap.rows, snap.state, snap.versions))
+    assert np.array_equal(snap.local, keys) and (snap.rows == 1.0).all() and (snap.versions == 9).all()
+    assert peak < 1.5 * held, f"a snapshot of {held:,} bytes peaked at {peak:,}"
+
+
 def test_a_flush_that_lands_after_a_newer_write_goes_only_to_its_checkpoint() -> None:
     store = checkpointing_store()
     put(store, [1], 1.0, version=2)
@@ -207,6 +231,7 @@ def test_restore_sets_the_checkpoint_and_drops_saved_rows() -> None:
     put(store, [1], 2.0, version=11)  # saved for 9
     store.restore(snap, 4)
     assert store.last_checkpoint == 4 and values(store.snapshot(9), [1]) == [1.0]
+    assert store.rows_held == 1
 
 
 def test_a_replayed_write_that_landed_already_changes_nothing() -> None:

@@ -156,6 +156,7 @@ def run(every: int, ops: list[Op]) -> None:
             apply_write(store, model, op)
         assert same_rows(rows_of(store.snapshot()), model.snapshot(None))
         assert store.max_version == max([model.stored(i) for i in model.history], default=-1)
+        assert store.rows_held == len(model.history) == np.count_nonzero(store._touched)
 
 
 def apply_write(store: ShardStore, model: Model, w: Write) -> None:
