@@ -19,7 +19,8 @@ For each: samples/s and hit rate over the measured iterations (the first fifth a
 oracle's last `max_ahead` left out), the lag behind the newest rows (p50, p99, maximum), the
 freshness (seconds from a row's arrival to the first export trained on it; p50, p99), the
 plan's cuts (`stream/summary.json`), and every role's RSS growth per 1,000 iterations after
-the warm-up. Targets with rows arriving faster than the trainers train: samples/s >= 0.9x
+the warm-up, beside the rows each PS shard has touched then and at the end (from its
+checkpoint log lines): a shard's memory grows with those, up to its table, and no further. Targets with rows arriving faster than the trainers train: samples/s >= 0.9x
 offline and hit rate within 2 points of it; arriving slower: freshness p99 <= the export
 interval (`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D iterations
 (offline's); every role's RSS flat.
@@ -29,6 +30,8 @@ interval (`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D ite
     python bench/online.py --smoke                (seconds: the code path, for tests)
     python bench/online.py --quick --iterations 8000   (RSS over a longer run: its flatness;
                                                   results of their own, online-iterations-8000)
+    python bench/online.py --quick --iterations 8000 --table-rows 2000   (tables touched whole
+                                                  early: the PS shards' RSS plateau)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import shutil
 import sys
 import threading
@@ -64,6 +68,7 @@ NAME = "online"
 TOKEN = "online-bench"
 SEED = 5
 PART_BATCHES = 25  # batches per part: a part is a few seconds of training here
+TABLES, SHARDS = 26, 2  # Criteo's categorical features; PS shards
 CHECKPOINT_EVERY, EXPORT_EVERY = 50, 100
 LOOKAHEAD, LEAD = 40, 4
 MODEL = {"name": "dlrm", "embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
@@ -74,7 +79,7 @@ class Size:
     iterations: int
     batch: int
     cache_rows: int
-    table_rows: int  # rows per table (26 tables)
+    table_rows: int  # rows per table (TABLES tables)
     max_ahead: int = 64
     growth_span: int = 1000  # iterations after the warm-up an RSS growth figure needs
     checkpoint_every: int = CHECKPOINT_EVERY
@@ -91,7 +96,7 @@ SIZES = {
 def write_parts(folder: Path, size: Size) -> list[Path]:
     """The run's rows (and two parts more, so that the last batches never wait) as parts."""
     folder.mkdir(parents=True, exist_ok=True)
-    gen = SyntheticGenerator(DataSpec(format="synthetic", rows=2**40, table_sizes=(size.table_rows,) * 26))
+    gen = SyntheticGenerator(DataSpec(format="synthetic", rows=2**40, table_sizes=(size.table_rows,) * TABLES))
     rows = PART_BATCHES * size.batch
     parts = []
     for k in range(-(-size.iterations // PART_BATCHES) + 2):
@@ -107,9 +112,9 @@ def job_sections(size: Size, data: dict[str, Any], run_dir: Path) -> dict[str, d
         "cluster": {"request_timeout_s": 120, "fetch_timeout_s": 300},
         "oracle": {"lookahead": LOOKAHEAD, "prefetch_lead": LEAD, "cache_rows": size.cache_rows,
                    "max_ahead": size.max_ahead},
-        "ps": {"shards": 2},
+        "ps": {"shards": SHARDS},
         "trainers": {"count": 2},
-        "data": {"format": "criteo", "table_sizes": [size.table_rows] * 26, "workers": 1, **data},
+        "data": {"format": "criteo", "table_sizes": [size.table_rows] * TABLES, "workers": 1, **data},
         "model": dict(MODEL),
         "optimizer": {"embedding": "rowwise_adagrad", "embedding_lr": 0.05, "dense": "adagrad", "dense_lr": 0.01},
         "train": {"batch_size": size.batch, "max_iterations": size.iterations},
@@ -190,9 +195,25 @@ def figures_of(run_dir: Path, size: Size, *, stream: bool) -> dict[str, Any]:
         "rss": {role: f.to_json() for role, f in rss.items()},
         "rss_late_growth_mb_per_1k": {role: f.growth_mb_per_1k for role, f in late.items()},
     }
+    out["ps_rows_held"] = ps_rows_held(run_dir, warmup)
     if stream:
         out["stream"] = orjson.loads((run_dir / "checkpoints" / "stream" / "summary.json").read_bytes())
     return out
+
+
+_CHECKPOINT_LINE = re.compile(rb"checkpoint (\d+): \d+ rows \((\d+) touched\)")
+
+
+def ps_rows_held(run_dir: Path, warmup: int) -> dict[str, dict[str, int]]:
+    """Per PS shard, the rows it had touched at its first checkpoint after the warm-up and at
+    its last (`ps.service` logs both with every checkpoint)."""
+    held = {}
+    for log in sorted((run_dir / "logs").glob("ps-*.log")):
+        points = sorted((int(c), int(n)) for c, n in _CHECKPOINT_LINE.findall(log.read_bytes()))
+        after = [n for c, n in points if c >= warmup]
+        if after:
+            held[log.stem] = {"warm": after[0], "end": after[-1]}
+    return held
 
 
 def main() -> int:
@@ -206,6 +227,10 @@ def main() -> int:
     parser.add_argument("--iterations", type=int,
                         help=f"iterations of each run (default {SIZES['quick'].iterations:,}; with --smoke "
                              f"{SIZES['smoke'].iterations})")  # fmt: skip
+    parser.add_argument("--table-rows", type=int,
+                        help=f"rows of each of the {TABLES} tables (default {SIZES['quick'].table_rows:,}; with "
+                             f"--smoke {SIZES['smoke'].table_rows:,}): small ones are all touched early, and a PS "
+                             "shard's RSS should then stay flat")  # fmt: skip
     add_result_options(parser, NAME, "60 iterations of 128 on tables of 1,000 rows")
     args = parser.parse_args()
     size = SIZES["smoke" if args.smoke else "quick"]
@@ -214,6 +239,10 @@ def main() -> int:
             parser.error(f"--iterations: at least {5 * size.max_ahead} (the warm-up and the oracle's last "
                          f"{size.max_ahead} are left out), got {args.iterations}")
         size = dataclasses.replace(size, iterations=args.iterations)
+    if args.table_rows is not None:
+        if args.table_rows < 1:
+            parser.error(f"--table-rows: at least 1, got {args.table_rows}")
+        size = dataclasses.replace(size, table_rows=args.table_rows)
     out = (args.out or (SMOKE_RESULTS / NAME if args.smoke else Path("runs/bench/online"))).resolve()
     parts = write_parts(out / "parts", size)
     pairs = []
@@ -243,8 +272,16 @@ def main() -> int:
           f"(median {ratio:.3f})")
     print(f"freshness p99 {figures['freshness_p99_s']:.2f} s (target <= {figures['freshness_target_s']:.2f} s: the "
           f"export interval at the slow rate plus L + D iterations)")
-    # a run of another length keeps results of its own (docs/benchmarks.md shows each)
-    variant = NAME if args.iterations is None else f"{NAME}/iterations-{size.iterations}"
+    for name in ("offline", "online_fast", "online_slow"):
+        held = ", ".join(f"{ps} {h['warm']:,} -> {h['end']:,}" for ps, h in figures[name]["ps_rows_held"].items())
+        print(f"{name}: rows touched per PS shard, warm-up end -> end (of {size.table_rows * TABLES // SHARDS:,}): {held}")
+    # a run of another length or on other tables keeps results of its own (docs/benchmarks.md shows each)
+    tail = []
+    if args.iterations is not None:
+        tail.append(f"iterations-{size.iterations}")
+    if args.table_rows is not None:
+        tail.append(f"table-rows-{size.table_rows}")
+    variant = f"{NAME}/{'-'.join(tail)}" if tail else NAME
     path = results_path(variant.replace("/", "-"), args.json, args.smoke)
     write_results(path, bench=variant, config=config_of(args, **vars_of(size)), figures=figures, headline=headline,
                   smoke=args.smoke)
@@ -266,13 +303,18 @@ def headline_of(f: dict[str, Any]) -> Table:
         s = c.get("stream", {})
         growth = max(r["growth_mb_per_1k"] for r in c["rss"].values())
         late = [g for g in c["rss_late_growth_mb_per_1k"].values() if not math.isnan(g)]
+        ps_growth = max((r["growth_mb_per_1k"] for role, r in c["rss"].items() if role.startswith("ps-")),
+                        default=math.nan)
+        held = c.get("ps_rows_held", {}).values()
+        touched = f"{max(h['warm'] for h in held):,} -> {max(h['end'] for h in held):,}" if held else "n/a"
         rows.append((name, rate, c["samples_per_s"], c["samples_per_s"] / f["offline"]["samples_per_s"],
                      100 * c["hit_rate"], s.get("cuts", 0), s.get("lag_s_p50", math.nan), s.get("lag_s_p99", math.nan),
                      s.get("freshness_s_p50", math.nan), s.get("freshness_s_p99", math.nan), growth,
-                     max(late, default=math.nan)))
+                     max(late, default=math.nan), ps_growth, touched))
     return Table(("run", "rows arrive", "samples/s", "vs offline", "hit rate %", "cuts", "lag p50 s", "lag p99 s",
                   "freshness p50 s", "freshness p99 s", "max RSS growth MB/1k it",
-                  "max RSS growth, 2nd half, MB/1k it"), tuple(rows))
+                  "max RSS growth, 2nd half, MB/1k it", "PS RSS growth MB/1k it",
+                  "rows a PS shard touched, warm-up -> end"), tuple(rows))
 
 
 def render(table: Table) -> str:

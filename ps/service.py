@@ -324,7 +324,8 @@ class PsService:
         seconds = time.perf_counter() - started
         self.metrics.observe("checkpoint_seconds", seconds, help="Time to write a checkpoint")
         self.metrics.inc("checkpoint_bytes_total", nbytes, help="Bytes written by checkpoints")
-        log.info("checkpoint %d: %d bytes in %.3f s at %s", checkpoint_id, nbytes, seconds, path)
+        log.info("checkpoint %d: %d rows (%d touched), %d bytes in %.3f s at %s", checkpoint_id, len(snap.local),
+                 self.store.rows_held, nbytes, seconds, path)
         return CheckpointSaved(
             checkpoint=checkpoint_id, path=str(path), nbytes=nbytes, seconds=seconds
         )

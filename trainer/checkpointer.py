@@ -55,6 +55,9 @@ class Checkpointer:
 
     def report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
         if self.ps is not None:
+            # the finished ones go (a run is unbounded: online, one every few seconds), except
+            # a failure `wait` must raise
+            self._reports = [f for f in self._reports if not f.done() or f.exception() is not None]
             self._reports.append(self.io.submit(self._report(c, writes)))
 
     async def _report(self, c: int, writes: list[concurrent.futures.Future]) -> None:
