@@ -20,10 +20,11 @@ oracle's last `max_ahead` left out), the lag behind the newest rows (p50, p99, m
 freshness (seconds from a row's arrival to the first export trained on it; p50, p99), the
 plan's cuts (`stream/summary.json`), and every role's RSS growth per 1,000 iterations after
 the warm-up, beside the rows each PS shard has touched then and at the end (from its
-checkpoint log lines): a shard's memory grows with those, up to its table, and no further. Targets with rows arriving faster than the trainers train: samples/s >= 0.9x
-offline and hit rate within 2 points of it; arriving slower: freshness p99 <= the export
-interval (`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D iterations
-(offline's); every role's RSS flat.
+checkpoint log lines): a shard's memory grows with those, up to its table, and no further.
+Targets with rows arriving faster than the trainers train: samples/s >= 0.9x offline and
+hit rate within 2 points of it; arriving slower: freshness p99 <= the export interval
+(`EXPORT_EVERY` iterations of arriving rows) plus the time of L + D iterations (offline's);
+every role's RSS flat.
 
     python bench/online.py --quick
     python bench/online.py --quick --rounds 3     (offline and online-fast in turn: the median pair)
@@ -272,9 +273,10 @@ def main() -> int:
           f"(median {ratio:.3f})")
     print(f"freshness p99 {figures['freshness_p99_s']:.2f} s (target <= {figures['freshness_target_s']:.2f} s: the "
           f"export interval at the slow rate plus L + D iterations)")
+    shard_rows = size.table_rows * TABLES // SHARDS
     for name in ("offline", "online_fast", "online_slow"):
         held = ", ".join(f"{ps} {h['warm']:,} -> {h['end']:,}" for ps, h in figures[name]["ps_rows_held"].items())
-        print(f"{name}: rows touched per PS shard, warm-up end -> end (of {size.table_rows * TABLES // SHARDS:,}): {held}")
+        print(f"{name}: rows touched per PS shard, warm-up end -> end (of {shard_rows:,}): {held}")
     # a run of another length or on other tables keeps results of its own (docs/benchmarks.md shows each)
     tail = []
     if args.iterations is not None:
@@ -305,7 +307,7 @@ def headline_of(f: dict[str, Any]) -> Table:
         late = [g for g in c["rss_late_growth_mb_per_1k"].values() if not math.isnan(g)]
         ps_growth = max((r["growth_mb_per_1k"] for role, r in c["rss"].items() if role.startswith("ps-")),
                         default=math.nan)
-        held = c.get("ps_rows_held", {}).values()
+        held = list(c.get("ps_rows_held", {}).values())
         touched = f"{max(h['warm'] for h in held):,} -> {max(h['end'] for h in held):,}" if held else "n/a"
         rows.append((name, rate, c["samples_per_s"], c["samples_per_s"] / f["offline"]["samples_per_s"],
                      100 * c["hit_rate"], s.get("cuts", 0), s.get("lag_s_p50", math.nan), s.get("lag_s_p99", math.nan),
