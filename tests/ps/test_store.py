@@ -183,7 +183,7 @@ def test_a_checkpoint_copies_its_rows_once() -> None:
     """A snapshot's transient memory is one copy of the rows it holds, plus indices: the rows
     go straight from the table into it and the saved ones over them (docs/design.md#checkpoints).
     Before, the table's rows were copied, concatenated with the saved ones and picked: three
-    copies, a PS's memory doubled for the length of every checkpoint."""
+    copies beside the table, for the length of every checkpoint."""
     n, dim = 200_000, 16
     store = ShardStore(ShardConfig(shard=0, num_shards=1, layout=TableLayout((n,)), dim=dim, state_width=1,
                                    checkpoint_every=10))
