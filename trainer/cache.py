@@ -53,7 +53,10 @@ class EmbeddingCache:
         self.device.wait_for(staged)
         self.write(slots, staged.rows, staged.state)
 
-    def apply(self, slots: np.ndarray, grad: torch.Tensor) -> None:
-        """One optimizer step on the rows at unique `slots` with their combined gradient."""
+    def apply(self, slots: np.ndarray, grad: torch.Tensor, positions: np.ndarray | None = None, divisor: int = 1) -> None:
+        """One optimizer step on the rows at unique `slots` with their combined gradient:
+        ``grad[positions[i]] / divisor`` for ``slots[i]`` (``grad[i] / divisor`` without
+        `positions`)."""
         if len(slots):
-            self.optimizer.step_at(self.rows, self.state, self.index(slots), grad)
+            at = None if positions is None else self.index(positions)
+            self.optimizer.step_at(self.rows, self.state, self.index(slots), grad, positions=at, divisor=divisor)

@@ -107,7 +107,7 @@ class Engine:
         # (U + 1, d): the current iteration's used-row gradients, then a zero row that
         # position -1 reads (no mask, no zero buffer where a sync list has keys not used here)
         self._grad: torch.Tensor | None = None
-        self._now: tuple[np.ndarray, torch.Tensor] | None = None  # sync_now's update, applied with UpdateAlone's
+        self._now: tuple[np.ndarray, torch.Tensor, np.ndarray] | None = None  # sync_now: slots, sum, positions
         self._batch: tuple[np.ndarray, np.ndarray] | None = None
         self._stats: IterationStats | None = None
         self.fetched_rows = 0
@@ -188,12 +188,12 @@ class Engine:
         pending = self._later.pop(a.iteration, None)
         if pending is None:
             return
-        grad = pending.wait() / self.comm.world_size
-        self.cache.apply(a.slots, self._take(grad, a.positions))
+        total, t = pending.wait(), self.comm.world_size
+        self.cache.apply(a.slots, total, a.positions, divisor=t)
         held = self._held.pop(a.iteration, None)
         if held is not None:
             rows, state = self.cache.device.upload(held.rows), self.cache.device.upload(held.state)
-            self.cache.optimizer.step(rows, state, self._take(grad, a.held_positions))
+            self.cache.optimizer.step(rows, state, self._take(total, a.held_positions) / t)
             self._send(a.held_keys, rows.cpu().numpy(), state.cpu().numpy(), a.iteration, a.held_flush)
 
     def _checkpoints_written(self, a: CheckpointsWritten) -> None:
@@ -290,21 +290,21 @@ class Engine:
     def _sync_now(self, a: SyncNow) -> None:
         if not len(a.keys):
             return
-        grad = self.comm.sum_rows(self._local_grads(a.positions)).wait() / self.comm.world_size
+        total = self.comm.sum_rows(self._local_grads(a.positions)).wait()
         mine = np.flatnonzero(a.slots >= 0)
-        self._now = (a.slots[mine], self._take(grad, mine))
+        self._now = (a.slots[mine], total, mine)  # divided by T when applied
         assert self._stats is not None
         self._stats.sync_now_rows = len(a.keys)
 
     def _update_alone(self, a: UpdateAlone) -> None:
         """One optimizer step for sync_now's copies and the one-copy keys (disjoint slots)."""
         assert self._grad is not None
-        alone = self._take(self._grad, a.positions) / self.comm.world_size
+        t = self.comm.world_size
         now, self._now = self._now, None
         if now is not None:
-            self.cache.apply(np.concatenate([now[0], a.slots]), torch.cat([now[1], alone]))
-        else:
-            self.cache.apply(a.slots, alone)
+            slots, total, positions = now
+            self.cache.apply(slots, total, positions, divisor=t)
+        self.cache.apply(a.slots, self._grad, a.positions, divisor=t)
 
     def _launch_sync_later(self, a: LaunchSyncLater) -> None:
         if not len(a.keys):

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.optimizer_spec import OptimizerSpec
@@ -44,13 +45,20 @@ class EmbeddingOptimizer(ABC):
         self._update(rows, state, grad)
 
     def step_at(
-        self, table: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor
+        self, table: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, *,
+        positions: torch.Tensor | None = None, divisor: int = 1,
     ) -> None:
         """Update rows ``table[index]`` and ``state[index]`` in place; `index` must be unique.
+        Row ``index[i]``'s gradient is ``grad[positions[i]] / divisor`` (``grad[i] / divisor``
+        without `positions`): the caller need not gather and divide first.
 
         A repeated index would be updated once with one of its gradients, never the sum:
         combine the gradients of a repeated row before calling.
         """
+        if positions is not None:
+            grad = grad.index_select(0, positions)
+        if divisor != 1:
+            grad = grad / divisor
         rows, row_state = table.index_select(0, index), state.index_select(0, index)
         self.step(rows, row_state, grad)
         table.index_copy_(0, index, rows)
@@ -94,9 +102,55 @@ class RowWiseAdagrad(EmbeddingOptimizer):
     def initial_state(self, n: int) -> torch.Tensor:
         return torch.full((n, 1), self.initial_accumulator, dtype=torch.float32)
 
+    def step_at(
+        self, table: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, *,
+        positions: torch.Tensor | None = None, divisor: int = 1,
+    ) -> None:
+        # On the CPU one fused pass (trainer/kernels.py), the same bits as the torch ops
+        if not _fusable(table, state, index, grad, positions):
+            super().step_at(table, state, index, grad, positions=positions, divisor=divisor)
+            return
+        from trainer.kernels import rowwise_adagrad_at  # imports numba: CPU trainers only
+
+        if not len(index):
+            return
+        n = len(index) if positions is None else len(grad)
+        if grad.shape != (n, table.shape[1]) or (positions is not None and len(positions) != len(index)):
+            raise ValueError(f"rows ({len(index)}, {table.shape[1]}) and grad {tuple(grad.shape)} must both be [n, d]")
+        rowwise_adagrad_at(table.numpy(), state.numpy(), index.numpy(), grad.numpy(),
+                           _NO_POSITIONS if positions is None else positions.numpy(),
+                           np.float32(divisor), np.float32(-self.lr), np.float32(self.eps))
+
     def _update(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
         state.add_(mean_of_squares(grad))  # (n, 1)
-        rows.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+        rows.addcdiv_(grad, correctly_rounded_sqrt(state).add_(self.eps), value=-self.lr)
+
+
+def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The float32 root of each element, correctly rounded: float64's root (exact to half an
+    ulp of float64, far inside half an ulp of float32) rounded to float32. torch's float32
+    root on the CPU is not: MKL's is off by an ulp for about 0.6% of inputs, and a build
+    without MKL, a GPU and the fused kernel (trainer/kernels.py) round correctly, so the
+    same rows would end with other bits on other hosts."""
+    return x.double().sqrt_().to(x.dtype)
+
+
+_NO_POSITIONS = np.zeros(0, np.int64)
+
+
+def _fusable(
+    table: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, positions: torch.Tensor | None
+) -> bool:
+    """Whether `step_at` can run the fused CPU kernel on these tensors as they are."""
+    floats = (table, state, grad)
+    indices = (index,) if positions is None else (index, positions)
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in floats)
+        and all(t.device.type == "cpu" and t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous()
+                for t in indices)
+        and not any(t.requires_grad for t in floats)
+        and table.shape[1] > 0 and state.shape[1] == 1
+    )
 
 
 def mean_of_squares(grad: torch.Tensor) -> torch.Tensor:

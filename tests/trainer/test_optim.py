@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.optimizer_spec import OptimizerSpec, parse_optimizer_spec
-from trainer.optim import SGD, RowWiseAdagrad, build_dense_optimizer, build_embedding_optimizer, mean_of_squares
+from trainer.optim import (
+    SGD,
+    EmbeddingOptimizer,
+    RowWiseAdagrad,
+    build_dense_optimizer,
+    build_embedding_optimizer,
+    correctly_rounded_sqrt,
+    mean_of_squares,
+)
 
 
 def test_sgd_by_hand() -> None:
@@ -153,3 +161,66 @@ def test_a_rows_adagrad_state_does_not_depend_on_the_rows_stepped_with_it_or_the
     assert torch.equal(together, stepped(grad.t().contiguous().t()))
     exact = grad.double().square().mean(dim=1)
     assert torch.allclose(mean_of_squares(grad).squeeze(1).double(), exact, rtol=1e-6)
+
+
+def _table(rows: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, dim, generator=g), torch.rand(rows, 1, generator=g) * 3, g
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 200), d=st.integers(1, 70), lr=st.floats(1e-4, 1.0), eps=st.floats(1e-10, 1e-2),
+       seed=st.integers(0, 2**31 - 1))
+def test_the_fused_cpu_step_gives_the_bits_of_the_torch_ops(n: int, d: int, lr: float, eps: float, seed: int) -> None:
+    """`RowWiseAdagrad.step_at` on CPU tensors runs one fused kernel (trainer/kernels.py); on
+    a GPU the torch ops run. Both must end every row and state with the same bits, or a
+    cluster would differ from its reference by device. Gradients span seven decades, so the
+    squares' sums and the roots round often."""
+    table, state, g = _table(max(n, 1) * 2, d, seed)
+    index = torch.randperm(table.shape[0], generator=g)[:n]
+    grad = torch.randn(n, d, generator=g) * 10.0 ** torch.randint(-3, 4, (n, d), generator=g)
+    opt = RowWiseAdagrad(lr=lr, eps=eps)
+    fused_table, fused_state = table.clone(), state.clone()
+    opt.step_at(fused_table, fused_state, index, grad)
+    EmbeddingOptimizer.step_at(opt, table, state, index, grad)  # the torch ops: gather, step, scatter
+    assert torch.equal(fused_table, table) and torch.equal(fused_state, state)
+    # and from rows of a larger gradient, divided by T as the engine hands them over
+    source = torch.randn(n + 5, d, generator=g)
+    positions = torch.randperm(n + 5, generator=g)[:n]
+    opt.step_at(fused_table, fused_state, index, source, positions=positions, divisor=3)
+    EmbeddingOptimizer.step_at(opt, table, state, index, source[positions] / 3)
+    assert torch.equal(fused_table, table) and torch.equal(fused_state, state)
+
+
+def test_a_step_on_tensors_the_kernel_cannot_take_runs_the_torch_ops_to_the_same_bits() -> None:
+    table, state, g = _table(50, 8, 3)
+    index, grad = torch.tensor([7, 3, 41]), torch.randn(3, 8, generator=g)
+    opt = RowWiseAdagrad(lr=0.2)
+    want_table, want_state = table.clone(), state.clone()
+    opt.step_at(want_table, want_state, index, grad)
+    strided = torch.zeros(50, 16)[:, ::2]  # not contiguous: the torch ops, in place all the same
+    strided.copy_(table)
+    opt.step_at(strided, state, index, grad)
+    assert torch.equal(strided, want_table) and torch.equal(state, want_state)
+
+
+def test_the_fused_step_refuses_a_slot_outside_the_table_and_changes_nothing() -> None:
+    table, state, g = _table(10, 4, 5)
+    before = table.clone(), state.clone()
+    opt = RowWiseAdagrad(lr=0.1)
+    with pytest.raises(IndexError, match="outside the table"):
+        opt.step_at(table, state, torch.tensor([2, 10]), torch.ones(2, 4))
+    with pytest.raises(IndexError, match="outside the table"):
+        opt.step_at(table, state, torch.tensor([-1]), torch.ones(1, 4))
+    with pytest.raises(ValueError, match="grad"):
+        opt.step_at(table, state, torch.tensor([2, 3]), torch.ones(3, 4))
+    with pytest.raises(IndexError, match="outside the gradient"):
+        opt.step_at(table, state, torch.tensor([2, 3]), torch.ones(3, 4), positions=torch.tensor([0, 3]))
+    assert torch.equal(table, before[0]) and torch.equal(state, before[1])
+
+
+def test_the_root_is_correctly_rounded() -> None:
+    """IEEE's float32 root (numpy's) for a million values over every binade a state holds."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1_000_000, generator=g) * 10.0 ** torch.randint(-30, 30, (1_000_000,), generator=g)
+    assert np.array_equal(correctly_rounded_sqrt(x).numpy(), np.sqrt(x.numpy()))

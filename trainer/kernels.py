@@ -1,0 +1,74 @@
+"""The trainer's numba kernel: one row-wise Adagrad step over the rows of a CPU cache, fused.
+
+`RowWiseAdagrad.step_at` in torch ops is fourteen passes over the rows it updates: gather the
+rows and their state, square, add the columns pairwise, divide, accumulate, take the root,
+add eps, update, scatter both back. Each is a dispatch and a pass over memory, and on the
+CPU they are the training thread's largest cost outside forward and backward. This kernel
+does the same arithmetic in one pass, row by row, in the same order and in float32, so the
+two give the same bits (tests/trainer/test_optim.py holds them to it on random rows of
+every width up to 70). The torch ops stay for tensors on a GPU (`trainer.optim`).
+
+Only trainers on the CPU import this module (numba costs about 0.4 s and 60 MB to import);
+its kernel is compiled for its signature when imported, from numba's cache in the user's
+folder (`common.numba_cache`) after the first time.
+"""
+
+from __future__ import annotations
+
+from common.numba_cache import use_user_cache
+
+use_user_cache()  # before numba is imported: it reads the cache folder once
+
+import numba
+import numpy as np
+
+_ADAGRAD = ["void(float32[:, ::1], float32[:, ::1], int64[::1], float32[:, ::1], int64[::1], float32, float32, float32)"]
+
+
+@numba.njit(_ADAGRAD, cache=True, nogil=True)
+def rowwise_adagrad_at(
+    table: np.ndarray, state: np.ndarray, index: np.ndarray, grad: np.ndarray, positions: np.ndarray,
+    divisor: np.float32, neg_lr: np.float32, eps: np.float32,
+) -> None:
+    """Row-wise Adagrad on ``table[index[i]]`` with ``g = grad[positions[i]] / divisor``
+    (``grad[i] / divisor`` where `positions` is empty), in place; `index` unique.
+
+    Per row, as `trainer.optim.RowWiseAdagrad` in torch: ``acc += mean_of_squares(g)`` (the
+    squares added by a pairwise tree over the columns, the odd column out joining the first
+    pair), then ``row += (neg_lr * g) / (sqrt(acc) + eps)``, every operation rounded to
+    float32 and the root correctly rounded. Raises before updating anything if a slot is
+    outside the table or a position outside the gradient."""
+    n, d = index.shape[0], table.shape[1]
+    gathered = positions.shape[0] > 0
+    if d == 0 or grad.shape[1] != d or state.shape[0] != table.shape[0] or state.shape[1] != 1:
+        raise ValueError("rowwise_adagrad_at: shapes do not match")
+    if (positions.shape[0] if gathered else grad.shape[0]) != n:
+        raise ValueError("rowwise_adagrad_at: one gradient row per slot")
+    for i in range(n):
+        if index[i] < 0 or index[i] >= table.shape[0]:
+            raise IndexError("rowwise_adagrad_at: a slot is outside the table")
+        if gathered and (positions[i] < 0 or positions[i] >= grad.shape[0]):
+            raise IndexError("rowwise_adagrad_at: a position is outside the gradient")
+    g = np.empty(d, np.float32)
+    level = np.empty(d, np.float32)
+    width_f = np.float32(d)
+    for i in range(n):
+        s = index[i]
+        p = positions[i] if gathered else i
+        for k in range(d):
+            g[k] = grad[p, k] / divisor
+            level[k] = g[k] * g[k]
+        width = d
+        while width > 1:
+            half = width // 2
+            for k in range(half):
+                level[k] = level[k] + level[half + k]
+            if width % 2:
+                level[0] = level[0] + level[2 * half]
+            width = half
+        acc = state[s, 0] + level[0] / width_f
+        state[s, 0] = acc
+        # float64's root of a float32, rounded to float32, is float32's correctly rounded root
+        denom = np.float32(np.sqrt(np.float64(acc))) + eps
+        for k in range(d):
+            table[s, k] = table[s, k] + (neg_lr * g[k]) / denom
