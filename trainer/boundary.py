@@ -24,6 +24,7 @@ import numpy as np
 
 from common.arrays import in_sorted
 from common.directive import WRITE_LAG, Directive
+from trainer.kernels import used_slots
 
 _NO_I32 = np.zeros(0, np.int32)
 _NO_I64 = np.zeros(0, np.int64)
@@ -310,13 +311,12 @@ class _UsedSlots:
     where `np.unique`, `np.isin` and `searchsorted` sort the inputs of every iteration."""
 
     def __init__(self, d: Directive, fetched: np.ndarray) -> None:
-        flat = d.input_slots.ravel()
+        flat = np.ascontiguousarray(d.input_slots, np.int32).ravel()
+        if flat.size and flat.min() < 0:
+            raise ValueError(f"directive {d.iteration}: an input without a slot")
         size = _table_size(flat, fetched, d.join_recv_slots, d.sync_now_slots, d.sync_later_slots)
-        self._index = np.full(size + 1, -1, np.int64)  # the last entry answers slot -1
-        self._index[flat] = 0
-        self.slots = np.flatnonzero(self._index[:-1] == 0)
-        self._index[self.slots] = np.arange(len(self.slots))
-        self.inverse = self._index[flat].reshape(d.input_slots.shape)
+        self.slots, self._index, inverse = used_slots(flat, size)  # _index[-1] answers slot -1
+        self.inverse = inverse.reshape(d.input_slots.shape)
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
         """For each slot, its index among the used slots, or -1 (not used, or -1 itself)."""

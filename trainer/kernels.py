@@ -1,16 +1,22 @@
-"""The trainer's numba kernel: one row-wise Adagrad step over the rows of a CPU cache, fused.
+"""The trainer's numba kernels: its host-side loops that numpy would run as many passes.
 
-`RowWiseAdagrad.step_at` in torch ops is fourteen passes over the rows it updates: gather the
-rows and their state, square, add the columns pairwise, divide, accumulate, take the root,
-add eps, update, scatter both back. Each is a dispatch and a pass over memory, and on the
-CPU they are the training thread's largest cost outside forward and backward. This kernel
-does the same arithmetic in one pass, row by row, in the same order and in float32, so the
-two give the same bits (tests/trainer/test_optim.py holds them to it on random rows of
-every width up to 70). The torch ops stay for tensors on a GPU (`trainer.optim`).
+* `rowwise_adagrad_at`: one row-wise Adagrad step over rows of a CPU cache, fused.
+  `RowWiseAdagrad.step_at` in torch ops is some fourteen passes over the rows it updates:
+  gather the rows and their state, square, add the columns pairwise, divide, accumulate,
+  take the root, add eps, update, scatter both back, and before them the gather of each
+  row's gradient and its division by T. Each is a dispatch and a pass over memory, and on
+  the CPU they were the training thread's largest cost outside forward and backward. This
+  kernel does the same arithmetic in one pass, row by row, in the same order and in
+  float32, so the two give the same bits (tests/trainer/test_optim.py holds them to it on
+  random rows of every width up to 70). The torch ops stay for tensors on a GPU
+  (`trainer.optim`).
+* `used_slots`: the slots an iteration reads, and each input's index among them
+  (`trainer.boundary._UsedSlots`), on every device: the directive's bookkeeping is host work.
 
-Only trainers on the CPU import this module (numba costs about 0.4 s and 60 MB to import);
-its kernel is compiled for its signature when imported, from numba's cache in the user's
-folder (`common.numba_cache`) after the first time.
+numba costs about 0.4 s and 40 MB of a trainer's memory to import, which the trainers' zygote
+pays once (launcher/zygote.py); the kernels are compiled for their signatures when this
+module is imported, from numba's cache in the user's folder (`common.numba_cache`) after the
+first time.
 """
 
 from __future__ import annotations
@@ -21,8 +27,18 @@ use_user_cache()  # before numba is imported: it reads the cache folder once
 
 import numba
 import numpy as np
+from numba import types
 
-_ADAGRAD = ["void(float32[:, ::1], float32[:, ::1], int64[::1], float32[:, ::1], int64[::1], float32, float32, float32)"]
+
+def _read_only(dtype: types.Type, ndim: int) -> types.Array:
+    """A C-contiguous array type that also takes read-only arrays (a directive's, decoded
+    from its wire buffer), where a signature string's would refuse them."""
+    return types.Array(dtype, ndim, "C", readonly=True)
+
+
+_ADAGRAD = [types.void(types.float32[:, ::1], types.float32[:, ::1], _read_only(types.int64, 1),
+                       _read_only(types.float32, 2), _read_only(types.int64, 1), types.float32, types.float32,
+                       types.float32)]
 
 
 @numba.njit(_ADAGRAD, cache=True, nogil=True)
@@ -72,3 +88,29 @@ def rowwise_adagrad_at(
         denom = np.float32(np.sqrt(np.float64(acc))) + eps
         for k in range(d):
             table[s, k] = table[s, k] + (neg_lr * g[k]) / denom
+
+
+_USED = [types.Tuple((types.int64[::1], types.int64[::1], types.int64[::1]))(_read_only(types.int32, 1), types.int64)]
+
+
+@numba.njit(_USED, cache=True, nogil=True)
+def used_slots(flat: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct slots of `flat` ascending, a table of ``size + 1`` entries giving each its
+    index among them and -1 elsewhere (the last entry answers slot -1), and each input's
+    index: `trainer.boundary._UsedSlots`. The caller makes `size` exceed every slot of
+    `flat` and checks that none is negative. O(C + n) in three passes, without a branch on
+    the data, where numpy takes a scatter, a comparison, a nonzero and a gather."""
+    index = np.full(size + 1, -1, np.int64)
+    for i in range(flat.shape[0]):
+        index[flat[i]] = 0
+    slots = np.empty(size, np.int64)
+    n = 0
+    for s in range(size):
+        used = index[s] == 0
+        slots[n] = s
+        index[s] = n if used else -1
+        n += used
+    inverse = np.empty(flat.shape[0], np.int64)
+    for i in range(flat.shape[0]):
+        inverse[i] = index[flat[i]]
+    return slots[:n], index, inverse

@@ -110,7 +110,7 @@ class RowWiseAdagrad(EmbeddingOptimizer):
         if not _fusable(table, state, index, grad, positions):
             super().step_at(table, state, index, grad, positions=positions, divisor=divisor)
             return
-        from trainer.kernels import rowwise_adagrad_at  # imports numba: CPU trainers only
+        from trainer.kernels import rowwise_adagrad_at  # numba: the trainers' zygote has imported it
 
         if not len(index):
             return
