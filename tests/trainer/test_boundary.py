@@ -142,3 +142,10 @@ def test_directives_must_come_in_order() -> None:
     b.plan(directive(4, inputs=[[0]]))
     with pytest.raises(ValueError, match="directive 6 after directive 4"):
         b.plan(directive(6, inputs=[[0]]))
+
+
+def test_an_input_without_a_slot_is_refused_before_anything_reads_it() -> None:
+    """The table of used slots is indexed by the inputs' slots (trainer.kernels.used_slots
+    does not check its bounds): a negative one must not reach it."""
+    with pytest.raises(ValueError, match="directive 0: an input without a slot"):
+        Boundary().plan(directive(0, inputs=[[0, -1]]))
