@@ -59,8 +59,8 @@ COLD_START_ENV = "BAGPIPE_COLD_START"
 PRELOAD: dict[str, tuple[str, ...]] = {
     "ps": ("ps.main", "common.data.dataset", "numpy.random", "pyarrow", "tqdm"),
     "oracle": ("oracle.main", "oracle.compiled", "common.data.dataset"),
-    "trainer": ("trainer.main", "trainer.kernels", "common.data.dataset", "torch._dynamo", "torch.nn.parallel", "numpy.ma", "pyarrow",
-                "tqdm"),
+    "trainer": ("trainer.main", "trainer.kernels", "common.data.dataset", "torch._dynamo", "torch.nn.parallel",
+                "numpy.ma", "pyarrow", "tqdm"),
 }
 _EVERY_ROLE = ("encodings.idna", "faulthandler", "runpy")  # hostnames, launch.py, the runner
 #: Read by the roles when they run, never at import: they may differ between the roles

@@ -29,6 +29,8 @@ from trainer.kernels import used_slots
 _NO_I32 = np.zeros(0, np.int32)
 _NO_I64 = np.zeros(0, np.int64)
 _NO_BOOL = np.zeros(0, bool)
+#: `_UsedSlots` indexes a table of the cache's slots up to this many slots an input, and sorts beyond.
+_TABLE_PER_INPUT = 8
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -281,12 +283,10 @@ class Boundary:
     # -- the end of x ------------------------------------------------------------------
 
     def _end(self, d: Directive, used: _UsedSlots) -> list[Action]:
-        synced = _slot_mask(np.concatenate([d.sync_now_slots, d.sync_later_slots]), used.slots)
-        alone = np.flatnonzero(~synced[used.slots])
+        alone = used.not_among(d.sync_now_slots, d.sync_later_slots)
         later_positions = used.positions(d.sync_later_slots)
         if len(d.sync_later_keys):
-            leaving = _slot_mask(d.leave_slots, d.sync_later_slots)
-            stay = (d.sync_later_slots >= 0) & ~leaving[d.sync_later_slots]
+            stay = (d.sync_later_slots >= 0) & ~_slots_in(d.sync_later_slots, d.leave_slots)
             self._later[d.iteration] = _LaterRound(
                 keys=d.sync_later_keys, stay_slots=d.sync_later_slots[stay], stay_positions=np.flatnonzero(stay),
             )
@@ -307,24 +307,45 @@ def _write_joins(d: Directive) -> WriteJoins:
 class _UsedSlots:
     """The slots iteration x reads, ascending and unique, and each slot's index among them.
 
-    Slots are below the cache's capacity, so a table over them replaces sorting: O(C + n)
-    where `np.unique`, `np.isin` and `searchsorted` sort the inputs of every iteration."""
+    Slots are below the cache's capacity C. Where C is not much more than the inputs, a
+    table over the slots replaces sorting: O(C + n) in one kernel (`trainer.kernels.used_slots`),
+    where `np.unique` sorts the inputs of every iteration. Where the cache dwarfs the inputs
+    (`local` mode holds every row of the tables), sorting them is the cheaper: O(n log n)."""
 
     def __init__(self, d: Directive, fetched: np.ndarray) -> None:
         flat = np.ascontiguousarray(d.input_slots, np.int32).ravel()
         if flat.size and flat.min() < 0:
             raise ValueError(f"directive {d.iteration}: an input without a slot")
         size = _table_size(flat, fetched, d.join_recv_slots, d.sync_now_slots, d.sync_later_slots)
-        self.slots, self._index, inverse = used_slots(flat, size)  # _index[-1] answers slot -1
+        self._index: np.ndarray | None  # by slot, its index among the used ones; [-1] answers slot -1
+        if size <= _TABLE_PER_INPUT * flat.size:
+            self.slots, self._index, inverse = used_slots(flat, size)
+        else:
+            slots, inverse = np.unique(flat, return_inverse=True)
+            self.slots, self._index, inverse = slots.astype(np.int64), None, inverse.astype(np.int64)
         self.inverse = inverse.reshape(d.input_slots.shape)
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
         """For each slot, its index among the used slots, or -1 (not used, or -1 itself)."""
-        return self._index[slots]
+        if self._index is not None:
+            return self._index[slots]
+        at = np.searchsorted(self.slots, slots)
+        found = at < self.slots.size
+        found[found] = self.slots[at[found]] == slots[found]
+        return np.where(found, at, -1)
 
     def count_in(self, slots: np.ndarray) -> int:
         """How many used slots are among `slots`."""
-        return int(np.count_nonzero(_slot_mask(slots, self.slots)[self.slots]))
+        among = np.zeros(len(self.slots) + 1, bool)  # the last entry answers the slots not used
+        among[self.positions(slots)] = True
+        return int(np.count_nonzero(among[:-1]))
+
+    def not_among(self, *slot_lists: np.ndarray) -> np.ndarray:
+        """The indices of the used slots in none of the lists, ascending."""
+        left = np.ones(len(self.slots) + 1, bool)
+        for slots in slot_lists:
+            left[self.positions(slots)] = False
+        return np.flatnonzero(left[:-1])
 
 
 def _train(d: Directive, used: _UsedSlots, fetched: np.ndarray) -> Train:
@@ -335,12 +356,16 @@ def _train(d: Directive, used: _UsedSlots, fetched: np.ndarray) -> Train:
     )
 
 
-def _slot_mask(slots: np.ndarray, *queried: np.ndarray) -> np.ndarray:
-    """A boolean table over slots, True at `slots` (ignoring -1), long enough for every slot
-    of `queried` to be looked up."""
-    mask = np.zeros(_table_size(slots, *queried), bool)
-    mask[slots[slots >= 0]] = True
-    return mask
+def _slots_in(slots: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """``np.isin(slots, pool)`` for slot lists (-1 is in neither): by a table over the slots
+    where it is small against the lists (as in a cache), else by sorting the pool."""
+    size = _table_size(slots, pool)
+    if size > _TABLE_PER_INPUT * (slots.size + pool.size):
+        return in_sorted(slots, np.sort(pool)) & (slots >= 0)
+    table = np.zeros(size + 1, bool)  # the last entry answers slot -1
+    table[pool] = True
+    table[-1] = False
+    return table[slots]
 
 
 def _table_size(*slot_lists: np.ndarray) -> int:

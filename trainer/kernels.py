@@ -103,7 +103,7 @@ def used_slots(flat: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.
     index = np.full(size + 1, -1, np.int64)
     for i in range(flat.shape[0]):
         index[flat[i]] = 0
-    slots = np.empty(size, np.int64)
+    slots = np.empty(min(size, flat.shape[0]) + 1, np.int64)  # every write lands at or below the count
     n = 0
     for s in range(size):
         used = index[s] == 0
