@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from common.directive import Directive
+from trainer import boundary
 from trainer.boundary import (
     ApplySyncLater,
     Boundary,
@@ -27,6 +28,16 @@ from trainer.boundary import (
 )
 
 I32, I64 = np.int32, np.int64
+
+
+@pytest.fixture(autouse=True, params=["table", "sorted"])
+def slot_lookup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case twice: with the slots an iteration reads found through a table over the
+    cache's slots (a cache much smaller than the tables) and by sorting (`local` mode, where
+    the cache is every row); both must give the same actions."""
+    per_input = 1 << 30 if request.param == "table" else 0
+    monkeypatch.setattr(boundary, "_TABLE_PER_INPUT", per_input)
+    return request.param
 
 
 def directive(x: int, *, inputs: list[list[int]], checkpoint: bool = False, **arrays: list[int]) -> Directive:
