@@ -31,10 +31,21 @@ FEW = 32
 
 def in_sorted(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
     """`np.isin(values, pool)` for an ascending `pool`, by binary search: no hashing, no sort."""
+    return _search_sorted(values, pool)[1]
+
+
+def find_sorted(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """Each value's index in an ascending `pool` of distinct values, or -1 where it is absent."""
+    at, found = _search_sorted(values, pool)
+    return np.where(found, at, -1)
+
+
+def _search_sorted(values: np.ndarray, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each value would go in an ascending `pool`, and whether it is there."""
     at = np.searchsorted(pool, values)
     found = at < pool.size
     found[found] = pool[at[found]] == values[found]
-    return found
+    return at, found
 
 
 def has_duplicates(values: np.ndarray) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.arrays import in_sorted
+from common.arrays import find_sorted, in_sorted
 from common.directive import WRITE_LAG, Directive
 from trainer.kernels import used_slots
 
@@ -327,12 +327,7 @@ class _UsedSlots:
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
         """For each slot, its index among the used slots, or -1 (not used, or -1 itself)."""
-        if self._index is not None:
-            return self._index[slots]
-        at = np.searchsorted(self.slots, slots)
-        found = at < self.slots.size
-        found[found] = self.slots[at[found]] == slots[found]
-        return np.where(found, at, -1)
+        return self._index[slots] if self._index is not None else find_sorted(slots, self.slots)
 
     def count_in(self, slots: np.ndarray) -> int:
         """How many used slots are among `slots`."""

@@ -114,9 +114,7 @@ class RowWiseAdagrad(EmbeddingOptimizer):
 
         if not len(index):
             return
-        n = len(index) if positions is None else len(grad)
-        if grad.shape != (n, table.shape[1]) or (positions is not None and len(positions) != len(index)):
-            raise ValueError(f"rows ({len(index)}, {table.shape[1]}) and grad {tuple(grad.shape)} must both be [n, d]")
+        # the kernel checks every shape and bound before it writes (ValueError, IndexError)
         rowwise_adagrad_at(table.numpy(), state.numpy(), index.numpy(), grad.numpy(),
                            _NO_POSITIONS if positions is None else positions.numpy(),
                            np.float32(divisor), np.float32(-self.lr), np.float32(self.eps))

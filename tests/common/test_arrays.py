@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.arrays import FEW, bounds, has_duplicates, in_sorted, lazy_zeros, rows_where
+from common.arrays import FEW, bounds, find_sorted, has_duplicates, in_sorted, lazy_zeros, rows_where
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -17,6 +17,9 @@ def test_in_sorted_is_isin(seed: int) -> None:
     pool = np.unique(rng.integers(0, 50, rng.integers(0, 30)))
     values = rng.integers(-5, 60, rng.integers(0, 40))
     np.testing.assert_array_equal(in_sorted(values, pool), np.isin(values, pool))
+    found = find_sorted(values, pool)
+    np.testing.assert_array_equal(found >= 0, np.isin(values, pool))
+    np.testing.assert_array_equal(pool[found[found >= 0]], values[found >= 0])
 
 
 @pytest.mark.parametrize("seed", range(20))
