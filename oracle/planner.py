@@ -16,6 +16,7 @@ global numbers (`PlannerConfig.first_iteration`) in the one place directives are
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,17 +163,24 @@ class Planner:
 
     def finish_parts(self) -> list[IterationParts]:
         """`finish`, the directives left as parts."""
+        return [parts for made in self.finishing() for parts in made]
+
+    def finishing(self) -> Iterator[list[IterationParts]]:
+        """`finish_parts` one planned iteration at a time: what each made final (a worker
+        sends them on while it plans the next)."""
         if self._finished:
-            return []
+            return
         self._finished = True
         while self._planned < self._read:
             self._plan_next()
+            if self._planned < self._read:  # the last one's directives wait for `close`
+                yield self._emit_parts(self._planned - max(self._lead, 1))
         if self._read:
             closing = self._rules.close(self._read - 1)
             if closing is not None:
                 self._pending[self._read - 1].leave.append(closing.leave_now)
                 self._pending[self._read - 1].write.append(_flagged(closing.write_now, 0))
-        return self._emit_parts(self._read)
+        yield self._emit_parts(self._read)
 
     # ----------------------------------------------------------------- internals
     def _read_batch(self, keys: np.ndarray) -> Batch:

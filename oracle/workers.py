@@ -90,8 +90,9 @@ class Pool(Protocol):
     def start_finish(self) -> None:
         """Every worker plans the rest of the stream."""
 
-    def collect(self) -> list[Final]:
-        """What the earliest job not yet collected made final, in iteration order."""
+    def collect(self) -> Iterator[Final]:
+        """What the earliest job not yet collected made final, in iteration order, as it
+        comes (to be read to its end)."""
 
     @property
     def keys_held(self) -> int:
@@ -196,11 +197,11 @@ class InProcessPool:
     def start_finish(self) -> None:
         self._run(lambda planner: planner.finish_parts())
 
-    def collect(self) -> list[Final]:
+    def collect(self) -> Iterator[Final]:
         job = self._jobs.popleft()
         if isinstance(job, BaseException):
             raise job
-        return job
+        return iter(job)
 
     @property
     def keys_held(self) -> int:
@@ -289,22 +290,21 @@ class ProcessPool:
         for worker in self._workers:
             worker.send(("finish",))
 
-    def collect(self) -> list[Final]:
-        finals = []
+    def collect(self) -> Iterator[Final]:
         while True:
             replies = [worker.receive() for worker in self._workers]
             kinds = {reply[0] for reply in replies}
             if kinds == {"done"}:
                 self._keys_held = sum(reply[1] for reply in replies)
                 self._cpu_s = sum(reply[2] for reply in replies)
-                return finals
+                return
             if kinds != {"part"} or len({reply[1].iteration for reply in replies}) != 1:
                 raise PlannerWorkerError(f"planner workers out of step: {sorted(kinds)}")
             assert self._rings is not None
             input_slots = self._rings.slots[self._copied % _SLOT_SLOTS].copy()
             self._copied += 1
             self._rings.copied[0] = self._copied  # the workers may write that ring slot again
-            finals.append(Final(parts=tuple(reply[1] for reply in replies), input_slots=input_slots))
+            yield Final(parts=tuple(reply[1] for reply in replies), input_slots=input_slots)
 
     @property
     def keys_held(self) -> int:
@@ -494,16 +494,17 @@ def serve(connection: Connection, batches_fd: int, slots_fd: int) -> None:
             _, slot, shape = message
             if rings is None:
                 rings = _Rings.map(batches_fd, slots_fd, shape)
-            made = planner.push_parts(rings.batches[slot])
-        else:
-            made = planner.finish_parts()
-        for parts in made:
-            assert rings is not None
-            if not _wait_for_room(connection, rings, emitted):
-                return
-            rings.slots[emitted % _SLOT_SLOTS].reshape(-1)[parts.input_positions] = parts.input_values
-            emitted += 1
-            connection.send(("part", parts.without_inputs()))
+            steps: Iterator[list[IterationParts]] = iter([planner.push_parts(rings.batches[slot])])
+        else:  # sent as each iteration is planned, so that this process merges meanwhile
+            steps = planner.finishing()
+        for made in steps:
+            for parts in made:
+                assert rings is not None
+                if not _wait_for_room(connection, rings, emitted):
+                    return
+                rings.slots[emitted % _SLOT_SLOTS].reshape(-1)[parts.input_positions] = parts.input_values
+                emitted += 1
+                connection.send(("part", parts.without_inputs()))
         cpu += time.process_time() - started
         connection.send(("done", planner.keys_held, cpu))
 
