@@ -186,7 +186,10 @@ def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) ->
     for r in range(1, world_size):
         folded[:mine].add_(copies[r])
     gathered = torch.empty(world_size * chunk, dtype=flat.dtype, device=flat.device)
-    group._allgather_base(gathered, folded).wait()
+    # The all-gather, as an all-to-all that sends this rank's chunk to every rank: the same
+    # bytes, and gloo's all-to-all is faster than its all-gather (32k rows at T = 8, the
+    # whole sum: 21 against 27 ms; bench/sync_sum.py, two alternating runs of 20 rounds).
+    group.alltoall_base(gathered, folded.repeat(world_size), [chunk] * world_size, [chunk] * world_size).wait()
     return gathered[:n].view(tensor.shape)
 
 
