@@ -153,7 +153,9 @@ def _number_pairs_of(
     for j in range(num_trainers):
         cells = rehashed(np.empty((0, 2), np.int64), 1 << 12, KEEP_ALL)
         held = 0
-        for q in range(start, ends[j]):
+        for q in range(start, ends[j]):  # `_number_pairs`'s numbering, written out again: an
+            # inlined helper returning the table it may grow made both half again as slow
+            # (numba's reference counting of arrays taken out of tuples: kernels/__init__.py)
             p = flat[positions[q]] * num_trainers + j
             cell = map_find(cells, p)
             if cells[cell, CELL_KEY] < 0:
