@@ -138,7 +138,7 @@ def _number_pairs_of(
     b, f = keys.shape
     per = b // num_trainers
     flat = keys.reshape(-1)
-    positions = np.empty(b * f + 1, np.int32)
+    positions = np.empty(b * f, np.int32)  # input i is written at kept <= i
     ends = np.empty(num_trainers, np.int64)  # trainer j's inputs: positions[ends[j-1]:ends[j]]
     kept = 0
     for j in range(num_trainers):
