@@ -83,7 +83,7 @@ from launcher.memory import (  # noqa: E402
     RssCurve, RssFigures, format_figure, read_rss, rss_curves, summarise_rss,
 )
 from launcher.plots import plot_modes, plot_rss  # noqa: E402
-from launcher.summary import RunSummary, iteration_series, summarise  # noqa: E402
+from launcher.summary import HELPERS, RunSummary, iteration_series, summarise  # noqa: E402
 from launcher.text import compare_bytes, compare_modes  # noqa: E402
 from trainer.records import Record, read_run  # noqa: E402
 
@@ -276,17 +276,19 @@ def phase_table(summaries: Mapping[str, RunSummary]) -> str:
 def thread_table(summaries: Mapping[str, RunSummary]) -> str:
     """A trainer process's CPU µs per sample by thread (mean over trainers): the training
     thread in and out of the model's compute, every other thread, and the busiest of them."""
-    head = f"{'mode':<14}{'compute':>10}{'training else':>15}{'other threads':>15}  busiest other threads"
+    head = (f"{'mode':<14}{'compute':>10}{'training else':>15}{'other threads':>15}{'helper process':>16}"
+            "  busiest other threads")
     lines = [head, "-" * len(head)]
     for name, s in summaries.items():
         cpu = s.cpu_us_per_sample
         if not cpu:
-            lines.append(f"{name:<14}{'n/a':>10}{'n/a':>15}{'n/a':>15}")
+            lines.append(f"{name:<14}{'n/a':>10}{'n/a':>15}{'n/a':>15}{'n/a':>16}")
             continue
         others = sorted(((v, k.removeprefix("thread ")) for k, v in cpu.items() if k.startswith("thread ")), reverse=True)
         busiest = ", ".join(f"{k} {v:,.1f}" for v, k in others[:3])
+        helper = f"{cpu[HELPERS]:,.1f}" if HELPERS in cpu else "-"
         lines.append(f"{name:<14}{cpu['training_thread_compute']:>10,.1f}{cpu['training_thread_other']:>15,.1f}"
-                     f"{cpu['other_threads']:>15,.1f}  {busiest}")
+                     f"{cpu['other_threads']:>15,.1f}{helper:>16}  {busiest}")
     return "\n".join(lines)
 
 
@@ -376,6 +378,8 @@ def parse_args() -> tuple[argparse.Namespace, Size]:
     parser.add_argument("--fast-compute", action="store_true",
                         help="a DLRM with small MLPs (forward and backward about a tenth of DLRM's here): the "
                              "balance of a GPU trainer")
+    parser.add_argument("--ps-client", choices=("thread", "process"), default="thread",
+                        help="where each trainer's PS client runs ([trainers] ps_client; default thread)")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the modes here")
     parser.add_argument("--out", type=Path, help=f"specs, logs and records (default runs/bench/{NAME}; "
                                                  f"with --smoke {SMOKE_RESULTS}/{NAME})")
@@ -404,6 +408,7 @@ def main() -> int:
     args, size = parse_args()
     iterations, batch, cache_rows, max_ahead = size.iterations, size.batch, size.cache_rows, size.max_ahead
     base = sections(size, prepare_data(size, args.out / "data"))
+    base["trainers"]["ps_client"] = args.ps_client
     with_torchrec, skipped = args.with_torchrec, args.torchrec_skipped
     if skipped:
         print(f"TorchRec skipped: {skipped}", file=sys.stderr, flush=True)
@@ -438,7 +443,8 @@ def main() -> int:
                        model=dict(size.model), modes=args.modes, torchrec_skipped=skipped)
     # Each variant keeps results of its own (docs/benchmarks.md shows each): e2e/fast-compute, ...
     variant = "/".join([NAME, *(["fast-compute"] if args.fast_compute else []),
-                        *([f"shaped-{args.shaped}"] if args.shaped else [])])
+                        *([f"shaped-{args.shaped}"] if args.shaped else []),
+                        *(["ps-client-process"] if args.ps_client == "process" else [])])
     write_results(results_path(variant.replace("/", "-"), args.json, args.smoke), bench=variant, config=config,
                   figures={"modes": per_mode}, headline=headline(per_mode), smoke=args.smoke)
     if args.plot:

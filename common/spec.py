@@ -148,6 +148,9 @@ class TrainersSection:
     #: (`common.runtime.trainer_cpus`); false lets the OS move them at will.
     pin_cpus: bool = True
     metrics_address: Endpoint = Endpoint(host="127.0.0.1", port=0)
+    #: Where a trainer's PS client runs: on its I/O thread, or in a helper process of its own
+    #: that takes the HTTP/2 work off the training process's GIL (`trainer.ps_process`).
+    ps_client: Literal["thread", "process"] = "thread"
 
     def __post_init__(self) -> None:
         if self.min_count is None:
@@ -356,6 +359,7 @@ def _trainers(s: _Section) -> TrainersSection:
         threads=s.int("threads", 1, low=1),
         pin_cpus=s.get("pin_cpus", bool, True),
         metrics_address=s.endpoint("metrics_address", "127.0.0.1:0"),
+        ps_client=s.choice("ps_client", ("thread", "process"), "thread"),
     )
 
 

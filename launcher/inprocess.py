@@ -65,6 +65,9 @@ class StoreRows:
                 self._waiting.append((keys, min_versions, future))
         return future
 
+    def release(self, fetched: object) -> None:
+        """Nothing to give back: a fetch's rows are arrays of their own."""
+
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: bool) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:

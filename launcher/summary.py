@@ -32,7 +32,7 @@ from trainer.records import (
     Record,
     ThreadsRecord,
 )
-from trainer.threads import TRAINING
+from trainer.threads import HELPER_PREFIX, TRAINING
 from trainer.timing import COMPUTE_PHASES, PHASES
 
 logger = logging.getLogger(__name__)
@@ -353,8 +353,10 @@ def summarise(
 
 #: How `cpu_per_sample` groups a trainer process's CPU time: the training thread inside the
 #: model's compute (forward, backward, the dense step), the training thread outside it (the
-#: boundary, the sums, copies, records), and every other thread of the process.
+#: boundary, the sums, copies, records), and every other thread of the process. A trainer's
+#: helper processes (`[trainers] ps_client = "process"`) are counted apart, in `HELPERS`.
 THREAD_GROUPS: tuple[str, ...] = ("training_thread_compute", "training_thread_other", "other_threads")
+HELPERS = "helper_processes"
 
 
 def cpu_per_sample(records_by_trainer: Mapping[int, Sequence[Record]], first: int, stop: int) -> dict[str, float]:
@@ -375,10 +377,13 @@ def cpu_per_sample(records_by_trainer: Mapping[int, Sequence[Record]], first: in
         used = {name: b.cpu[name] - a.cpu.get(name, 0.0) for name in b.cpu}
         compute = sum(sum(r.compute_cpu.values()) for r in inside)
         training = used.pop(TRAINING, math.nan)
+        helpers = {k: used.pop(k) for k in sorted(used) if k.startswith(HELPER_PREFIX)}
         groups = {"training_thread_compute": compute, "training_thread_other": training - compute,
                   "other_threads": sum(used.values())}
+        if helpers:
+            groups[HELPERS] = sum(helpers.values())
         per_trainer.append({name: 1e6 * v / count for name, v in
-                            {**groups, **{f"thread {k}": v for k, v in sorted(used.items())}}.items()})
+                            {**groups, **{f"thread {k}": v for k, v in sorted(used.items())}, **helpers}.items()})
     if not per_trainer:
         return {}
     names = dict.fromkeys(name for figures in per_trainer for name in figures)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from common.spec import MODES
-from launcher.summary import THREAD_GROUPS, RunSummary
+from launcher.summary import HELPERS, THREAD_GROUPS, RunSummary
 from trainer.records import BYTE_KINDS, TermRecord
 
 MB = 1e6
@@ -70,7 +70,8 @@ def format_summary(summary: RunSummary) -> str:
         rows.insert(rows.index(next(r for r in rows if r[0] == "final loss")), (
             "trainer CPU", format_number(sum(cpu.get(g, 0.0) for g in THREAD_GROUPS), ",.1f"),
             f"µs/sample: {cpu['training_thread_compute']:,.1f} compute, {cpu['training_thread_other']:,.1f} "
-            f"else on the training thread, {cpu['other_threads']:,.1f} other threads"))
+            f"else on the training thread, {cpu['other_threads']:,.1f} other threads"
+            + (f", and {cpu[HELPERS]:,.1f} in its helper process" if HELPERS in cpu else "")))
     if s.checkpoints:
         rows.append(("checkpoints", f"{s.checkpoints:,}",
                      f"taken: {format_number(s.checkpoint_bytes / MB, ',.2f')} MB and "

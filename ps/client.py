@@ -133,18 +133,21 @@ class PsClient:
         min_versions: np.ndarray | None = None,
         *,
         wait_s: float | None = None,
+        out: Rows | None = None,
     ) -> Rows:
         """Rows of `keys` once each has reached its min_version (default: any version); a
-        shard waits up to `wait_s` (default: its own limit) for a version to arrive."""
+        shard waits up to `wait_s` (default: its own limit) for a version to arrive. `out`:
+        where to write them (arrays of the right shapes: the trainer's shared memory, say)."""
         keys = np.asarray(keys, dtype=np.int64)
         if min_versions is None:
             min_versions = np.full(len(keys), -1, dtype=np.int64)
         min_versions = np.asarray(min_versions, dtype=np.int64)
-        out = Rows(
-            rows=np.empty((len(keys), self.dim), np.float32),
-            state=np.empty((len(keys), self.state_width), np.float32),
-            versions=np.empty(len(keys), np.int64),
-        )
+        if out is None:
+            out = Rows(
+                rows=np.empty((len(keys), self.dim), np.float32),
+                state=np.empty((len(keys), self.state_width), np.float32),
+                versions=np.empty(len(keys), np.int64),
+            )
         # A fetch may wait at the PS for a write-back: give the HTTP call that much longer.
         timeout = self.timeout_s + (wait_s or 0.0)
         wait = wait_s or None  # 0 or None: the shard's own limit

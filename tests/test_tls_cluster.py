@@ -45,9 +45,12 @@ def test_a_local_cluster_over_tls_ends_bit_identical(tmp_path: Path, mutual: boo
 
 
 def test_a_spec_with_cluster_tls_runs_over_tls_with_its_own_files(tmp_path: Path, tls_files: TlsFiles) -> None:
+    """Its trainers' PS clients run in helper processes (`ps_client = "process"`), which load
+    the same files for themselves: the SSL contexts do not cross a process."""
     files = tls_files.mutual
     tls = {"cert": files.cert, "key": files.key, "ca": files.ca, "mutual": True}
-    job = build_job(load_spec(write_spec(tmp_path, "own-files", {**OVERRIDES, "cluster": {"tls": tls}})))
+    overrides = {**OVERRIDES, "cluster": {"tls": tls}, "trainers": {"ps_client": "process"}}
+    job = build_job(load_spec(write_spec(tmp_path, "own-files", overrides)))
     assert job.spec.cluster.tls == files
     run_dir = tmp_path / "run"
     run_cluster(job, run_dir, token=TOKEN, tls=TlsChoice().section(job.spec, run_dir))

@@ -17,6 +17,7 @@ from common.job import Job
 from oracle.coordinator_client import CoordinatorClient
 from oracle.protocol import DenseCheckpoint
 from ps.client import PsClient
+from trainer.ps_process import PsProcess
 from trainer.engine import Engine
 from trainer.io_thread import IoThread
 from trainer.records import CheckpointRecord, RecordWriter
@@ -33,7 +34,7 @@ class Checkpointer:
     (`oracle.coordinator_service`). A failure is logged and training goes on: the previous complete
     checkpoint still holds."""
 
-    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | None,
+    def __init__(self, job: Job, rank: int, io: IoThread, ps: PsClient | PsProcess | None,
                  coordinator: CoordinatorClient, records: RecordWriter,
                  on_regrouped: Callable[[Regrouped], None] | None = None) -> None:
         """`on_regrouped`: called (on the I/O thread) when the coordinator refuses a

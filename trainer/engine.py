@@ -52,6 +52,9 @@ class RowSource(Protocol):
 
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, version: int, flush: bool) -> Future: ...
 
+    def release(self, fetched: Any) -> None:
+        """A fetch's result has been copied where it goes (its memory may be reused)."""
+
 
 @dataclass
 class IterationStats:
@@ -99,7 +102,7 @@ class Engine:
         self.boundary = Boundary(write_lag=write_lag)
         self.on_checkpoint_written = on_checkpoint_written
         self.device = cache.device.torch_device
-        self._fetches: dict[int, list[tuple[Future, np.ndarray]]] = {}
+        self._fetches: dict[int, list[tuple[Future, Future, np.ndarray]]] = {}  # target -> (fetch, staged, slots)
         self._later: dict[int, RowSum] = {}
         self._held: dict[int, _HeldRows] = {}
         self._writes: list[tuple[int, Future]] = []
@@ -176,7 +179,7 @@ class Engine:
             assert self.rows is not None, "a directive with prefetches needs a PS"
             fetch = self.rows.fetch(group.keys, group.min_versions)
             staged = self.cache.device.stage_when_done(fetch)  # copied as soon as it arrives
-            self._fetches.setdefault(group.target, []).append((staged, group.slots))
+            self._fetches.setdefault(group.target, []).append((fetch, staged, group.slots))
 
     def _wait_writes(self, a: WaitWrites) -> None:
         self.wait_for_writes(up_to=a.up_to)
@@ -245,8 +248,12 @@ class Engine:
         self.cache.write(a.slots, part[:, : self.cache.dim], part[:, self.cache.dim :])
 
     def _insert_fetched(self, a: InsertFetched) -> None:
-        for staged, slots in self._fetches.pop(a.target, []):
+        for fetch, staged, slots in self._fetches.pop(a.target, []):
+            # The fetch first: a source whose answers are read by whoever waits for them
+            # (`trainer.ps_process`) completes it, and so stages it, only then.
+            fetched = fetch.result()
             self.cache.insert(slots, staged.result())
+            self.rows.release(fetched)  # type: ignore[union-attr]  (a fetch needs a PS)
         self.fetched_rows += len(a.slots)
         assert self._stats is not None
         self._stats.fetch_rows = len(a.slots)

@@ -17,6 +17,7 @@ from common.errors import BagpipeError
 from common.job import Job
 from common.steps import EvalBatch
 from ps.client import PsClient
+from trainer.ps_process import PsProcess
 from trainer.collectives import Collectives
 from trainer.engine import Engine
 from trainer.evaluation import MetricAccumulator
@@ -27,10 +28,10 @@ from trainer.reporting import record_eval
 log = logging.getLogger(__name__)
 
 
-def finish_run(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread, ps: PsClient | None,
+def finish_run(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThread, ps: PsClient | PsProcess | None,
             records: RecordWriter, run_dir: Path, iterations: int, held_out: Iterable[EvalBatch]) -> None:
     """Held-out evaluation and the final model: dense state (rank 0) and the tables."""
-    record_eval(records, comm, predict_held_out(held_out, engine, io, ps), iterations, split="held-out")
+    record_eval(records, comm, predict_held_out(held_out, engine), iterations, split="held-out")
     if rank == 0:
         final = final_paths(run_dir)
         final.dense.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ def finish_run(job: Job, rank: int, engine: Engine, comm: Collectives, io: IoThr
     records.write(FinalRecord(time=time.time(), iterations=iterations))
 
 
-def predict_held_out(batches: Iterable[EvalBatch], engine: Engine, io: IoThread, ps: PsClient | None) -> MetricAccumulator:
+def predict_held_out(batches: Iterable[EvalBatch], engine: Engine) -> MetricAccumulator:
     """Predictions on this trainer's share of the held-out rows, with the final parameters."""
     acc = MetricAccumulator()
     model = engine.model.module
@@ -55,7 +56,7 @@ def predict_held_out(batches: Iterable[EvalBatch], engine: Engine, io: IoThread,
     with torch.no_grad():
         for batch in batches:
             # Copies: a decoded message's arrays are read-only views of its bytes.
-            emb = _rows_of(batch.keys.copy(), engine, io, ps)
+            emb = _rows_of(batch.keys.copy(), engine)
             dense = torch.tensor(batch.dense, device=engine.device)
             logits = model(dense, emb)
             acc.add(batch.labels, torch.sigmoid(logits).cpu().numpy())
@@ -63,9 +64,11 @@ def predict_held_out(batches: Iterable[EvalBatch], engine: Engine, io: IoThread,
     return acc
 
 
-def _rows_of(keys: np.ndarray, engine: Engine, io: IoThread, ps: PsClient | None) -> torch.Tensor:
-    if ps is None:
+def _rows_of(keys: np.ndarray, engine: Engine) -> torch.Tensor:
+    if engine.rows is None:  # local mode: the cache holds every row
         return engine.cache.rows[torch.from_numpy(keys).to(engine.device)]
     unique, inverse = np.unique(keys, return_inverse=True)
-    got = io.run(ps.fetch(unique))
-    return torch.from_numpy(got.rows[inverse.reshape(keys.shape)]).to(engine.device)
+    got = engine.rows.fetch(unique, np.full(len(unique), -1, dtype=np.int64)).result()
+    emb = torch.from_numpy(got.rows[inverse.reshape(keys.shape)]).to(engine.device)
+    engine.rows.release(got)
+    return emb

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,12 +32,13 @@ from trainer.engine import Engine
 from trainer.evaluation import MetricAccumulator
 from trainer.final import finish_run
 from trainer.io_thread import IoThread
+from trainer.ps_process import PsProcess
 from trainer.records import MetricsRecord, RecordWriter, TermRecord, ThreadsRecord, trainer_log_path
 from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches, report_finished
 from trainer.reporting import dense_gradient_bytes, iteration_record, record_eval
 from trainer.scrape import TrainerMetrics, serve
 from trainer.startup import build_engine, seeded_model
-from trainer.threads import THREADS_EVERY, thread_cpu
+from trainer.threads import THREADS_EVERY, helper_cpu, thread_cpu
 
 log = logging.getLogger(__name__)
 RESTART_WATCH_S = 0.5  # how often a trainer looks for a PS shard restarted alone
@@ -66,6 +67,10 @@ def run_trainer(
     starts again for the next term as soon as the coordinator says its term is over."""
     spec = job.spec
     world = spec.trainers.count
+    local = spec.oracle.mode == "local"
+    # Forked before this process starts any thread (the collectives' and the I/O thread's).
+    helper = (PsProcess.start(dim=job.dim, state_width=job.state_width, wait_s=spec.cluster.fetch_timeout_s)
+              if spec.trainers.ps_client == "process" and not local else None)
     torch.set_num_threads(spec.trainers.threads)
     device = select_device(spec.trainers.device, rank)
     model = seeded_model(job, device)  # before the rendezvous: a bad `[model] factory` fails alone
@@ -74,7 +79,7 @@ def run_trainer(
     io = IoThread()
     records = RecordWriter(trainer_log_path(run_dir, rank))
     metrics = TrainerMetrics(rank)
-    ps_client = None
+    ps_client: PsClient | PsProcess | None = None
     watcher: concurrent.futures.Future | None = None
     present: concurrent.futures.Future | None = None
     scrapes = None
@@ -86,13 +91,12 @@ def run_trainer(
                                         reconnect_s=spec.cluster.reconnect_s, tls=tls)
         # Read once: the PS client checks that every shard holds it, the engine loads its dense part.
         resumed_from = io.run(coordinator.resumed_from()) if resume else None
-        local = spec.oracle.mode == "local"
         if not local:
             # The journal lets a PS shard restart alone (from its snapshot) while this trainer
             # waits; without checkpoints there is no snapshot, so nothing is kept. Its rank
             # lets it tell such a shard it has replayed: the shard serves fetches once all have.
-            ps_client = PsClient(
-                peers.ps, token=token, dim=job.dim, state_width=job.state_width,
+            client = dict(
+                endpoints=peers.ps, token=token, dim=job.dim, state_width=job.state_width,
                 transport=spec.cluster.transport, timeout_s=spec.cluster.request_timeout_s,
                 retries=spec.cluster.retries, reconnect_s=spec.cluster.reconnect_s,
                 journal_bytes=spec.checkpoint.journal_bytes if spec.checkpoint.every else 0,
@@ -100,6 +104,11 @@ def run_trainer(
                 trainer=rank, trainers=world, tls=tls, coordinator=peers.oracle if peers.joined else None,
                 term=0 if presence is None else presence.term,
             )
+            if helper is not None:
+                helper.rows.open(client, timeout=spec.cluster.request_timeout_s)
+                ps_client = helper
+            else:
+                ps_client = PsClient(**client)
         if ps_client is not None and spec.checkpoint.every:
             watcher = io.submit(ps_client.watch_restarts(RESTART_WATCH_S))
         if presence is not None:
@@ -109,7 +118,8 @@ def run_trainer(
             present.add_done_callback(lambda done: done.cancelled() or start_next_term(presence, done.exception()))
         checkpoints = Checkpointer(job, rank, io, ps_client, coordinator, records,
                                    on_regrouped=None if presence is None else partial(start_next_term, presence))
-        rows = None if ps_client is None else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s)
+        rows = (helper.rows if helper is not None else None if ps_client is None
+                else RemoteRows(io, ps_client, wait_s=spec.cluster.fetch_timeout_s))
         engine = build_engine(job, device, comm, rows, model, on_checkpoint_written=checkpoints.report)
         start = resume_point(job, engine, io, coordinator, resumed_from) if resume else 0
         if presence is not None:
@@ -122,7 +132,8 @@ def run_trainer(
         oracle = OracleLink(endpoint=peers.oracle, token=token, transport=spec.cluster.transport,
                             timeout_s=spec.cluster.request_timeout_s, retries=spec.cluster.retries,
                             reconnect_s=spec.cluster.reconnect_s, tls=tls)
-        iterations = _train(job, engine, stream, comm, records, checkpoints, metrics)
+        cpu_of_threads = thread_cpu if helper is None else lambda: {**thread_cpu(), **helper_cpu("ps-client", helper.pid)}
+        iterations = _train(job, engine, stream, comm, records, checkpoints, metrics, cpu_of_threads)
         engine.drain()
         comm.close()  # every background sum was applied by the drain
         stream.close()
@@ -149,9 +160,11 @@ def run_trainer(
             watcher.cancel()
         if present is not None:
             present.cancel()
-        if ps_client is not None:
+        if isinstance(ps_client, PsClient):
             with contextlib.suppress(Exception):
                 io.run(ps_client.close(), timeout=5)
+        if helper is not None:
+            helper.close(timeout_s=5)
         if scrapes is not None:
             with contextlib.suppress(Exception):
                 io.run(scrapes.server.stop(), timeout=5)
@@ -253,7 +266,7 @@ def start_next_term(presence: Presence, failure: BaseException | None,
 
 def _train(
     job: Job, engine: Engine, stream: DirectiveStream, comm: Collectives, records: RecordWriter,
-    checkpoints: Checkpointer, metrics: TrainerMetrics,
+    checkpoints: Checkpointer, metrics: TrainerMetrics, cpu_of_threads: Callable[[], dict[str, float]],
 ) -> int:
     spec = job.spec
     row_bytes = 4 * (job.dim + job.state_width)
@@ -271,7 +284,7 @@ def _train(
         metrics.record(record)
         done = stats.iteration + 1
         if done % THREADS_EVERY == 0:
-            records.write(ThreadsRecord(iteration=done, time=time.time(), cpu=thread_cpu()))
+            records.write(ThreadsRecord(iteration=done, time=time.time(), cpu=cpu_of_threads()))
         if spec.train.eval_every:  # without it the predictions are never scored: keep none
             progressive.add(stats.labels, stats.probs)
             if done % spec.train.eval_every == 0:

@@ -44,6 +44,9 @@ class RemoteRows:
     ) -> concurrent.futures.Future:
         return self.io.submit(self.client.write_back(keys, rows, state, version, flush=flush))
 
+    def release(self, fetched: object) -> None:
+        """Nothing to give back: a fetch's rows are arrays of their own."""
+
 
 @dataclass(frozen=True)
 class _Failed:

@@ -8,7 +8,9 @@ the report turns them into microseconds per sample (`launcher.summary`).
 
 Threads are named by what Python calls them (the I/O thread, sync-later), by the name
 native code gave them (``gloo_tcp_loop``, ``pt_gloo_runloop``), or ``native`` for an unnamed
-native one; threads of one name are added up. The thread that trains is ``training``.
+native one; threads of one name are added up. The thread that trains is ``training``. A
+helper process of the trainer's (`trainer.ps_process`) is filed whole under ``process <name>``,
+apart from the threads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 
 #: The name the training thread's CPU time is filed under.
 TRAINING = "training"
+#: How a helper process's CPU time is named: apart from the threads of the trainer's own.
+HELPER_PREFIX = "process "
 #: Iterations between two samples (a sample reads /proc for each thread: some 100 µs).
 THREADS_EVERY = 5
 _TASKS = Path("/proc/self/task")
@@ -56,3 +60,14 @@ def thread_cpu(training: int | None = None) -> dict[str, float]:
             name = "native" if comm in _UNNAMED else comm
         out[name] = out.get(name, 0.0) + seconds
     return out
+
+
+def helper_cpu(name: str, pid: int) -> dict[str, float]:
+    """CPU seconds used so far by helper process `pid` (all its threads), as
+    ``{"process <name>": seconds}``; empty once it has gone or where /proc does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return {}
+    after = stat[stat.rindex(")") + 2 :].split()
+    return {f"{HELPER_PREFIX}{name}": (int(after[11]) + int(after[12])) / _TICK}

@@ -71,6 +71,7 @@ def test_values_are_read_and_typed() -> None:
         ({"ps": {"shards": 1, "addresses": ["h:99999"]}}, "ps.addresses[0]"),
         ({"trainers": {"count": 0}}, "trainers.count"),
         ({"trainers": {"pin_cpus": "yes"}}, "trainers.pin_cpus"),
+        ({"trainers": {"ps_client": "subprocess"}}, "trainers.ps_client"),
         ({"trainers": {"metrics_address": "9400"}}, "trainers.metrics_address"),
         ({"trainers": {"count": 4, "metrics_address": "h:65533"}}, "trainers.metrics_address"),
         ({"cluster": {"metrics_linger_s": -1}}, "cluster.metrics_linger_s"),

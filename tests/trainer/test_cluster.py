@@ -23,7 +23,7 @@ from tests.cluster_helpers import (
 )
 from tests.trainer.test_equivalence import CACHE_ROWS, MODES
 from trainer.device import select_device
-from trainer.records import CheckpointRecord, IterationRecord, Record, read_run
+from trainer.records import CheckpointRecord, IterationRecord, Record, ThreadsRecord, read_run
 from trainer.startup import seeded_model
 
 pytestmark = pytest.mark.slow
@@ -48,6 +48,21 @@ def test_a_cluster_is_bit_identical_to_the_reference(tmp_path: Path, mode: str, 
     shards = [] if mode == "local" else ["ps-0", "ps-1"]
     assert started == ["oracle", *shards, "trainer-0", "trainer-1"]
     assert_bytes_by_kind_add_up(job, read_run(result.run_dir, 2), mode)
+
+
+def test_trainers_whose_ps_clients_run_in_helper_processes_end_bit_identical(tmp_path: Path) -> None:
+    """`[trainers] ps_client = "process"`: every fetch and write-back through the helper's
+    shared memory, checkpoints reported through its control channel; the same bits, and the
+    helper's CPU recorded apart from the trainer's threads."""
+    overrides = {"oracle": {"mode": "bagpipe", "cache_rows": CACHE_ROWS[2]},
+                 "trainers": {"count": 2, "ps_client": "process"}, "checkpoint": {"every": 20}}
+    job, result = run_spec(write_spec(tmp_path, "helper", overrides), tmp_path / "run")
+    assert_identical(final_model(job, result.run_dir), as_final(reference_for(job)))
+    records = read_run(result.run_dir, 2)
+    for j in range(2):
+        samples = [r for r in records[j] if isinstance(r, ThreadsRecord)]
+        assert samples and samples[-1].cpu.get("process ps-client", 0.0) > 0, samples[-1:]
+        assert any(isinstance(r, CheckpointRecord) for r in records[0])
 
 
 def assert_bytes_by_kind_add_up(job: Job, records: dict[int, list[Record]], mode: str) -> None:

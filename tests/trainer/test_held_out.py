@@ -40,7 +40,7 @@ HELD_OUT = textwrap.dedent(
         for b in open_dataset(job.data).eval_batches(job.spec.train.batch_size)
     ]
     warnings.simplefilter("error")
-    labels, _ = predict_held_out(batches, engine, None, None).arrays()
+    labels, _ = predict_held_out(batches, engine).arrays()
     print(labels.size)
     """
 )

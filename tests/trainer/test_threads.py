@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from launcher.summary import THREAD_GROUPS, cpu_per_sample
+from launcher.summary import HELPERS, THREAD_GROUPS, cpu_per_sample
 from trainer.records import IterationRecord, ThreadsRecord, record_from_wire
-from trainer.threads import TRAINING, thread_cpu
+from trainer.threads import TRAINING, helper_cpu, thread_cpu
 
 
 def _spin(seconds: float) -> None:
@@ -60,6 +62,30 @@ def test_cpu_per_sample_splits_the_training_thread_and_spans_the_widest_window()
     assert figures["other_threads"] == pytest.approx(11.0)
     assert figures["thread io"] == pytest.approx(10.0) and figures["thread gloo"] == pytest.approx(1.0)
     assert cpu_per_sample({0: records}, first=6, stop=10) == {}  # one sample inside: no span
+
+
+def test_a_helper_process_is_counted_apart_from_the_threads() -> None:
+    helper = "process ps-client"
+    records = [ThreadsRecord(iteration=0, time=0.0, cpu={TRAINING: 1.0, "io": 1.0, helper: 2.0})]
+    records += [_iteration(x, 100, 0.002) for x in range(10)]
+    records += [ThreadsRecord(iteration=10, time=10.0, cpu={TRAINING: 1.04, "io": 1.01, helper: 2.05})]
+    figures = cpu_per_sample({0: records}, first=0, stop=10)
+    assert figures["other_threads"] == pytest.approx(10.0)  # the io thread alone
+    assert figures[HELPERS] == pytest.approx(50.0) and figures[helper] == pytest.approx(50.0)
+
+
+def test_a_helper_process_is_charged_its_cpu_time() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while helper_cpu("spinner", child.pid).get("process spinner", 0.0) < 0.25:
+            assert time.monotonic() < deadline, "the helper's CPU time never showed"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    assert helper_cpu("spinner", child.pid) == {}  # gone: nothing to read
 
 
 def test_a_threads_record_round_trips() -> None:
