@@ -443,9 +443,7 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
 Attack = Callable[[Target, str, dict[str, int], asyncio.Event], Awaitable[None]]
 
 
-def _attack(abuse: str, kind: str, target: Target, held: int, ready: Event, stop: Event,
-            results: mp.Queue, cpus: set[int] | None) -> None:
-    _pin(cpus)
+def _attack(abuse: str, kind: str, target: Target, held: int, ready: Event, stop: Event, results: mp.Queue) -> None:
     attacks: dict[str, Attack] = {
         "rapid_reset": _rapid_reset,
         "held_connections": lambda *a: _held_connections(*a, count=held),
@@ -539,6 +537,9 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
     server = ctx.Process(target=_serve, args=(asdict(limits), ports_queue, stop_server, server_cpus, tls_files),
                          daemon=True)
     server.start()
+    # One attacker process for every scenario, each attack in turn: a fresh interpreter per
+    # scenario cost about 0.8 CPU-seconds each, twelve times a run.
+    attacker = _Attacker(ctx, attacker_cpus)
     rows = []
     own_cpus = os.sched_getaffinity(0)
     _pin(server_cpus)  # the fetching client
@@ -549,12 +550,13 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
             for abuse in abuses:
                 if abuse in H2_ONLY and kind == "http1":
                     continue
-                rows.append(_scenario(ctx, kind, abuse, Target(ports[kind], tls_files), server.pid, seconds,
-                                      limits.max_connections + held_extra, attacker_cpus))
+                rows.append(_scenario(attacker, kind, abuse, Target(ports[kind], tls_files), server.pid, seconds,
+                                      limits.max_connections + held_extra))
                 if report is not None:
                     report(rows[-1])
     finally:
         os.sched_setaffinity(0, own_cpus)
+        attacker.close()
         stop_server.set()
         server.join(30)
         if server.is_alive():
@@ -562,36 +564,66 @@ def measure(*, seconds: float, limits: ConnectionLimits, held_extra: int = 16,
     return rows
 
 
-def _scenario(ctx: Any, kind: str, abuse: str, target: Target, pid: int, seconds: float,
-              held: int, attacker_cpus: set[int] | None) -> Row:
+class _Attacker:
+    """A process that runs one attack at a time (`_attacks`): `start` one, `finish` it to get
+    its counts."""
+
+    def __init__(self, ctx: Any, cpus: set[int] | None) -> None:
+        self._commands, self._results = ctx.Queue(), ctx.Queue()
+        self._ready, self._stop = ctx.Event(), ctx.Event()
+        self._process = ctx.Process(target=_attacks, args=(self._commands, self._ready, self._stop, self._results, cpus),
+                                    daemon=True)
+        self._process.start()
+
+    def start(self, abuse: str, kind: str, target: Target, held: int) -> None:
+        self._ready.clear()
+        self._stop.clear()
+        self._commands.put((abuse, kind, target, held))
+        if not self._ready.wait(120):
+            raise RuntimeError(f"the {abuse} attacker did not start")
+
+    def finish(self, abuse: str) -> dict[str, int]:
+        self._stop.set()
+        try:
+            outcome = self._results.get(timeout=60)
+        except queue.Empty:
+            self._process.kill()
+            raise RuntimeError(f"the {abuse} attacker did not stop within 60 s") from None
+        if isinstance(outcome, str):
+            raise RuntimeError(f"the {abuse} attacker failed: {outcome}")
+        return outcome
+
+    def close(self) -> None:
+        self._commands.put(None)
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _attacks(commands: mp.Queue, ready: Event, stop: Event, results: mp.Queue, cpus: set[int] | None) -> None:
+    _pin(cpus)
+    while (command := commands.get()) is not None:
+        try:
+            _attack(*command, ready, stop, results)
+        except Exception as exc:  # reported to the scenario that waits for it
+            ready.set()
+            results.put(f"{type(exc).__name__}: {exc}")
+
+
+def _scenario(attacker: _Attacker, kind: str, abuse: str, target: Target, pid: int, seconds: float,
+              held: int) -> Row:
     before = _rss_mb(pid)
-    stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Event()
-    attacker = ctx.Process(target=_attack, args=(abuse, kind, target, held, ready, stop, results, attacker_cpus),
-                           daemon=True)
+    started = []
 
     def start_attack() -> None:
-        if abuse == "idle":
-            return
-        attacker.start()
-        if not ready.wait(120):
-            raise RuntimeError(f"the {abuse} attacker did not start")
+        if abuse != "idle":
+            attacker.start(abuse, kind, target, held)
+            started.append(True)
 
     try:
         latencies, peak, newcomers = run(_fetch_loop(kind, target, seconds, pid, start_attack))
     finally:
-        stop.set()
-    counts = {}
-    if abuse != "idle":
-        # Read before joining: a process that put into a queue exits only once its data has
-        # been fed to the pipe (the multiprocessing docs' "joining processes that use queues").
-        try:
-            counts = results.get(timeout=60)
-        except queue.Empty:
-            attacker.kill()
-            raise RuntimeError(f"the {abuse} attacker did not stop within 60 s") from None
-        attacker.join(30)
-        if attacker.exitcode != 0:
-            raise RuntimeError(f"the {abuse} attacker failed (exit code {attacker.exitcode})")
+        counts = attacker.finish(abuse) if started else {}
     ms = np.array(latencies) * 1e3
     return Row(protocol=kind, abuse=abuse, fetches=len(latencies),
                p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
