@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -273,7 +274,7 @@ class SharedRows:
     def close(self, timeout_s: float = 10.0) -> None:
         """Close the helper's client and let the helper exit."""
         if self._gone is None:
-            with _suppressed():
+            with contextlib.suppress(Exception):
                 self._request(("close",), None, lambda: None).result(timeout_s)
 
     def _request(self, message: tuple, segment: Segment | None, answer: Callable[[], Any], *,
@@ -393,7 +394,7 @@ class ControlChannel:
             return await answer
         except asyncio.CancelledError:
             self._waiting.pop(request_id, None)
-            with _suppressed():
+            with contextlib.suppress(Exception):
                 self._sock.send(pickle.dumps(("cancel", request_id)))
             raise
 
@@ -464,17 +465,9 @@ class PsProcess:
             if done:
                 return
             time.sleep(0.01)
-        with _suppressed():
+        with contextlib.suppress(Exception):
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
-
-
-class _suppressed:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], Exception)  # type: ignore[arg-type]
 
 
 # -- the helper's side -------------------------------------------------------------------------
