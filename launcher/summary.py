@@ -33,7 +33,7 @@ from trainer.records import (
     ThreadsRecord,
 )
 from trainer.threads import HELPER_PREFIX, TRAINING
-from trainer.timing import COMPUTE_PHASES, PHASES
+from trainer.timing import COMPUTE_PHASES, MACHINERY_PHASES, PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -355,13 +355,17 @@ def summarise(
 #: model's compute (forward, backward, the dense step), the training thread outside it (the
 #: boundary, the sums, copies, records), and every other thread of the process. A trainer's
 #: helper processes (`[trainers] ps_client = "process"`) are counted apart, in `HELPERS`.
+#: The training thread outside compute is also split by phase (``phase <name>``,
+#: `trainer.timing.MACHINERY_PHASES`; ``phase other`` is what no phase timed: records,
+#: statistics, reading the directive).
 THREAD_GROUPS: tuple[str, ...] = ("training_thread_compute", "training_thread_other", "other_threads")
 HELPERS = "helper_processes"
 
 
 def cpu_per_sample(records_by_trainer: Mapping[int, Sequence[Record]], first: int, stop: int) -> dict[str, float]:
     """CPU microseconds per sample of its own slice, mean over trainers: `THREAD_GROUPS`,
-    then each thread by name (``thread <name>``), over the widest span between two of a
+    then each thread by name (``thread <name>``), then the training thread outside compute
+    by phase (``phase <name>``, where the records carry it), over the widest span between two of a
     trainer's `ThreadsRecord`s inside iterations [first, stop). Empty where no trainer has
     two such samples (records of an older trainer, a run too short)."""
     per_trainer = []
@@ -382,12 +386,24 @@ def cpu_per_sample(records_by_trainer: Mapping[int, Sequence[Record]], first: in
                   "other_threads": sum(used.values())}
         if helpers:
             groups[HELPERS] = sum(helpers.values())
+        by_phase = _machinery_by_phase(inside, groups["training_thread_other"])
         per_trainer.append({name: 1e6 * v / count for name, v in
-                            {**groups, **{f"thread {k}": v for k, v in sorted(used.items())}, **helpers}.items()})
+                            {**groups, **{f"thread {k}": v for k, v in sorted(used.items())}, **helpers,
+                             **by_phase}.items()})
     if not per_trainer:
         return {}
     names = dict.fromkeys(name for figures in per_trainer for name in figures)
     return {name: float(np.mean([f.get(name, 0.0) for f in per_trainer])) for name in names}
+
+
+def _machinery_by_phase(inside: Sequence[IterationRecord], outside_compute: float) -> dict[str, float]:
+    """CPU seconds of the training thread in each machinery phase over `inside`, and
+    ``phase other``, the rest of `outside_compute`; empty if a record lacks them (an older
+    trainer's)."""
+    if any(not r.machinery_cpu for r in inside):
+        return {}
+    phases = {f"phase {p}": sum(r.machinery_cpu.get(p, 0.0) for r in inside) for p in MACHINERY_PHASES}
+    return {**phases, "phase other": outside_compute - sum(phases.values())}
 
 
 def machinery(s: IterationSeries) -> np.ndarray:

@@ -15,8 +15,8 @@ a record's line, without its newline (``kind`` first, then the fields in the ord
 dataclass declares them, NaN as null); `record_from_wire` turns a line back into the record of
 its kind, and each class's `from_wire` into a record of that class. The format grew over
 time, and a line of an older trainer still reads: a field added later takes its default
-(the payload bytes by kind read as 0, `compute_cpu` as empty, which the report shows as
-n/a); a field this reader does not know is ignored, and so is a record of a kind it does not
+(the payload bytes by kind read as 0, `compute_cpu` and `machinery_cpu` as empty, which
+the report shows as n/a); a field this reader does not know is ignored, and so is a record of a kind it does not
 know (a newer trainer's). A record that lacks a field every trainer wrote raises
 `RecordError` naming it.
 
@@ -124,7 +124,8 @@ class IterationRecord(_Codec):
     """One iteration of one trainer. `time` is unix seconds at its end; the counters are this
     trainer's (its slice of the global batch, the rows it used and moved); `phases` add up to
     the iteration (`trainer.timing.PHASES`), `compute_cpu` is the training thread's CPU time
-    in each of `trainer.timing.COMPUTE_PHASES`."""
+    in each of `trainer.timing.COMPUTE_PHASES`, `machinery_cpu` in each of
+    `trainer.timing.MACHINERY_PHASES`."""
 
     kind: ClassVar[str] = "iter"
 
@@ -149,6 +150,7 @@ class IterationRecord(_Codec):
     phases: dict[str, float] = field(default_factory=dict, hash=False)  # {} where a line lacks it
     # Added later: empty in the records of earlier trainers (the report shows n/a).
     compute_cpu: dict[str, float] = field(default_factory=dict, hash=False)
+    machinery_cpu: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ def iteration_record(
         dense_bytes=dense_bytes,
         phases=phases,
         compute_cpu=engine.timer.compute_cpu,
+        machinery_cpu=engine.timer.machinery_cpu,
     )
 
 

@@ -5,9 +5,11 @@ previous iteration to the end of this one, with `other` holding what no phase ti
 (records, statistics, checkpoint saves). Everything but the model's own work
 (`COMPUTE_PHASES`) is the trainer's *machinery*: what bagpipe adds to plain training.
 
-The compute phases are also timed in the calling thread's CPU time (`compute_cpu`): where
-other processes share the cores, a phase's wall time can exceed it by the time the thread
-waited for one, and the two together tell more work from more waiting.
+Every phase block is also timed in the calling thread's CPU time: `compute_cpu` for the
+compute phases, `machinery_cpu` for the others. Where other processes share the cores, a
+phase's wall time can exceed it by the time the thread waited for one (or for a collective),
+and the two together tell more work from more waiting; the machinery's CPU by phase says
+what of the training thread's own work outside the model to cut first.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ PHASES: tuple[str, ...] = (
 )
 #: Forward, backward and the dense optimizer step: what any trainer of the model would do.
 COMPUTE_PHASES: tuple[str, ...] = ("forward", "backward", "dense_optimizer")
+#: The phases timed by a `phase` block outside the model's compute (`other` is what is left).
+MACHINERY_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p not in COMPUTE_PHASES and p != "other")
+_TIMED_PHASES = (*COMPUTE_PHASES, *MACHINERY_PHASES)
 
 
 class PhaseTimer:
@@ -40,22 +45,31 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.current: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        #: CPU seconds of the calling thread in each compute phase of the last iteration ended.
-        self.compute_cpu: dict[str, float] = dict.fromkeys(COMPUTE_PHASES, 0.0)
-        self._cpu = dict.fromkeys(COMPUTE_PHASES, 0.0)
+        #: CPU seconds of the calling thread in each timed phase of the last iteration ended.
+        self.phase_cpu: dict[str, float] = dict.fromkeys(_TIMED_PHASES, 0.0)
+        self._cpu = dict.fromkeys(_TIMED_PHASES, 0.0)
         self._started = time.perf_counter()
+
+    @property
+    def compute_cpu(self) -> dict[str, float]:
+        """`phase_cpu` of `COMPUTE_PHASES`."""
+        return {p: self.phase_cpu[p] for p in COMPUTE_PHASES}
+
+    @property
+    def machinery_cpu(self) -> dict[str, float]:
+        """`phase_cpu` of `MACHINERY_PHASES`."""
+        return {p: self.phase_cpu[p] for p in MACHINERY_PHASES}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        cpu_start = time.thread_time() if name in self._cpu else None
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             elapsed = time.perf_counter() - start
             self.current[name] += elapsed
             self.total[name] += elapsed
-            if cpu_start is not None:
+            if name in self._cpu:
                 self._cpu[name] += time.thread_time() - cpu_start
 
     def restart(self) -> None:
@@ -70,12 +84,12 @@ class PhaseTimer:
     def end_iteration(self) -> dict[str, float]:
         """The finished iteration's phases, `other` completing them to its wall time (since
         the previous `end_iteration`, or since the timer was made); the next starts at zero.
-        Its compute phases' CPU time is `compute_cpu` from now on."""
+        Its phases' CPU time is `phase_cpu` from now on."""
         now = time.perf_counter()
         done = self.current
         done["other"] = max(0.0, now - self._started - sum(done.values()))
         self.total["other"] += done["other"]
         self.current = dict.fromkeys(PHASES, 0.0)
-        self.compute_cpu, self._cpu = self._cpu, dict.fromkeys(COMPUTE_PHASES, 0.0)
+        self.phase_cpu, self._cpu = self._cpu, dict.fromkeys(_TIMED_PHASES, 0.0)
         self._started = now
         return done

@@ -12,6 +12,7 @@ import pytest
 from launcher.summary import HELPERS, THREAD_GROUPS, cpu_per_sample
 from trainer.records import IterationRecord, ThreadsRecord, record_from_wire
 from trainer.threads import TRAINING, helper_cpu, thread_cpu
+from trainer.timing import MACHINERY_PHASES
 
 
 def _spin(seconds: float) -> None:
@@ -43,10 +44,11 @@ def test_a_running_thread_shows_under_its_python_name() -> None:
         worker.join()
 
 
-def _iteration(x: int, samples: int, compute: float) -> IterationRecord:
+def _iteration(x: int, samples: int, compute: float, machinery: dict[str, float] | None = None) -> IterationRecord:
     return IterationRecord(iteration=x, time=float(x), samples=samples, loss=0.5, uses=1, hits=0, fetch_rows=0,
                            fetch_bytes=0, write_back_rows=0, write_back_bytes=0, sync_rows=0, sync_bytes=0,
-                           join_rows=0, compute_cpu={"forward": compute, "backward": 0.0, "dense_optimizer": 0.0})
+                           join_rows=0, compute_cpu={"forward": compute, "backward": 0.0, "dense_optimizer": 0.0},
+                           machinery_cpu=machinery or {})
 
 
 def test_cpu_per_sample_splits_the_training_thread_and_spans_the_widest_window() -> None:
@@ -62,6 +64,22 @@ def test_cpu_per_sample_splits_the_training_thread_and_spans_the_widest_window()
     assert figures["other_threads"] == pytest.approx(11.0)
     assert figures["thread io"] == pytest.approx(10.0) and figures["thread gloo"] == pytest.approx(1.0)
     assert cpu_per_sample({0: records}, first=6, stop=10) == {}  # one sample inside: no span
+    assert not any(name.startswith("phase ") for name in figures)  # the records do not split it
+
+
+def test_the_training_thread_outside_compute_is_split_by_phase() -> None:
+    """Each machinery phase's CPU per sample, and ``phase other`` the rest of the training
+    thread outside compute (records, statistics); they add up to training_thread_other."""
+    machinery = {**dict.fromkeys(MACHINERY_PHASES, 0.0), "boundary": 0.001, "sync_now": 0.0005}
+    records = [ThreadsRecord(iteration=0, time=0.0, cpu={TRAINING: 1.0})]
+    records += [_iteration(x, 100, 0.002, machinery) for x in range(10)]
+    records += [ThreadsRecord(iteration=10, time=10.0, cpu={TRAINING: 1.04})]
+    figures = cpu_per_sample({0: records}, first=0, stop=10)
+    assert figures["phase boundary"] == pytest.approx(10.0) and figures["phase sync_now"] == pytest.approx(5.0)
+    assert figures["phase embedding_update"] == 0.0
+    assert figures["phase other"] == pytest.approx(5.0)  # 20 outside compute, 15 of it in phases
+    by_phase = sum(v for name, v in figures.items() if name.startswith("phase "))
+    assert by_phase == pytest.approx(figures["training_thread_other"])
 
 
 def test_a_helper_process_is_counted_apart_from_the_threads() -> None:

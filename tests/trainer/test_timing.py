@@ -38,9 +38,9 @@ def test_phases_add_up_to_the_wall_time_between_iterations(monkeypatch: pytest.M
     assert timer.total["other"] == 0.5 and timer.total["forward"] == 0.25
 
 
-def test_compute_phases_are_also_timed_in_thread_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`compute_cpu` holds the ended iteration's CPU time of each compute phase; the other
-    phases are not timed in CPU, and the next iteration starts from zero."""
+def test_every_phase_is_also_timed_in_thread_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compute_cpu` holds the ended iteration's CPU time of each compute phase,
+    `machinery_cpu` of each other timed phase, and the next iteration starts from zero."""
     clock, cpu = FakeClock(), FakeClock()
     monkeypatch.setattr(timing.time, "perf_counter", clock)
     monkeypatch.setattr(timing.time, "thread_time", cpu)
@@ -54,7 +54,14 @@ def test_compute_phases_are_also_timed_in_thread_cpu(monkeypatch: pytest.MonkeyP
         cpu.now += 0.125
     assert timer.end_iteration()["forward"] == 0.5
     assert timer.compute_cpu == {"forward": 0.25, "backward": 0.125, "dense_optimizer": 0.0}
+    assert timer.machinery_cpu == {**dict.fromkeys(timing.MACHINERY_PHASES, 0.0), "boundary": 1.0}
+    assert set(timing.MACHINERY_PHASES) == set(timing.PHASES) - set(timing.COMPUTE_PHASES) - {"other"}
     with timer.phase("dense_optimizer"):
         cpu.now += 0.0625
+    with timer.phase("sync_now"):
+        cpu.now += 0.5
+    with timer.phase("sync_now"):  # a phase timed twice in one iteration adds up
+        cpu.now += 0.25
     timer.end_iteration()
     assert timer.compute_cpu == {"forward": 0.0, "backward": 0.0, "dense_optimizer": 0.0625}
+    assert timer.machinery_cpu["sync_now"] == 0.75 and timer.machinery_cpu["boundary"] == 0.0
