@@ -61,7 +61,7 @@ from oracle.startup import build_workload
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
 from trainer.records import FinalRecord, IterationRecord, RecordWriter, ThreadsRecord, read_run
-from trainer.threads import THREADS_EVERY, thread_cpu
+from trainer.threads import THREADS_EVERY, ThreadClock
 from trainer.timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -228,6 +228,7 @@ def _train(
     timer = PhaseTimer()
     world = dist.get_world_size()
     dense_bytes = sum(4 * p.numel() for p in dense_optimizer.param_groups[0]["params"]) if world > 1 else 0
+    clock = ThreadClock()
     timer.restart()
     for x, (labels, dense, ids) in enumerate(batches):
         with timer.phase("forward"):
@@ -241,7 +242,7 @@ def _train(
         # all-to-alls are not counted here: bench/cluster.py sees them on the links).
         phases = timer.end_iteration()
         if (x + 1) % THREADS_EVERY == 0:  # the trainers' own sampling of their threads' CPU
-            records.write(ThreadsRecord(iteration=x + 1, time=time.time(), cpu=thread_cpu()))
+            records.write(ThreadsRecord(iteration=x + 1, time=time.time(), cpu=clock()))
         records.write(IterationRecord(
             iteration=x, time=time.time(), samples=len(labels), loss=float(loss.detach()), uses=0, hits=0,
             fetch_rows=0, fetch_bytes=0, write_back_rows=0, write_back_bytes=0, sync_rows=0, sync_bytes=0,

@@ -38,7 +38,7 @@ from trainer.remote import DirectiveStream, OracleLink, RemoteRows, eval_batches
 from trainer.reporting import dense_gradient_bytes, iteration_record, record_eval
 from trainer.scrape import TrainerMetrics, serve
 from trainer.startup import build_engine, seeded_model
-from trainer.threads import THREADS_EVERY, helper_cpu, thread_cpu
+from trainer.threads import THREADS_EVERY, ThreadClock, helper_cpu
 
 log = logging.getLogger(__name__)
 RESTART_WATCH_S = 0.5  # how often a trainer looks for a PS shard restarted alone
@@ -132,7 +132,8 @@ def run_trainer(
         oracle = OracleLink(endpoint=peers.oracle, token=token, transport=spec.cluster.transport,
                             timeout_s=spec.cluster.request_timeout_s, retries=spec.cluster.retries,
                             reconnect_s=spec.cluster.reconnect_s, tls=tls)
-        cpu_of_threads = thread_cpu if helper is None else lambda: {**thread_cpu(), **helper_cpu("ps-client", helper.pid)}
+        clock = ThreadClock()
+        cpu_of_threads = clock if helper is None else lambda: {**clock(), **helper_cpu("ps-client", helper.pid)}
         iterations = _train(job, engine, stream, comm, records, checkpoints, metrics, cpu_of_threads)
         engine.drain()
         comm.close()  # every background sum was applied by the drain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,7 +12,7 @@ import pytest
 
 from launcher.summary import HELPERS, THREAD_GROUPS, cpu_per_sample
 from trainer.records import IterationRecord, ThreadsRecord, record_from_wire
-from trainer.threads import TRAINING, helper_cpu, thread_cpu
+from trainer.threads import TRAINING, ThreadClock, helper_cpu, thread_cpu
 from trainer.timing import MACHINERY_PHASES
 
 
@@ -109,3 +110,26 @@ def test_a_helper_process_is_charged_its_cpu_time() -> None:
 def test_a_threads_record_round_trips() -> None:
     record = ThreadsRecord(iteration=5, time=1.5, cpu={TRAINING: 0.25, "gloo_tcp_loop": 0.125})
     assert record_from_wire(record.to_wire()) == record
+
+
+def test_a_clock_follows_threads_that_start_and_end() -> None:
+    """A kept clock reads the threads alive at each sample: a new one appears under its
+    name, an ended one is dropped with its descriptor, and the caller's time only grows."""
+    clock = ThreadClock()
+    try:
+        first = clock()
+        stop = threading.Event()
+        worker = threading.Thread(target=lambda: (_spin(0.05), stop.wait(5)), name="late-worker")
+        worker.start()
+        try:
+            assert "late-worker" in clock()  # start() returns once the thread runs
+        finally:
+            stop.set()
+            worker.join()
+        _spin(0.05)
+        last = clock()
+        assert "late-worker" not in last and last[TRAINING] >= first[TRAINING] + 0.04
+        assert len(clock._files) == len(os.listdir("/proc/self/task"))
+    finally:
+        clock.close()
+    assert clock._files == {}
