@@ -292,6 +292,24 @@ def thread_table(summaries: Mapping[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def machinery_cpu_table(summaries: Mapping[str, RunSummary]) -> str:
+    """The training thread's CPU µs per sample outside compute, by phase (``phase <name>`` of
+    `cpu_per_sample`; `other` is what no phase timed: records, statistics). Modes whose
+    records lack the split are left out; empty if none has it."""
+    by_mode = {name: {k.removeprefix("phase "): v for k, v in s.cpu_us_per_sample.items() if k.startswith("phase ")}
+               for name, s in summaries.items()}
+    by_mode = {name: phases for name, phases in by_mode.items() if phases}
+    if not by_mode:
+        return ""
+    phases = list(dict.fromkeys(p for phases in by_mode.values() for p in phases))
+    widths = [max(len(p), 6) + 2 for p in phases]
+    head = f"{'mode':<14}" + "".join(f"{p:>{w}}" for p, w in zip(phases, widths))
+    lines = [head, "-" * len(head)]
+    for name, figures in by_mode.items():
+        lines.append(f"{name:<14}" + "".join(f"{figures.get(p, math.nan):>{w},.2f}" for p, w in zip(phases, widths)))
+    return "\n".join(lines)
+
+
 def rss_table(runs: Mapping[str, ModeRun], warmup: int, cpu_until: int) -> str:
     """Per mode and role: RSS at the end of the warm-up and of training, its peak (start-up
     and final saves included), its fitted growth per 1,000 iterations after the warm-up
@@ -429,6 +447,9 @@ def main() -> int:
     print(phase_table(summaries))
     print("\ntrainer process CPU µs per sample of its slice, by thread")
     print(thread_table(summaries))
+    if by_phase := machinery_cpu_table(summaries):
+        print("\ntraining thread CPU µs per sample outside compute, by phase")
+        print(by_phase)
     print("\npayload MB per iteration and trainer, by kind (TorchRec's all-to-alls not counted)")
     print(compare_bytes(summaries))
     print()
