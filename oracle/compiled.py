@@ -18,7 +18,7 @@ import numpy as np
 from common.spec import Mode
 from oracle import NUMBA_CACHE_ENV
 from oracle.config import PlannerConfig
-from oracle.kernels.jit import is_cached
+from oracle.kernels.cache import is_cached
 from oracle.planner import Planner, rules_class
 from oracle.stats import PlannerStats
 from oracle.workers import InProcessPool, ParallelPlanner

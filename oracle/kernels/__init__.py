@@ -32,10 +32,9 @@ directives.
 
 The files, each importing only those above it:
 
-* `jit`: how a kernel is compiled and cached (below, "Cache");
+* `cache`: where a kernel is cached (below, "Cache"; the machinery is `common.jit`);
 * `layout`: the names of the columns and cells of the state and event arrays, and NEVER;
 * `intmap`: the hash map (the planner's index, and the tables that read a batch);
-* `cpu_prefetch`: LLVM's prefetch instruction, which numba lacks;
 * `batch`: a global batch read into its sorted distinct (key, trainer) pairs (`read_pairs`,
   every mode);
 * `state`: the planner's state and the event buffers: made, and grown between batches;
@@ -65,8 +64,10 @@ constant of another file, as it does one of its own.
 
 Cache. numba's on-disk cache notices only edits to a kernel's own file, while these kernels
 inline helpers and read constants of other files. So each kernel is cached in a folder
-named by a hash of all the files of this package (`jit`): after an edit to any of them,
-every kernel is compiled afresh on its first call, and `jit.is_cached` (oracle/compiled.py's
+named by a hash of all the files of this package and of `common.cpu_prefetch` (LLVM's
+prefetch instruction, which numba lacks, and which the trainer's kernels use too; `cache`,
+`common.jit`): after an edit to any of them, every kernel is compiled afresh on its first
+call, and `common.jit.is_cached` (oracle/compiled.py's
 `is_compiled`) says so until then. oracle/compiled.py compiles them before the oracle
 reports ready. tests/oracle/test_compiled.py edits a copy of this package and sees the
 kernel of another file compiled again.

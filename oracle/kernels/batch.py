@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.kernels.intmap import CELL_KEY, CELL_VALUE, KEEP_ALL, map_find, rehashed
-from oracle.kernels.jit import inlined, kernel
+from oracle.kernels.cache import inlined, kernel
 
 # SplitMix64's finaliser (Steele, Lea and Flood 2014): every bit of a key moves every bit of
 # the hash, so keys that are table offsets plus rows spread evenly over any partition count,

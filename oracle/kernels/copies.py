@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.kernels.heaps import push_free_slot
-from oracle.kernels.jit import inlined
+from oracle.kernels.cache import inlined
 from oracle.kernels.layout import (
     ENTRY_COPIES,
     ENTRY_KEY,

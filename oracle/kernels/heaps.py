@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.kernels.jit import inlined, kernel
+from oracle.kernels.cache import inlined, kernel
 from oracle.kernels.layout import (
     NEVER,
     NUM_VICTIM,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.kernels.cpu_prefetch import prefetch_row
+from common.cpu_prefetch import prefetch_row
 from oracle.kernels.intmap import CELL_KEY, CELL_VALUE, map_find, map_home
-from oracle.kernels.jit import inlined, kernel
+from oracle.kernels.cache import inlined, kernel
 from oracle.kernels.layout import (
     ENTRY_BLOCK,
     ENTRY_CLASS,

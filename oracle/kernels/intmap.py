@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from oracle.kernels.jit import inlined, kernel
+from oracle.kernels.cache import inlined, kernel
 
 # IntMap.cells, int64 [cap, 2]: a key and its value side by side, one cache line a probe.
 CELL_KEY = 0  # -1: empty

@@ -2,7 +2,7 @@
 
 Module-level ints are compile-time constants to numba, so naming an index costs nothing. A
 kernel compiles them into its code, and numba's cache alone would not see an edit here:
-the kernels' cache folder does (`jit`). The other oracle modules import them from here.
+the kernels' cache folder does (`cache`). The other oracle modules import them from here.
 """
 
 from __future__ import annotations

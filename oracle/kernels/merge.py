@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.kernels.jit import kernel
+from oracle.kernels.cache import kernel
 
 
 @kernel

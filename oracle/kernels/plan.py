@@ -12,7 +12,7 @@ import numpy as np
 from oracle.kernels.copies import add_copy, emit, emit_fetch, remove_copy, stamp_left
 from oracle.kernels.heaps import pop_free_slot, pop_victim, top_victim
 from oracle.kernels.intmap import CELL_VALUE, map_find
-from oracle.kernels.jit import inlined, kernel
+from oracle.kernels.cache import inlined, kernel
 from oracle.kernels.layout import (
     ENTRY_BLOCK,
     ENTRY_CLASS,

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.kernels.cpu_prefetch import prefetch_line, prefetch_row
-from oracle.kernels.jit import inlined
+from common.cpu_prefetch import prefetch_line, prefetch_row
+from oracle.kernels.cache import inlined
 from oracle.kernels.layout import (
     ENTRY_BLOCK,
     ENTRY_CLASS,
