@@ -236,13 +236,11 @@ class Boundary:
     # -- the boundary into x -----------------------------------------------------------
 
     def _issue(self, d: Directive) -> IssueFetches:
-        targets = d.prefetch_targets
         groups = []
-        for target in np.unique(targets):
-            mine = targets == target
+        for target, part in _by_target(d.prefetch_targets):
             group = FetchGroup(
-                target=int(target), keys=d.prefetch_keys[mine], slots=d.prefetch_slots[mine],
-                min_versions=d.prefetch_min_versions[mine],
+                target=target, keys=d.prefetch_keys[part], slots=d.prefetch_slots[part],
+                min_versions=d.prefetch_min_versions[part],
             )
             self._fetched.setdefault(group.target, []).append(group.slots)
             groups.append(group)
@@ -283,20 +281,35 @@ class Boundary:
     # -- the end of x ------------------------------------------------------------------
 
     def _end(self, d: Directive, used: _UsedSlots) -> list[Action]:
-        alone = used.not_among(d.sync_now_slots, d.sync_later_slots)
+        now_positions = used.positions(d.sync_now_slots)
         later_positions = used.positions(d.sync_later_slots)
+        alone = used.not_at(now_positions, later_positions)
         if len(d.sync_later_keys):
             stay = (d.sync_later_slots >= 0) & ~_slots_in(d.sync_later_slots, d.leave_slots)
             self._later[d.iteration] = _LaterRound(
                 keys=d.sync_later_keys, stay_slots=d.sync_later_slots[stay], stay_positions=np.flatnonzero(stay),
             )
         return [
-            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=used.positions(d.sync_now_slots)),
+            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=now_positions),
             UpdateAlone(slots=used.slots[alone].astype(np.int32), positions=alone),
             LaunchSyncLater(
                 iteration=d.iteration, keys=d.sync_later_keys, slots=d.sync_later_slots, positions=later_positions,
             ),
         ]
+
+
+def _by_target(targets: np.ndarray) -> list[tuple[int, slice | np.ndarray]]:
+    """The prefetches of each target, ascending by target, each in the directive's order:
+    slices where the targets ascend (as the planner sends them: no copy, no hashing), else
+    the indices of a stable sort."""
+    if not targets.size:
+        return []
+    order: np.ndarray | None = None
+    if not bool((targets[1:] >= targets[:-1]).all()):
+        order = np.argsort(targets, kind="stable")
+        targets = targets[order]
+    cuts = [0, *(np.flatnonzero(targets[1:] != targets[:-1]) + 1).tolist(), targets.size]
+    return [(int(targets[a]), slice(a, b) if order is None else order[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def _write_joins(d: Directive) -> WriteJoins:
@@ -335,11 +348,12 @@ class _UsedSlots:
         among[self.positions(slots)] = True
         return int(np.count_nonzero(among[:-1]))
 
-    def not_among(self, *slot_lists: np.ndarray) -> np.ndarray:
-        """The indices of the used slots in none of the lists, ascending."""
+    def not_at(self, *position_lists: np.ndarray) -> np.ndarray:
+        """The indices of the used slots at none of the `positions` of the lists (-1: none),
+        ascending."""
         left = np.ones(len(self.slots) + 1, bool)
-        for slots in slot_lists:
-            left[self.positions(slots)] = False
+        for positions in position_lists:
+            left[positions] = False
         return np.flatnonzero(left[:-1])
 
 
