@@ -195,8 +195,12 @@ class Engine:
         self.cache.apply(a.slots, total, a.positions, divisor=t)
         held = self._held.pop(a.iteration, None)
         if held is not None:
+            # The held copies stepped as a table of their own: on the CPU in place, by the
+            # fused kernel, the same bits as the torch ops
             rows, state = self.cache.device.upload(held.rows), self.cache.device.upload(held.state)
-            self.cache.optimizer.step(rows, state, self._take(total, a.held_positions) / t)
+            each = self.cache.index(np.arange(len(a.held_keys)))
+            self.cache.optimizer.step_at(rows, state, each, total, positions=self.cache.index(a.held_positions),
+                                         divisor=t)
             self._send(a.held_keys, rows.cpu().numpy(), state.cpu().numpy(), a.iteration, a.held_flush)
 
     def _checkpoints_written(self, a: CheckpointsWritten) -> None:
