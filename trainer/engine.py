@@ -212,10 +212,11 @@ class Engine:
         if not len(a.keys):
             return
         buf = torch.zeros(len(a.keys), self.cache.dim + self.cache.state_width, device=self.device)
-        send = a.send_slots >= 0
-        if send.any():
+        send = np.flatnonzero(a.send_slots >= 0)
+        if send.size:
             rows, state = self.cache.read(a.send_slots[send])
-            buf[self.cache.device.upload(send)] = torch.cat([rows, state], dim=1)
+            # by position, not by mask: torch's boolean index_put finds the positions itself
+            buf.index_copy_(0, self.cache.index(send), torch.cat([rows, state], dim=1))
         # One holder sends, the others add zeros: exact copies. Step 3 runs while it travels.
         self._joined = self.comm.all_reduce(buf)
 
