@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trainer.device import Device, Staged
+from trainer.kernels import gather_rows, scatter_rows
 from trainer.optim import EmbeddingOptimizer
 
 
@@ -40,10 +41,18 @@ class EmbeddingCache:
 
     def read_host(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copies on the host as numpy, for write-backs."""
+        if not self.device.is_cuda:
+            rows = np.empty((len(slots), self.dim), np.float32)
+            state = np.empty((len(slots), self.state_width), np.float32)
+            gather_rows(self.rows.numpy(), self.state.numpy(), _indices(slots), rows, state)
+            return rows, state
         rows, state = self.read(slots)
         return rows.cpu().numpy(), state.cpu().numpy()
 
     def write(self, slots: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
+        if not self.device.is_cuda:  # one pass over both tensors, without index_copy_'s dispatch
+            scatter_rows(self.rows.numpy(), self.state.numpy(), _indices(slots), rows.numpy(), state.numpy())
+            return
         idx = self.index(slots)
         self.rows.index_copy_(0, idx, rows)
         self.state.index_copy_(0, idx, state)
@@ -60,3 +69,9 @@ class EmbeddingCache:
         if len(slots):
             at = None if positions is None else self.index(positions)
             self.optimizer.step_at(self.rows, self.state, self.index(slots), grad, positions=at, divisor=divisor)
+
+
+def _indices(slots: np.ndarray) -> np.ndarray:
+    """Slots as the kernels take them: int32 or int64, contiguous."""
+    slots = np.ascontiguousarray(slots)
+    return slots if slots.dtype in (np.int32, np.int64) else slots.astype(np.int64)

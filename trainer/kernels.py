@@ -10,6 +10,10 @@
   float32, so the two give the same bits (tests/trainer/test_optim.py holds them to it on
   random rows of every width up to 70). The torch ops stay for tensors on a GPU
   (`trainer.optim`).
+* `scatter_rows`, `gather_rows`: rows and their optimizer state written to, or copied out of,
+  a CPU cache's slots in one pass each (`trainer.cache.EmbeddingCache`): torch's
+  `index_copy_` takes some 15 µs a call before it copies and twice `index_select`'s time
+  for the copy, and a cache's rows are two tensors; prefetched as the step is.
 * `used_slots`: the slots an iteration reads, and each input's index among them
   (`trainer.boundary._UsedSlots`), on every device: the directive's bookkeeping is host work.
 
@@ -105,6 +109,56 @@ def rowwise_adagrad_at(
         denom = np.float32(np.sqrt(np.float64(acc))) + eps
         for k in range(d):
             table[s, k] = table[s, k] + (neg_lr * g[k]) / denom
+
+
+_ANY_ROWS = types.Array(types.float32, 2, "A", readonly=True)  # views of a buffer's columns too
+_SCATTER = [types.void(types.float32[:, ::1], types.float32[:, ::1], _read_only(index, 1), _ANY_ROWS, _ANY_ROWS)
+            for index in (types.int32, types.int64)]
+_GATHER = [types.void(types.float32[:, ::1], types.float32[:, ::1], _read_only(index, 1), types.float32[:, ::1],
+                      types.float32[:, ::1]) for index in (types.int32, types.int64)]
+
+
+@KERNELS.inlined
+def _check_rows(table: np.ndarray, state: np.ndarray, slots: np.ndarray, rows: np.ndarray,
+                row_state: np.ndarray) -> None:
+    """ValueError unless `rows` and `row_state` have a row per slot and the widths of
+    `table` and `state`; IndexError if a slot is outside the table."""
+    n = slots.shape[0]
+    if rows.shape[0] != n or row_state.shape[0] != n or rows.shape[1] != table.shape[1] \
+            or row_state.shape[1] != state.shape[1] or state.shape[0] != table.shape[0]:
+        raise ValueError("shapes do not match")
+    for i in range(n):
+        if slots[i] < 0 or slots[i] >= table.shape[0]:
+            raise IndexError("a slot is outside the table")
+
+
+@KERNELS.inlined
+def _prefetch_ahead(table: np.ndarray, state: np.ndarray, slots: np.ndarray, i: int) -> None:
+    if i + _AHEAD < slots.shape[0]:
+        prefetch_row(table, slots[i + _AHEAD])
+        prefetch_row(state, slots[i + _AHEAD])
+
+
+@KERNELS.compiled(_SCATTER, nogil=True)
+def scatter_rows(table: np.ndarray, state: np.ndarray, slots: np.ndarray, rows: np.ndarray, row_state: np.ndarray) -> None:
+    """``table[slots[i]] = rows[i]`` and ``state[slots[i]] = row_state[i]``; checks every
+    shape and slot before it writes (`_check_rows`)."""
+    _check_rows(table, state, slots, rows, row_state)
+    for i in range(slots.shape[0]):
+        _prefetch_ahead(table, state, slots, i)
+        table[slots[i], :] = rows[i, :]
+        state[slots[i], :] = row_state[i, :]
+
+
+@KERNELS.compiled(_GATHER, nogil=True)
+def gather_rows(table: np.ndarray, state: np.ndarray, slots: np.ndarray, rows: np.ndarray, row_state: np.ndarray) -> None:
+    """``rows[i] = table[slots[i]]`` and ``row_state[i] = state[slots[i]]``, into the caller's
+    arrays; checks every shape and slot before it writes (`_check_rows`)."""
+    _check_rows(table, state, slots, rows, row_state)
+    for i in range(slots.shape[0]):
+        _prefetch_ahead(table, state, slots, i)
+        rows[i, :] = table[slots[i], :]
+        row_state[i, :] = state[slots[i], :]
 
 
 _USED = [types.Tuple((types.int64[::1], types.int64[::1], types.int64[::1]))(_read_only(types.int32, 1), types.int64)]
