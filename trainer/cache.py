@@ -51,7 +51,10 @@ class EmbeddingCache:
 
     def write(self, slots: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
         if not self.device.is_cuda:  # one pass over both tensors, without index_copy_'s dispatch
-            scatter_rows(self.rows.numpy(), self.state.numpy(), _indices(slots), rows.numpy(), state.numpy())
+            # a join's rows are column views of its buffer: copied (a few hundred rows), so
+            # that the kernel's copy loop is over contiguous rows and vectorizes
+            scatter_rows(self.rows.numpy(), self.state.numpy(), _indices(slots),
+                         np.ascontiguousarray(rows.numpy()), np.ascontiguousarray(state.numpy()))
             return
         idx = self.index(slots)
         self.rows.index_copy_(0, idx, rows)

@@ -33,15 +33,15 @@ def test_used_slots_are_numpys_unique_with_its_inverse(n: int, capacity: int, ex
 def test_scatter_and_gather_rows_are_numpys_fancy_indexing(
     n: int, capacity: int, dim: int, width: int, wide: bool, seed: int
 ) -> None:
-    """Rows and their state written to unique slots and read back, from column views of one
-    buffer (a join's) as well as from arrays of their own, with int32 and int64 slots."""
+    """Rows and their state written to unique slots and read back, with int32 and int64
+    slots, for any width of rows and state (none included)."""
     rng = np.random.default_rng(seed)
     n = min(n, capacity)
     table = rng.standard_normal((capacity, dim), dtype=np.float32)
     state = rng.standard_normal((capacity, width), dtype=np.float32)
     slots = rng.permutation(capacity)[:n].astype(np.int64 if wide else np.int32)
     buffer = rng.standard_normal((n, dim + width), dtype=np.float32)
-    rows, row_state = buffer[:, :dim], buffer[:, dim:]  # strided views
+    rows, row_state = np.ascontiguousarray(buffer[:, :dim]), np.ascontiguousarray(buffer[:, dim:])
     want_table, want_state = table.copy(), state.copy()
     want_table[slots], want_state[slots] = rows, row_state
     scatter_rows(table, state, slots, rows, row_state)
