@@ -64,12 +64,14 @@ def pop_free_slot(heap: np.ndarray, size: np.ndarray, j: int) -> int:
 
 # --------------------------------------------------------------------------- victims
 # Rule 4's order: a trainer's copies not used at x, farthest next use first (none in the
-# window = NEVER), ties larger key first. An iteration takes a few hundred victims from a
-# trainer's thousands of copies, so they are not all made one heap (about 30 ns a copy on
-# the bench stream, most of a whole cache's pass): one pass puts them in VICTIM_BUCKETS
-# buckets by next use, ranges of `victims` in that order (a counting sort, a few ns a
-# copy), and only the buckets reached are made heaps, in that order; a heap orders its
-# bucket exactly, so the order is the same as one heap's.
+# window = NEVER), ties larger key first. An iteration takes hundreds to thousands of
+# victims from a trainer's tens of thousands of copies, so they are not all made one heap:
+# one pass puts them in VICTIM_BUCKETS buckets by next use, ranges of `victims` in that
+# order (a counting sort), and only the buckets reached are made heaps, in that order; a
+# heap orders its bucket exactly, so the order is the same as one heap's. Reading every
+# slot of the trainer remains, and at large T x C, where the slots are out of the CPU's
+# caches, it is most of the cost (bench/planner.py's stream: 10 ms an iteration at T = 32
+# for gathering and taking 800 victims of each trainer, against 11 for one heap each).
 @inlined
 def top_victim(
     slot: np.ndarray,
@@ -109,15 +111,19 @@ def pop_victim(heaps: np.ndarray, starts: np.ndarray, info: np.ndarray, j: int) 
     return top
 
 
+# Buckets: rank 0 is NEVER, rank r the next use horizon + 1 - r, for r up to `ranks` =
+# horizon - x + 1 (a next use at x or before, which no victim has, would go last); rank r
+# goes to bucket r * scale >> _SCALE_BITS, scale = (VICTIM_BUCKETS << _SCALE_BITS) //
+# (ranks + 1): in order, and below VICTIM_BUCKETS. A multiply, where a division per copy
+# would cost more than the rest of the pass.
+_SCALE_BITS = 32
+
+
 @inlined
-def _bucket(nxt: int, x: int, horizon: int) -> int:
-    """The bucket of a victim whose next use is `nxt` (NEVER past the window): NEVER first,
-    then by next use descending, in bands of equal width over (x, horizon]. Never ahead of
-    a victim that goes first; a next use at x or before (none: a copy used at x is no
-    victim) would go last."""
-    ranks = horizon - x + 1  # rank 0: NEVER; rank r: next use horizon + 1 - r
+def _bucket(nxt: int, horizon: int, ranks: int, scale: int) -> int:
+    """The bucket of a victim whose next use is `nxt` (NEVER past the window)."""
     rank = 0 if nxt == NEVER else min(horizon + 1 - nxt, ranks)
-    return rank * VICTIM_BUCKETS // (ranks + 1)
+    return (rank * scale) >> _SCALE_BITS
 
 
 @kernel
@@ -127,19 +133,21 @@ def _gather_victims(
 ) -> None:  # fmt: skip
     """Trainer j's copies not used at x into its buckets (`starts[j]`), the first non-empty
     one made a heap."""
-    capacity = slot.shape[1]
+    ranks = horizon - x + 1
+    scale = (VICTIM_BUCKETS << _SCALE_BITS) // (ranks + 1)
     for b in range(VICTIM_BUCKETS + 1):
         starts[j, b] = 0
-    for s in range(capacity):
+    for s in range(slot.shape[1]):
         if slot[j, s, SLOT_KEY] >= 0 and slot[j, s, SLOT_STAMP] < x:
-            starts[j, _bucket(_capped(slot[j, s, SLOT_NEXT], horizon), x, horizon) + 1] += 1
+            b = _bucket(_capped(slot[j, s, SLOT_NEXT], horizon), horizon, ranks, scale)
+            starts[j, b + 1] += 1
     for b in range(VICTIM_BUCKETS):
         starts[j, b + 1] += starts[j, b]
     fill = starts[j, :VICTIM_BUCKETS].copy()
-    for s in range(capacity):
+    for s in range(slot.shape[1]):
         if slot[j, s, SLOT_KEY] >= 0 and slot[j, s, SLOT_STAMP] < x:
             nxt = _capped(slot[j, s, SLOT_NEXT], horizon)
-            b = _bucket(nxt, x, horizon)
+            b = _bucket(nxt, horizon, ranks, scale)
             n = fill[b]
             fill[b] = n + 1
             heaps[j, n, VICTIM_SLOT] = s
