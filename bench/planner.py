@@ -29,9 +29,10 @@ trainer uses, all of these but the key uses grow with T, the same global batches
 T = 2 to 32 here, per batch, the pairs 1.9 x (51,862 to 96,600 of 425,984 key uses), the
 fetches 2.2 x (17,681 to 38,238), the victims 3.2 x (7,862 to 25,517), the sync lists' slots
 18 x (49,172 to 872,966), T x C 1.9 x (209,776 to 401,280). So key uses/s fall with T whatever
-the planner does, and pairs/s is the figure to compare across T: in CPU time, 0.74 M pairs/s
-at T = 2 and 0.66 to 0.75 at T = 32 (2026-12-07, a loaded 2-core machine), where key uses/s
-fell 2 x.
+the planner does, and pairs/s is the figure to compare across T. It falls too, less, as a pair
+brings more fetches, victims and sync-list slots at larger T: in CPU time on a shared 2-core
+machine (2026-12-07, medians of 2 runs, which spread by up to 25%), 9.2, 4.9 and 3.4 M key
+uses/s at T = 2, 8 and 32 are 1.12, 0.81 and 0.76 M pairs/s.
 
 Hit rates (bagpipe vs static-cache vs no-cache at the same C, T = 2): on the real Criteo
 Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of rows = 92% of
