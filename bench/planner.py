@@ -16,14 +16,23 @@ that T (so the cache of one trainer holds about as many of its keys at every T),
 rounds that alternate the settings (the machine is shared: each figure is the median of its
 rounds). Wall-clock key uses/s from the first push to `finish` (P > 1 plans in worker
 processes, whose CPU this process's clock would miss; their start, seconds once per run while
-they load the kernels, is left out), the CPU of every process per key use (the workers' own
-count of their planning), and the bagpipe hit rate. What a batch costs
-the planner: its key uses (reading the batch, every input's slot) and its distinct (key,
-trainer) pairs (each trainer's copy of a key it uses: planning, the directives' lists), the
-shared keys' rows of T slots in the sync lists, and, for each trainer that evicts, a pass
-over its C slots (the victims' heap), the whole cache T x C. On a stream whose hot keys every
-trainer uses, the pairs of a batch grow with T (1.9 x from T = 2 to 32 here: 51,758 to 96,698
-of 425,984 key uses), and with C = 4 x the working set so does T x C (2.1 x).
+they load the kernels, is left out), and in (key, trainer) pairs/s, the CPU of every
+process per key use (the workers' own count of their planning), and the bagpipe hit rate.
+
+What a batch costs the planner: its key uses (reading the batch, every input's slot); its
+distinct (key, trainer) pairs (each trainer's copy of a key it uses: planning, the directives'
+lists); the plan's fetches and capacity victims; the shared keys' rows of T slots in the sync
+lists; and, for each trainer that evicts, one pass over its C slots that puts its copies in
+buckets by next use (only the buckets victims come from are made heaps), about 10 ns x T x C
+here, the slots being out of the CPU's caches at T = 32. On a stream whose hot keys every
+trainer uses, all of these but the key uses grow with T, the same global batches planned: from
+T = 2 to 32 here, per batch, the pairs 1.9 x (51,862 to 96,600 of 425,984 key uses), the
+fetches 2.2 x (17,681 to 38,238), the victims 3.2 x (7,862 to 25,517), the sync lists' slots
+18 x (49,172 to 872,966), T x C 1.9 x (209,776 to 401,280). So key uses/s fall with T whatever
+the planner does, and pairs/s is the figure to compare across T. It falls too, less, as a pair
+brings more fetches, victims and sync-list slots at larger T: in CPU time on a shared 2-core
+machine (2026-12-07, medians of 2 runs, which spread by up to 25%), 9.2, 4.9 and 3.4 M key
+uses/s at T = 2, 8 and 32 are 1.12, 0.81 and 0.76 M pairs/s.
 
 Hit rates (bagpipe vs static-cache vs no-cache at the same C, T = 2): on the real Criteo
 Kaggle 8,000-row sample and on the calibrated synthetic generator (top 1% of rows = 92% of
@@ -141,11 +150,14 @@ def scaling(batches: list[np.ndarray], trainers: list[int], workers: list[int], 
     for t in trainers:
         base = PlannerConfig(num_trainers=t, lookahead=0, prefetch_lead=0, capacity=1 << 30)
         capacity[t] = 4 * required_capacity(base, batches[:8])
+    # the pairs each T plans: what its cost grows with (module docstring), so pairs/s beside key uses/s
+    pair_share = {t: sum(pairs_of(b, t) for b in batches) / sum(b.size for b in batches) for t in trainers}
     runs: dict[tuple[int, int], list[dict[str, float]]] = {(t, p): [] for t in trainers for p in workers}
     for r in range(rounds):
         settings = list(runs)
         for t, p in settings if r % 2 == 0 else settings[::-1]:  # alternate the order too
-            runs[t, p].append(scaled_run(batches, t, p, capacity[t]))
+            figures = scaled_run(batches, t, p, capacity[t])
+            runs[t, p].append({**figures, "pairs_per_s": figures["key_uses_per_s"] * pair_share[t]})
     rows = []
     for (t, p), figures in runs.items():
         median = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
@@ -163,10 +175,12 @@ def pairs_of(batch: np.ndarray, trainers: int) -> int:
 def print_scaling(result: dict[str, object], iterations: int, batch: int) -> None:
     print(f"\nscaling (bagpipe): the same inline stream, {iterations} iterations x {batch:,} x 26 keys, L=200, D=8, "
           f"C = 4 x per-trainer working set; medians of {result['rounds']} alternating rounds")
-    print(f"{'T':>4}{'P':>4}{'C':>9}{'pairs/batch':>13}{'M key uses/s':>14}{'CPU s/M uses':>14}{'hit rate':>10}")
+    print(f"{'T':>4}{'P':>4}{'C':>9}{'pairs/batch':>13}{'M key uses/s':>14}{'M pairs/s':>11}{'CPU s/M uses':>14}"
+          f"{'hit rate':>10}")
     for r in result["rows"]:  # type: ignore[attr-defined]
         print(f"{r['trainers']:>4}{r['workers']:>4}{r['capacity']:>9,}{r['pairs_per_batch']:>13,}"
-              f"{r['key_uses_per_s'] / 1e6:>14.2f}{r['cpu_s_per_m_uses']:>14.3f}{r['hit_rate']:>10.2%}")
+              f"{r['key_uses_per_s'] / 1e6:>14.2f}{r['pairs_per_s'] / 1e6:>11.2f}{r['cpu_s_per_m_uses']:>14.3f}"
+              f"{r['hit_rate']:>10.2%}")
 
 
 def keys_held(mode: str, iterations: int, every: int) -> list[dict[str, int]]:

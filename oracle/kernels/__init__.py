@@ -21,8 +21,9 @@ slow parts replaced by indexable state:
 * copies: each slot holds its key, its entry, its trainer's next use of the key (NEVER if
   none is read yet) and when it was last used or filled (`copies`);
 * free slots: one min-heap per trainer (the smallest free slot is handed out; `heaps`);
-* Belady victims: one max-heap per trainer, built only when that trainer must evict at x
-  (`heaps`).
+* Belady victims: per trainer that must evict at x, its copies not used at x in buckets by
+  next use (one counting-sort pass over its slots), each bucket made a heap only when
+  victims are taken from it (`heaps`).
 
 Everything is sized by the caches (T x C) or by the keys and pairs in the window, and the
 index also by the keys whose last write-back may still be in flight (`state`); nothing by T

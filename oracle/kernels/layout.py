@@ -68,15 +68,22 @@ LEFT_ITERATION = 0
 LEFT_TRAINER = 1
 LEFT_SLOT = 2
 
-# victims, int64 [T, C, NUM_VICTIM]: per trainer, a max-heap of its capacity victims at x.
+# victims, int64 [T, C, NUM_VICTIM]: per trainer, its capacity victims at x in VICTIM_BUCKETS
+# buckets by next use (`heaps`), the one being taken from a max-heap.
 VICTIM_SLOT = 0
 VICTIM_NEXT = 1  # the copy's next use, NEVER past the window
 VICTIM_KEY = 2
 NUM_VICTIM = 3
+VICTIM_BUCKETS = 256
 
-# victims_info, int64 [T, 2]
-VICTIMS_BUILT_AT = 0  # the iteration the heap was built for; stale at any other
-VICTIMS_LEFT = 1  # candidates left in it
+# victim_starts, int64 [T, VICTIM_BUCKETS + 1]: where each bucket of a trainer's victims starts.
+
+# victims_info, int64 [T, NUM_VICTIMS_INFO]
+VICTIMS_BUILT_AT = 0  # the iteration the victims were gathered for; stale at any other
+VICTIMS_BUCKET = 1  # the bucket being taken from
+VICTIMS_LO = 2  # its heap: rows [VICTIMS_LO, VICTIMS_HI) of the trainer's victims,
+VICTIMS_HI = 3  # empty once every bucket is taken
+NUM_VICTIMS_INFO = 4
 
 # Event rows (Events.fetch, join_*, leave_*, write_*; `Planned` in oracle/rules.py).
 EV_TRAINER = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.kernels.copies import add_copy, emit, emit_fetch, remove_copy, stamp_left
-from oracle.kernels.heaps import pop_free_slot, pop_victim, top_victim
+from oracle.kernels.heaps import pop_free_slot, pop_victim, top_victim, victim_next
 from oracle.kernels.intmap import CELL_VALUE, map_find
 from oracle.kernels.cache import inlined, kernel
 from oracle.kernels.layout import (
@@ -52,7 +52,6 @@ from oracle.kernels.layout import (
     STAT_JOINED,
     STAT_OCCUPANCY,
     STAT_USES,
-    VICTIM_NEXT,
 )
 from oracle.kernels.records import (
     compact_records,
@@ -223,11 +222,12 @@ def _evict_for(
     """Rule 4: each trainer evicts until its `need` new copies at x fit."""
     entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
-    heaps, info, leave_prev, counts = st.victims, st.victims_info, ev.leave_prev, ev.counts
+    heaps, starts, info = st.victims, st.victim_starts, st.victims_info
+    leave_prev, counts = ev.leave_prev, ev.counts
     for j in range(need.shape[0]):
         for _ in range(need[j] - heap_size[j]):
-            top_victim(slot, heaps, info, j, x, horizon)  # builds the heap on the first call
-            s = pop_victim(heaps, info, j)
+            top_victim(slot, heaps, starts, info, j, x, horizon)  # gathers them on the first call
+            s = pop_victim(heaps, starts, info, j)
             _evict(entry, pool, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
 
 
@@ -309,8 +309,8 @@ def _prefetch_later(
     record of the key (an unplanned use), so only the key's records are looked at."""
     entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
-    heaps, info, fetch, leave_prev = st.victims, st.victims_info, ev.fetch, ev.leave_prev
-    counts = ev.counts
+    heaps, starts, info = st.victims, st.victim_starts, st.victims_info
+    fetch, leave_prev, counts = ev.fetch, ev.leave_prev, ev.counts
     for g in range(groups.shape[0] - 1):
         if groups[g, GROUP_SRC] >= 0:
             continue
@@ -324,11 +324,11 @@ def _prefetch_later(
             j = pool[r, REC_TRAINER]
             if heap_size[j] == 0:
                 if (
-                    top_victim(slot, heaps, info, j, x, horizon) < 0
-                    or heaps[j, 0, VICTIM_NEXT] <= u
+                    top_victim(slot, heaps, starts, info, j, x, horizon) < 0
+                    or victim_next(heaps, info, j) <= u
                 ):
                     continue
-                s = pop_victim(heaps, info, j)
+                s = pop_victim(heaps, starts, info, j)
                 _evict(entry, pool, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
             s = pop_free_slot(heap, heap_size, j)
             add_copy(entry, pool, slot, e, r, j, s, x)

@@ -28,12 +28,14 @@ from oracle.kernels.layout import (
     NUM_SLOT,
     NUM_STATS,
     NUM_VICTIM,
+    NUM_VICTIMS_INFO,
     POOL_USED,
     RING_SIZE,
     SLOT_ENTRY,
     SLOT_KEY,
     SLOT_NEXT,
     SLOT_STAMP,
+    VICTIM_BUCKETS,
 )
 
 
@@ -44,7 +46,8 @@ class BagpipeState(NamedTuple):
     heap: np.ndarray  # int32 [T, C] min-heaps of free slots
     heap_size: np.ndarray  # int64 [T]
     victims: np.ndarray  # int64 [T, C, NUM_VICTIM]: VICTIM_*
-    victims_info: np.ndarray  # int64 [T, 2]: VICTIMS_*
+    victim_starts: np.ndarray  # int64 [T, VICTIM_BUCKETS + 1]
+    victims_info: np.ndarray  # int64 [T, NUM_VICTIMS_INFO]: VICTIMS_*
     index: IntMap  # key -> entry, or its last write-back (intmap: CELL_VALUE)
     pool: np.ndarray  # int64 [R, NUM_REC]: the store's rows: records (REC_*), in homes and blocks
     entry: np.ndarray  # int64 [R / ENTRY_ROWS, NUM_ENTRY]: the same store as entries (ENTRY_*)
@@ -70,7 +73,8 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Bagp
         heap=np.tile(np.arange(c, dtype=np.int32), (t, 1)),
         heap_size=np.full(t, c, np.int64),
         victims=np.zeros((t, c, NUM_VICTIM), np.int64),
-        victims_info=np.full((t, 2), -1, np.int64),
+        victim_starts=np.zeros((t, VICTIM_BUCKETS + 1), np.int64),
+        victims_info=np.full((t, NUM_VICTIMS_INFO), -1, np.int64),
         index=new_map(pow2(2 * t * c)),
         **_store(aligned_empty((ENTRY_ROWS * max(entries, 1) * NUM_REC,))),  # filled as handed out
         entry_free=np.empty(max(entries, 1), np.int64),
