@@ -80,7 +80,7 @@ def _gather_fold(comm: Collectives, buf: torch.Tensor) -> torch.Tensor:
 def received_bytes(method: str, trainers: int, rows: int, row_bytes: int) -> float:
     """The bytes the busiest trainer receives in one sum, from the algorithm."""
     n, t = rows * row_bytes, trainers
-    if method == "all_reduce" or t <= 2:  # sum_rows is gloo's all-reduce at T <= 2
+    if method == "all_reduce" or t <= 2:  # at T = 2 sum_rows exchanges the buffer: the same bytes
         return 2 * (t - 1) / t * n
     if method == "gather_fold":
         return (t - 1) * n

@@ -35,16 +35,51 @@ class Work(Protocol):
 
 
 class RowSum:
-    """A sum across trainers in flight; `wait()` returns it (a tensor like the one given)."""
+    """A sum across trainers in flight; `wait()` returns it (a tensor like the one given).
+    The first `wait()` finishes it; later ones return the same tensor."""
 
     def __init__(self, work: Work | None, result: Callable[[], torch.Tensor]) -> None:
         self._work = work
-        self._result = result
+        self._result: Callable[[], torch.Tensor] | None = result
+        self._done: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-        return self._result()
+        if self._result is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._done, self._result = self._result(), None
+        assert self._done is not None
+        return self._done
+
+
+#: Tags of the pairwise exchanges (`PairSum`): one per thread that exchanges on a group, so
+#: that each thread's messages pair up in the order that thread sent them.
+TRAINING_THREAD_TAG = 1
+DENSE_HOOK_TAG = 2
+BACKGROUND_TAG = 3
+
+
+class PairSum:
+    """`tensor` plus the other trainer's of a group of two, in place: each sends its buffer
+    and receives the other's (gloo's send and recv, started here and carried by its
+    transport threads), and `wait()` adds the two. One round trip, where gloo's all-reduce
+    takes several: 0.2-0.4 against 0.7-2 ms for 16 to 160k floats, between two processes on
+    loopback or two threads (docs/design.md, "Exact sums"). The same bytes as a ring
+    all-reduce of two, and a + b = b + a, so both trainers hold the same bits, and those of
+    the all-reduce."""
+
+    def __init__(self, group: Any, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError("a pairwise sum needs a contiguous tensor (it is sent as it lies in memory)")
+        self._tensor = tensor
+        self._theirs = torch.empty_like(tensor)
+        self._sent = group.send([tensor], 1 - rank, tag)
+        self._received = group.recv([self._theirs], 1 - rank, tag)
+
+    def wait(self) -> torch.Tensor:
+        self._received.wait()
+        self._sent.wait()  # before the add: the buffer being sent is the one added into
+        return self._tensor.add_(self._theirs)
 
 
 @dataclass(frozen=True)
@@ -76,6 +111,9 @@ class Collectives:
         exact only where at most one trainer contributes a non-zero per element (joins)."""
         if self.world_size == 1 or not tensor.numel():
             return RowSum(None, lambda: tensor)
+        if self.world_size == 2:
+            pair = PairSum(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
+            return RowSum(None, pair.wait)
         return RowSum(self.group.allreduce([tensor]), lambda: tensor)
 
     def sum_rows(self, tensor: torch.Tensor, *, background: bool = False) -> RowSum:
@@ -84,7 +122,7 @@ class Collectives:
         starting at a different rank, so the same row summed at two positions of a buffer
         could differ in its last bits, and modes lay their sync buffers out differently.
 
-        Two trainers need no care (a + b = b + a). More reduce in rank order at the cost of
+        Two trainers need no care (a + b = b + a): a `PairSum`, one exchange. More reduce in rank order at the cost of
         a ring all-reduce (`ordered_sum`): each trainer receives about 2 (T - 1) / T of the
         buffer whatever T is. The result is a new tensor (the input's values are kept).
         """
@@ -92,7 +130,8 @@ class Collectives:
             return RowSum(None, lambda: tensor)
         if not background:
             if self.world_size == 2:
-                return RowSum(self.group.allreduce([tensor]), lambda: tensor)
+                pair = PairSum(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
+                return RowSum(None, pair.wait)
             total = ordered_sum(self.group, tensor, self.rank, self.world_size)
             return RowSum(None, lambda: total)
         # Started on the background thread at any T: gloo's launch copies the buffer on the
@@ -105,15 +144,20 @@ class Collectives:
     def mean_gradients_hook(self) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
         """A DDP communication hook that averages a bucket of dense gradients as the
         data-parallel reference does: each trainer's gradient times 1/T, summed in rank order
-        (`ordered_sum`). DDP's own all-reduce adds in ring order, exact only at T <= 2."""
+        (`ordered_sum`; at T = 2 a `PairSum`). DDP's own all-reduce adds in ring order, exact
+        only at T <= 2, and takes several round trips where two trainers need one."""
 
         # DDP reads the annotations of `bucket` and of the result, and this module's are
         # strings (postponed evaluation): it would refuse them, so the hook has none.
         def hook(_, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
             flat = bucket.buffer()
             flat.mul_(1.0 / self.world_size)
+            if self.world_size == 2:
+                total = PairSum(self.group, flat, self.rank, DENSE_HOOK_TAG).wait()
+            else:
+                total = ordered_sum(self.group, flat, self.rank, self.world_size)
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(ordered_sum(self.group, flat, self.rank, self.world_size))
+            done.set_result(total)
             return done
 
         return hook
@@ -169,9 +213,8 @@ class _Runner:
 
 
 def _sum_of_two(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """`tensor` summed over a group of two, in place (blocking): a + b = b + a."""
-    group.allreduce([tensor]).wait()
-    return tensor
+    """`tensor` summed over a group of two, in place (blocking), on the background thread."""
+    return PairSum(group, tensor, rank, BACKGROUND_TAG).wait()
 
 
 def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

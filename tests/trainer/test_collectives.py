@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.inprocess import _run_ranks, process_groups
-from trainer.collectives import Collectives, ordered_sum, peers_unreachable
+from trainer.collectives import TRAINING_THREAD_TAG, Collectives, PairSum, ordered_sum, peers_unreachable
 
 
 def _ranks(world: int, name: str, work: Callable[[Collectives], object]) -> list[object]:
@@ -84,10 +84,49 @@ def test_background_sums_run_in_the_order_they_were_started() -> None:
             assert torch.equal(got, _in_rank_order([_operands(r + 10 * i, (50, 4)) for r in range(world)]))
 
 
-def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does() -> None:
+def test_two_trainers_exchange_their_buffers_and_hold_the_all_reduces_bits() -> None:
+    """At T = 2 every sum is one exchange (`PairSum`): joins and sync_now on the training
+    thread, sync_later on the background thread, several in flight at once on each, paired
+    in the order each thread started them. Each ends as a + b, the bits of gloo's all-reduce."""
+    shapes = [(1,), (7, 16), (3000, 17)]
+
+    def work(comm: Collectives) -> list[torch.Tensor]:
+        later = [comm.sum_rows(_operands(comm.rank + 10 * i, s), background=True) for i, s in enumerate(shapes)]
+        now = [comm.sum_rows(_operands(comm.rank + 20 * i, s)) for i, s in enumerate(shapes)]
+        joins = [comm.all_reduce(_operands(comm.rank + 30 * i, s)) for i, s in enumerate(shapes)]
+        reduced = [_operands(comm.rank + 20 * i, s) for i, s in enumerate(shapes)]
+        for t in reduced:
+            comm.group.allreduce([t]).wait()
+        return [s.wait() for s in joins + now[::-1] + later] + reduced
+
+    def pair(offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return _operands(offset, shape) + _operands(1 + offset, shape)
+
+    want = ([pair(30 * i, s) for i, s in enumerate(shapes)] + [pair(20 * i, s) for i, s in enumerate(shapes)][::-1]
+            + [pair(10 * i, s) for i, s in enumerate(shapes)])
+    for got in _ranks(2, "pairs-2", work):
+        assert isinstance(got, list)
+        sums, reduced = got[: len(want)], got[len(want):]
+        assert all(torch.equal(a, b) for a, b in zip(sums, want, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(reduced, want[len(shapes): 2 * len(shapes)][::-1], strict=True))
+
+
+def test_a_sum_waited_twice_is_added_once_and_a_strided_buffer_is_refused() -> None:
+    def work(comm: Collectives) -> torch.Tensor:
+        started = comm.sum_rows(torch.full((4, 2), float(comm.rank + 1)))
+        assert started.wait() is started.wait()
+        with pytest.raises(ValueError, match="contiguous"):
+            PairSum(comm.group, torch.zeros(4, 2).t(), comm.rank, TRAINING_THREAD_TAG)
+        return started.wait()
+
+    for got in _ranks(2, "twice-2", work):
+        assert torch.equal(got, torch.full((4, 2), 3.0))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does(world: int) -> None:
     """Each trainer's gradient times 1/T, summed in rank order: the data-parallel reference's
     dense step (tests/trainer/reference.py), bit for bit."""
-    world = 3
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(r)) for r in range(world)]
@@ -106,7 +145,7 @@ def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does() -> None:
 
     local = [grads_of(base, x) for x in inputs]
     want = [_in_rank_order([g[i] * (1.0 / world) for g in local]) for i in range(len(local[0]))]
-    for got in _ranks(world, "ddp-3", work):
+    for got in _ranks(world, f"ddp-{world}", work):
         assert isinstance(got, list)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
