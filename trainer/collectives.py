@@ -55,8 +55,7 @@ class RowSum:
 #: Tags of the pairwise exchanges (`PairSum`): one per thread that exchanges on a group, so
 #: that each thread's messages pair up in the order that thread sent them.
 TRAINING_THREAD_TAG = 1
-DENSE_HOOK_TAG = 2
-BACKGROUND_TAG = 3
+BACKGROUND_TAG = 2
 
 
 class PairSum:
@@ -144,18 +143,18 @@ class Collectives:
     def mean_gradients_hook(self) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
         """A DDP communication hook that averages a bucket of dense gradients as the
         data-parallel reference does: each trainer's gradient times 1/T, summed in rank order
-        (`ordered_sum`; at T = 2 a `PairSum`). DDP's own all-reduce adds in ring order, exact
-        only at T <= 2, and takes several round trips where two trainers need one."""
+        (`ordered_sum`). DDP's own all-reduce adds in ring order, exact only at T <= 2.
+
+        At T = 2 DDP keeps its own all-reduce: exact there, and run by gloo's threads while
+        backward goes on, where a `PairSum` would write the bucket to the socket from the
+        training thread (the dense gradients are the largest buffer an iteration sends)."""
 
         # DDP reads the annotations of `bucket` and of the result, and this module's are
         # strings (postponed evaluation): it would refuse them, so the hook has none.
         def hook(_, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
             flat = bucket.buffer()
             flat.mul_(1.0 / self.world_size)
-            if self.world_size == 2:
-                total = PairSum(self.group, flat, self.rank, DENSE_HOOK_TAG).wait()
-            else:
-                total = ordered_sum(self.group, flat, self.rank, self.world_size)
+            total = ordered_sum(self.group, flat, self.rank, self.world_size)
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(total)
             return done

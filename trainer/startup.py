@@ -37,7 +37,7 @@ def build_engine(
     ddp = DistributedDataParallel(
         model, process_group=comm.group, device_ids=[device.torch_device.index] if device.is_cuda else None,
     )
-    if comm.world_size > 1:  # DDP's ring all-reduce: exact only at T <= 2, and slower at 2
+    if comm.world_size > 2:  # DDP's ring all-reduce is exact only at T <= 2
         ddp.register_comm_hook(None, comm.mean_gradients_hook())
     dense_optimizer = build_dense_optimizer(job.optimizer, ddp.parameters())
     embedding_optimizer = build_embedding_optimizer(job.optimizer)

@@ -123,7 +123,7 @@ def test_a_sum_waited_twice_is_added_once_and_a_strided_buffer_is_refused() -> N
         assert torch.equal(got, torch.full((4, 2), 3.0))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3])  # the hook runs above two trainers; at two it would be exact too
 def test_the_ddp_hook_averages_dense_gradients_as_the_reference_does(world: int) -> None:
     """Each trainer's gradient times 1/T, summed in rank order: the data-parallel reference's
     dense step (tests/trainer/reference.py), bit for bit."""
