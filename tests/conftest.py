@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from common.spec import MODES
 from tests.tls_fixtures import TlsFiles, make_tls_files
+
+# The suite starts hundreds of interpreters (roles, launchers, benchmarks, workers). Where the
+# environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE, as many container images set
+# it), each would compile every module it imports from source: the project's own cost 0.25 s
+# a process here, and torch's 3 s where pip installed it without bytecode, as the README's
+# test command does. So the suite and every process it starts write them (docs/testing.md,
+# "Bytecode"); an empty value is unset to Python.
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session", autouse=True)
