@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
             comm.barrier()
             start = time.perf_counter()
             if name == "all_reduce":
-                comm.all_reduce(buf).wait()
+                comm.group.allreduce([buf]).wait()
             elif name == "sum_rows":
                 comm.sum_rows(buf).wait()
             else:

@@ -105,25 +105,20 @@ class Collectives:
         if self.background is None:
             object.__setattr__(self, "background", self.group)
 
-    def all_reduce(self, tensor: torch.Tensor) -> RowSum:
-        """Start summing `tensor` across trainers, in place, in the collective's own order:
-        exact only where at most one trainer contributes a non-zero per element (joins)."""
-        if self.world_size == 1 or not tensor.numel():
-            return RowSum(None, lambda: tensor)
-        if self.world_size == 2:
-            pair = PairSum(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
-            return RowSum(None, pair.wait)
-        return RowSum(self.group.allreduce([tensor]), lambda: tensor)
-
     def sum_rows(self, tensor: torch.Tensor, *, background: bool = False) -> RowSum:
         """Start the sum of `tensor` across trainers, added in rank order for every element,
         whatever its position: ((g0 + g1) + g2) + ... . A ring all-reduce adds each chunk
         starting at a different rank, so the same row summed at two positions of a buffer
         could differ in its last bits, and modes lay their sync buffers out differently.
 
-        Two trainers need no care (a + b = b + a): a `PairSum`, one exchange. More reduce in rank order at the cost of
-        a ring all-reduce (`ordered_sum`): each trainer receives about 2 (T - 1) / T of the
-        buffer whatever T is. The result is a new tensor (the input's values are kept).
+        Two trainers need no care (a + b = b + a): a `PairSum`, one exchange. More reduce in
+        rank order at the cost of a ring all-reduce (`ordered_sum`): each trainer receives
+        about 2 (T - 1) / T of the buffer whatever T is. The result is a new tensor (the
+        input's values are kept).
+
+        Joins are summed here too, though any order would do for them (one trainer sends
+        each row, the others zeros): `ordered_sum` is faster than gloo's all-reduce from
+        four trainers on (docs/design.md, "Embedding sync").
         """
         if self.world_size == 1 or not tensor.numel():
             return RowSum(None, lambda: tensor)
