@@ -62,8 +62,8 @@ class PairSum:
     """`tensor` plus the other trainer's of a group of two, in place: each sends its buffer
     and receives the other's (gloo's send and recv, started here and carried by its
     transport threads), and `wait()` adds the two. One round trip, where gloo's all-reduce
-    takes several: 0.2-0.4 against 0.7-2 ms for 16 to 160k floats, between two processes on
-    loopback or two threads (docs/design.md, "Exact sums"). The same bytes as a ring
+    takes several: 0.2-0.5 against 0.7-2 ms for 16 to 160k floats, between two processes on
+    loopback or two threads (docs/design.md, "Embedding sync"). The same bytes as a ring
     all-reduce of two, and a + b = b + a, so both trainers hold the same bits, and those of
     the all-reduce."""
 
@@ -124,14 +124,13 @@ class Collectives:
             return RowSum(None, lambda: tensor)
         if not background:
             if self.world_size == 2:
-                pair = PairSum(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
-                return RowSum(None, pair.wait)
+                return _sum_of_two(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
             total = ordered_sum(self.group, tensor, self.rank, self.world_size)
             return RowSum(None, lambda: total)
         # Started on the background thread at any T: gloo's launch copies the buffer on the
         # calling thread (some 100 us for 3,500 rows of 16 floats), which the training
         # thread need not wait for.
-        sum_of = _sum_of_two if self.world_size == 2 else ordered_sum
+        sum_of = _background_sum_of_two if self.world_size == 2 else ordered_sum
         future = self._background_runner().submit(sum_of, self.background, tensor, self.rank, self.world_size)
         return RowSum(None, future.result)
 
@@ -149,9 +148,8 @@ class Collectives:
         def hook(_, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
             flat = bucket.buffer()
             flat.mul_(1.0 / self.world_size)
-            total = ordered_sum(self.group, flat, self.rank, self.world_size)
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(total)
+            done.set_result(ordered_sum(self.group, flat, self.rank, self.world_size))
             return done
 
         return hook
@@ -206,9 +204,18 @@ class _Runner:
                 future.set_exception(exc)
 
 
-def _sum_of_two(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """`tensor` summed over a group of two, in place (blocking), on the background thread."""
-    return PairSum(group, tensor, rank, BACKGROUND_TAG).wait()
+def _sum_of_two(group: Any, tensor: torch.Tensor, rank: int, tag: int) -> RowSum:
+    """`tensor` plus the other trainer's, in place, started: a `PairSum` in host memory, an
+    all-reduce on a device (gloo sends and receives host memory only; NCCL's all-reduce of
+    two is one pass)."""
+    if tensor.is_cpu:
+        return RowSum(None, PairSum(group, tensor, rank, tag).wait)
+    return RowSum(group.allreduce([tensor]), lambda: tensor)
+
+
+def _background_sum_of_two(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """`_sum_of_two` on the background thread, waited for there."""
+    return _sum_of_two(group, tensor, rank, BACKGROUND_TAG).wait()
 
 
 def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
