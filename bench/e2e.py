@@ -47,6 +47,13 @@ way, named as trainers. A long run with a small batch checks that memory stays f
     python bench/e2e.py --quick --modes bagpipe --no-torchrec --iterations 5000 --batch 256
     python bench/e2e.py --quick --fast-compute  (a small dense model: the balance of a GPU trainer)
 
+CPU against cores: a last table adds up every role's CPU per measured iteration and divides it
+by this machine's cores. Where that comes close to the iteration time, as it does on two
+cores with five processes, the roles share the cores and a mode is faster only by doing less
+work in some role: a trainer's phases then also take the time the other roles run on its core
+(bagpipe's forward, while the PS serves the prefetches the boundary issued), and its critical
+path does not decide its speed.
+
 `--smoke` runs the same code on a small job in seconds (bagpipe only unless `--modes` says
 otherwise, 30 iterations of 128 on tables of 1,000 rows, the oracle 8 iterations ahead).
 """
@@ -57,6 +64,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -327,6 +335,22 @@ def rss_table(runs: Mapping[str, ModeRun], warmup: int, cpu_until: int) -> str:
     return "\n".join(lines)
 
 
+def cores_table(runs: Mapping[str, ModeRun], cores: int) -> str:
+    """Per mode: every role's CPU per measured iteration added up, divided by this machine's
+    cores, against the iteration time. Where the two are close, the roles share the cores
+    and an iteration takes as long as all their work does, whatever its critical path holds:
+    a mode is then faster only by doing less work, in any role."""
+    head = f"{'mode':<14}{'all roles CPU ms/it':>21}{f'/ {cores} cores':>12}{'iteration ms':>14}{'ratio':>8}"
+    lines = ["All roles' CPU against the iteration (both per measured iteration)", head, "-" * len(head)]
+    for name, run in runs.items():
+        total = sum(f.cpu_ms_per_iter for f in run.rss.values())
+        iteration_ms = run.summary.iteration_time_s * 1e3
+        ratio = "n/a" if math.isnan(total) else f"{iteration_ms / (total / cores):.2f}x"
+        lines.append(f"{name:<14}{format_figure(total):>21}{format_figure(total / cores):>12}"
+                     f"{iteration_ms:>14,.1f}{ratio:>8}")
+    return "\n".join(lines)
+
+
 def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
     """The JSON figures of a mode: those of its median run, and samples/s of all `runs`; each
     role's RSS figures with the points of its curve ([iterations done, MB], at most 1,000)."""
@@ -342,7 +366,8 @@ def figures(run: ModeRun, runs: Sequence[ModeRun]) -> dict[str, Any]:
             "trainer_cpu_us_per_sample": s.cpu_us_per_sample,
             "rounds_samples_per_s": rates,
             "median_samples_per_s": statistics.median(rates), "min_samples_per_s": min(rates),
-            "max_samples_per_s": max(rates), "rss": rss}
+            "max_samples_per_s": max(rates), "rss": rss,
+            "cpu_ms_per_iter_all_roles": sum(f.cpu_ms_per_iter for f in run.rss.values())}
 
 
 def torchrec_choice(parser: argparse.ArgumentParser, wanted: bool | None) -> tuple[bool, str | None]:
@@ -454,6 +479,8 @@ def main() -> int:
     print(compare_bytes(summaries))
     print()
     print(rss_table({m: run for m, run in medians.items() if run.rss}, warmup_of(iterations), iterations - max_ahead))
+    print()
+    print(cores_table({m: run for m, run in medians.items() if run.rss}, len(os.sched_getaffinity(0))))
     if with_torchrec and args.shaped:
         print(f"(torchrec's all-to-alls run over loopback: only the PS is behind the {args.shaped} link)")
     if skipped:
