@@ -31,6 +31,7 @@ address taken) is checked by `oracle.coordinator_service`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
@@ -47,7 +48,7 @@ from common.errors import BadRequest, BagpipeError, WireError, clipped, quoted
 from common.job import DataFacts, Job, job_from_facts
 from common.spec import Endpoint, parse_spec
 from common.steps import EndOfStream, EvalBatch, TrainBatch
-from common.transport import Client, Request, Response, Router, StreamResponse
+from common.transport import Client, Request, Response, Router, StreamResponse, Then
 from common.wire import decode, encode, peer_json, require
 
 BINARY = "application/octet-stream"
@@ -555,14 +556,10 @@ def _serve(route: Route, handler: TypedHandler) -> Callable[[Request], Answer | 
     def serve(request: Request) -> Answer | Awaitable[Answer]:
         answer = handler(route.read(request))
         if inspect.isawaitable(answer):
-            return _encoded_later(route, answer)
+            return Then(answer, functools.partial(_encoded, route))
         return _encoded(route, answer)
 
     return serve
-
-
-async def _encoded_later(route: Route, answer: Awaitable[Any]) -> Answer:
-    return _encoded(route, await answer)
 
 
 def _encoded(route: Route, answer: Any) -> Answer:

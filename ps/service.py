@@ -30,7 +30,7 @@ import numpy as np
 
 from common.errors import BadRequest, Conflict, Restarted, StorageFailed, TimedOut, quoted
 from common.prometheus import Counter, FinalScrape, Registry
-from common.transport import Handler, Request, Response, Router
+from common.transport import Handler, Request, Response, Router, Then
 from ps.checkpoint import list_checkpoints, load_snapshot, remove_before, save_snapshot, saved_checkpoint
 from ps.protocol import (
     FETCH,
@@ -144,7 +144,7 @@ class PsService:
             message = None if route.request is None else route.request.from_wire(request.body)
             answer = handler(message, request)
             if inspect.isawaitable(answer):
-                return _encode_later(answer)
+                return Then(answer, _encode)
             return _encode(answer)
 
         return serve
@@ -457,6 +457,3 @@ class _OpCounters:
 def _encode(answer: Message) -> Response:
     return Response(body=answer.to_parts(), content_type=answer.CONTENT_TYPE)
 
-
-async def _encode_later(pending: Awaitable[Message]) -> Response:
-    return _encode(await pending)

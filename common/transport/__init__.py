@@ -26,6 +26,7 @@ from common.transport.http import (
     Response,
     Router,
     StreamResponse,
+    Then,
 )
 from common.transport.http1 import Http1Client, Http1Server
 from common.transport.limits import ConnectionLimits
@@ -48,6 +49,7 @@ __all__ = [
     "Response",
     "Router",
     "StreamResponse",
+    "Then",
     "Tls",
     "connect_client",
     "encode_message",

@@ -274,9 +274,32 @@ class PendingAnswer:
         return _finish_handler(self._pending, self._request).__await__()
 
     def close(self) -> None:
-        """Close the handler's coroutine (a no-op once it has run)."""
-        if inspect.iscoroutine(self._pending):
+        """Close the handler's coroutine, or its `Then` (a no-op once it has run)."""
+        if isinstance(self._pending, Then) or inspect.iscoroutine(self._pending):
             self._pending.close()
+
+
+class Then:
+    """``then(await answer)``, for a handler whose answer is encoded once it comes.
+
+    An ``async def`` wrapper taking `answer` would, closed unstarted by `PendingAnswer.close`
+    (its request cancelled before its task ran), drop the handler's coroutine never awaited:
+    that one was made when the handler was called. This closes it too."""
+
+    __slots__ = ("_answer", "_then")
+
+    def __init__(self, answer: Awaitable[Any], then: Callable[[Any], Answer]) -> None:
+        self._answer, self._then = answer, then
+
+    def __await__(self) -> Generator[Any, None, Answer]:
+        return self._run().__await__()
+
+    async def _run(self) -> Answer:
+        return self._then(await self._answer)
+
+    def close(self) -> None:
+        if inspect.iscoroutine(self._answer):
+            self._answer.close()
 
 
 async def _finish_handler(pending: Awaitable[object], request: Request) -> Answer:
