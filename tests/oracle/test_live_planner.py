@@ -1,6 +1,9 @@
 """The live planner (oracle/live.py): a stream cut into segments anywhere still passes the
 value-level simulator in every mode, whatever the cuts; dropping either of the two things
-that make a cut safe is caught; a replayed plan (`ends`) is byte-identical to the original."""
+that make a cut safe is caught; a replayed plan (`ends`) is byte-identical to the original.
+
+Budgets as in tests/oracle/test_planner_properties.py: derandomized cases in the fast tier,
+fresh ones each run in CI's (`slow`), thousands nightly."""
 
 from __future__ import annotations
 
@@ -70,9 +73,17 @@ def test_parallel_planning_cut_anywhere_passes_simulation(case: tuple[Workload, 
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=300, derandomize=False)  # fresh cases each run
+@settings(FAST, max_examples=150, derandomize=False)  # fresh cases each run
 @given(cut_workloads(checkpointed=True))
 def test_cut_anywhere_more(case: tuple[Workload, set[int]]) -> None:
+    check_cut(case)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@settings(FAST, max_examples=5000, derandomize=False)
+@given(cut_workloads(checkpointed=True))
+def test_cut_anywhere_many(case: tuple[Workload, set[int]]) -> None:
     check_cut(case)
 
 
