@@ -26,6 +26,7 @@ from common.transport.http import (
     body_parts,
     raise_for_answer,
 )
+from common.transport.links import open_socket
 from common.transport.tls import ALPN, Tls, check_alpn, connect_error, is_inadequate_security
 
 logger = logging.getLogger(__name__)
@@ -267,9 +268,11 @@ class H2Client(Client):
                 "ssl_handshake_timeout": self._timeout,
             }
             try:
+                # a socket of our own, so that a link that goes down surfaces as a lost
+                # connection within seconds (common.transport.links)
+                sock = await open_socket(self._host, self._port)
                 transport, proto = await loop.create_connection(
-                    lambda: _ClientProtocol(self._peer, tls=self._tls is not None), self._host, self._port,
-                    **secure,
+                    lambda: _ClientProtocol(self._peer, tls=self._tls is not None), sock=sock, **secure,
                 )
             except OSError as exc:  # ssl.SSLError is one
                 raise connect_error(self._peer, exc) from exc
