@@ -35,6 +35,7 @@ from common.transport.http import (
     run_handler,
 )
 from common.transport.limits import LINGER_S, ConnectionLimits, Newcomers
+from common.transport.links import watched_socket
 from common.transport.tls import HANDSHAKE_RECORD, NOT_TLS_ANSWER, Tls, TlsListener, connect_error
 
 logger = logging.getLogger(__name__)
@@ -373,7 +374,8 @@ class Http1Client(Client):
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._auth, connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl)
+                headers=self._auth,
+                connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl, socket_factory=watched_socket),
             )
         return self._session
 

@@ -6,7 +6,7 @@ retransmits it with exponential backoff: after a 60 s outage the next retransmis
 timeout). A request on such a connection would wait for that, and fail as timed out, although
 the peer was reachable again long before. So each client socket carries `TCP_USER_TIMEOUT`:
 data left unacknowledged (or a connect left unanswered) for `DEAD_LINK_S` makes the kernel
-drop the connection. Callers see a lost connection, which they retry on a new one within
+drop the connection (both HTTP/2's client and HTTP/1.1's). Callers see a lost connection, which they retry on a new one within
 their reconnect budget (`common.transport.retry`), and a new connection gets through as soon
 as the link does.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 #: Long beside any healthy acknowledgement, even on a loaded machine or a shaped link (an
 #: ACK comes from the peer's kernel, not its program); short beside the outages a job rides out.
@@ -28,18 +29,30 @@ def watch_link(sock: socket.socket, dead_after_s: float = DEAD_LINK_S) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after_s * 1000))
 
 
+def watched_socket(addr_info: tuple[Any, ...], dead_after_s: float = DEAD_LINK_S) -> socket.socket:
+    """A new TCP socket for one `getaddrinfo` result, under `watch_link` (also aiohttp's
+    `socket_factory`, for the HTTP/1.1 client)."""
+    family, kind, proto = addr_info[:3]
+    sock = socket.socket(family, kind, proto)
+    try:
+        watch_link(sock, dead_after_s)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def open_socket(host: str, port: int, dead_after_s: float = DEAD_LINK_S) -> socket.socket:
     """A connected, non-blocking TCP socket to `host:port` under `watch_link`, trying each
     address `host` resolves to in turn; the first address's OSError if none connects."""
     loop = asyncio.get_running_loop()
     errors: list[OSError] = []
-    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
+    for addr_info in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = watched_socket(addr_info, dead_after_s)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            watch_link(sock, dead_after_s)
-            await loop.sock_connect(sock, address)
+            await loop.sock_connect(sock, addr_info[4])
             return sock
         except OSError as exc:
             sock.close()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import time
 
 import pytest
 
-from common.transport import H2Server
-from common.transport.h2client import H2Client
 from common.transport.links import DEAD_LINK_S, open_socket
 from tests.common.transport_fixtures import BOUNDED, Service, make_client, make_server
 
@@ -42,20 +41,41 @@ async def test_a_connection_whose_peer_takes_nothing_is_dropped_after_the_dead_l
             assert time.monotonic() - started >= 0.5
 
 
-async def test_the_h2_clients_connection_watches_its_link() -> None:
+@pytest.mark.parametrize("kind", ["h2", "http1"])
+async def test_each_clients_connections_watch_their_link(kind: str) -> None:
     service = Service()
-    server: H2Server = make_server("h2", service.router())
+    server = make_server(kind, service.router())
     await server.start()
-    client = make_client("h2", server.port)
-    assert isinstance(client, H2Client)
+    client = make_client(kind, server.port)
     try:
         assert await client.call("POST", "/echo", body=b"ok") == b"ok"
-        sock = client._protocol.transport.get_extra_info("socket")  # type: ignore[union-attr]
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(DEAD_LINK_S * 1000)
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        (sock,) = _client_sockets(server.port)
+        with sock:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(DEAD_LINK_S * 1000)
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         await client.close()
         await server.stop()
+
+
+def _client_sockets(port: int) -> list[socket.socket]:
+    """This process's TCP sockets connected to `port` on 127.0.0.1 (duplicates: the same
+    connections, options included), whoever made them."""
+    found = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            peer = sock.getpeername() if sock.type == socket.SOCK_STREAM else None
+        except OSError:
+            peer = None
+        if peer == ("127.0.0.1", port):
+            found.append(sock)
+        else:
+            sock.close()
+    return found
 
 
 async def test_a_name_resolves_and_a_closed_port_is_refused() -> None:
