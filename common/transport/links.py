@@ -4,11 +4,11 @@ A TCP connection whose link is cut keeps its unacknowledged data in the kernel, 
 retransmits it with exponential backoff: after a 60 s outage the next retransmission may come
 40 s after the link is back (at about 51 and 102 s from the first loss, from a 200 ms
 timeout). A request on such a connection would wait for that, and fail as timed out, although
-the peer was reachable again long before. So each client socket carries `TCP_USER_TIMEOUT`:
-data left unacknowledged (or a connect left unanswered) for `DEAD_LINK_S` makes the kernel
-drop the connection (both HTTP/2's client and HTTP/1.1's). Callers see a lost connection, which they retry on a new one within
-their reconnect budget (`common.transport.retry`), and a new connection gets through as soon
-as the link does.
+the peer was reachable again long before. So each client socket, HTTP/2's and HTTP/1.1's,
+carries `TCP_USER_TIMEOUT`: data left unacknowledged (or a connect left unanswered) for
+`DEAD_LINK_S` makes the kernel drop the connection. Callers see a lost connection, which
+they retry on a new one within their reconnect budget (`common.transport.retry`), and a new
+connection gets through as soon as the link does.
 """
 
 from __future__ import annotations
