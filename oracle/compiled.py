@@ -19,7 +19,7 @@ from common.spec import Mode
 from oracle import NUMBA_CACHE_ENV
 from oracle.config import PlannerConfig
 from oracle.kernels.cache import is_cached
-from oracle.planner import Planner, rules_class
+from oracle.planner import KERNELS, Planner, rules_class
 from oracle.stats import PlannerStats
 from oracle.workers import InProcessPool, ParallelPlanner
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def is_compiled(mode: Mode) -> bool:
     """Whether numba's cache holds current code for every kernel `mode`'s rules call."""
-    return all(is_cached(kernel) for kernel in rules_class(mode).kernels)
+    return all(is_cached(kernel) for kernel in (*rules_class(mode).kernels, *KERNELS))
 
 
 def compile_planner(mode: Mode) -> None:

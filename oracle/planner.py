@@ -45,6 +45,7 @@ from oracle.kernels.layout import (
     STAT_OCCUPANCY,
     STAT_USES,
 )
+from oracle.kernels.parts import rows_by_group, split_groups
 from oracle.modes import LocalRules, StaticRules
 from oracle.parts import IterationParts, assemble
 from oracle.rules import Batch, Planned, Rules
@@ -52,6 +53,9 @@ from oracle.stats import IterationStats, PlannerStats
 
 if TYPE_CHECKING:
     from oracle.workers import ProcessPool
+
+#: The kernels every mode's planner calls besides its rules' (`oracle.compiled`).
+KERNELS = (rows_by_group, split_groups)
 
 __all__ = [
     "Directive",
@@ -241,8 +245,7 @@ class Planner:
         join_keys, send, recv = _joins(_cat(p.join_src, 3), join_dst, t)
         now = in_sorted(p.group_keys, next_keys)
         later = ~now
-        now_slots = np.ascontiguousarray(p.group_slots[now].T, dtype=np.int32)  # [T, n]
-        later_slots = np.ascontiguousarray(p.group_slots[later].T, dtype=np.int32)
+        now_slots, later_slots = split_groups(p.group_slots, now)  # int32 [T, n] each
         inputs = np.take(p.pair_slot, p.batch.inverse)
         off = cfg.partition.offset if cfg.partition is not None else 0
         return IterationParts(
@@ -329,21 +332,11 @@ def _by_trainer(
     events: np.ndarray, num_trainers: int, by_target: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows ordered by trainer, then key (by trainer, target, key if `by_target`), and
-    where each trainer's rows start. One sort of the keys, then a stable sort of the small
-    group numbers, rather than a mask and a sort per trainer. Stable sorts: the events come
-    in a few runs already ordered by key, which timsort merges in linear time."""
-    order = np.argsort(events[:, EV_KEY], kind="stable")
-    group = events[order, EV_TRAINER]
-    span = 1
-    if by_target and events.shape[0]:
-        first, last = int(events[:, EV_TARGET].min()), int(events[:, EV_TARGET].max())
-        span = last - first + 1
-        group = group * span + (events[order, EV_TARGET] - first)
-    # numpy sorts 16-bit integers stably by radix, in linear time
-    small = group.astype(np.int16) if num_trainers * span <= np.iinfo(np.int16).max else group
-    by_group = np.argsort(small, kind="stable")
-    starts = np.searchsorted(group[by_group], np.arange(num_trainers + 1) * span)
-    return np.take(events, order[by_group], axis=0), starts  # take: 4x events[...] here
+    where each trainer's rows start. One stable sort of the keys (the events come in a few
+    runs already ordered by key, which timsort merges in linear time), then a counting sort
+    by trainer (`rows_by_group`), rather than a mask and a sort per trainer."""
+    by_key = np.argsort(events[:, EV_KEY], kind="stable")
+    return rows_by_group(events, by_key, EV_TRAINER, EV_TARGET if by_target else -1, num_trainers)
 
 
 def _joins(
