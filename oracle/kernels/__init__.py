@@ -43,9 +43,12 @@ The files, each importing only those above it:
 * `heaps`: free slots and victims;
 * `copies`: a copy comes and goes; the events the planning steps emit;
 * `ingest`: batch z read into the window (`ingest`);
-* `plan`: iteration x planned (`plan_iteration`, the bagpipe rules' steps a-f).
+* `plan`: iteration x planned (`plan_iteration`, the bagpipe rules' steps a-f);
+* `merge`, `parts`: the directives' lists, merged from key partitions (`merge_runs`) and cut
+  per trainer from an iteration's events (`rows_by_group`, `split_groups`; every mode).
 
-oracle/bagpipe.py calls `ingest` and `plan_iteration` behind the `Rules` interface.
+oracle/bagpipe.py calls `ingest` and `plan_iteration` behind the `Rules` interface; oracle/planner.py
+and oracle/parts.py call `parts` and `merge`.
 
 Speed. Planning is bound by memory latency and by numba's reference counting. The cells of a
 slot, and those of an entry, sit side by side. numba increfs and decrefs an array (atomic
