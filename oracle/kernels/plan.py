@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.cpu_prefetch import prefetch_row
 from oracle.kernels.copies import add_copy, emit, emit_fetch, remove_copy, stamp_left
 from oracle.kernels.heaps import pop_free_slot, pop_victim, top_victim, victim_next
 from oracle.kernels.intmap import CELL_VALUE, map_find
@@ -180,12 +181,29 @@ def _classify(
         s = pool[r, REC_SLOT]
         if s >= 0:
             pair_slot[i] = s
-            slot[j, s, SLOT_STAMP] = x
             stats[j, STAT_HITS] += 1
         else:
             need[j] += 1
     groups[n_groups, GROUP_START] = n
+    _stamp_hits(slot, pair_slot, pairs, x)
     return n_groups
+
+
+@inlined
+def _stamp_hits(slot: np.ndarray, pair_slot: np.ndarray, pairs: np.ndarray, x: int) -> None:
+    """Stamp the slots used at x that already held their key: a pass of its own, once every
+    pair's slot is known, so that each slot's cache line is requested ahead of its write
+    (the slots are spread over T x C rows, out of the CPU's caches at large T)."""
+    t_count, capacity = slot.shape[0], slot.shape[1]
+    rows = slot.reshape(t_count * capacity, slot.shape[2])
+    n = pairs.shape[0]
+    for i in range(n):
+        ahead = i + _AHEAD_PAIRS
+        if ahead < n and pair_slot[ahead] >= 0:
+            prefetch_row(rows, (pairs[ahead] % t_count) * capacity + pair_slot[ahead])
+        s = pair_slot[i]
+        if s >= 0:
+            slot[pairs[i] % t_count, s, SLOT_STAMP] = x
 
 
 @kernel
@@ -388,9 +406,11 @@ def _after_use(
     heap, heap_size = st.heap, st.heap_size
     pair_slot, group_keys, group_slots = ev.pair_slot, ev.group_keys, ev.group_slots
     leave_now, write_now, counts = ev.leave_now, ev.write_now, ev.counts
-    t_count = slot.shape[0]
+    t_count, capacity = slot.shape[0], slot.shape[1]
+    rows = slot.reshape(t_count * capacity, slot.shape[2])  # a slot's cells as one row, to prefetch
     mask = st.counters[RING_SIZE] - 1
     n_groups = groups.shape[0] - 1
+    n_pairs = pairs.shape[0]
     n_done = 0
     for g in range(n_groups):
         if g + _AHEAD_KEYS < n_groups:
@@ -402,6 +422,9 @@ def _after_use(
         if entry[e, ENTRY_COPIES] >= 2:
             _group(group_keys, group_slots, counts, entry, pool, e)
         for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
+            ahead = i + _AHEAD_PAIRS
+            if ahead < n_pairs:  # every pair has its slot by now
+                prefetch_row(rows, (pairs[ahead] % t_count) * capacity + pair_slot[ahead])
             j = pairs[i] % t_count
             r = pair_rec[i]
             nxt = occ_next_use[(base + i) & mask]

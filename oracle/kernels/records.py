@@ -53,10 +53,14 @@ def prefetch_entry(entry: np.ndarray, pool: np.ndarray, e: int, lines: int) -> N
 
 @inlined
 def prefetch_block(entry: np.ndarray, pool: np.ndarray, e: int) -> None:
-    """Start loading entry e's records, unless they are at home (`prefetch_entry`): once its
-    cells are in, or this waits for them."""
+    """Start loading entry e's records, every line of their block, unless they are at home
+    (`prefetch_entry`): once its cells are in, or this waits for them. A key that many
+    trainers use has a block of many lines, which its scans would otherwise wait on line by
+    line."""
     if entry[e, ENTRY_CLASS] != HOME_CLASS:
-        prefetch_row(pool, entry[e, ENTRY_BLOCK])
+        first = entry[e, ENTRY_BLOCK]
+        for r in range(first, first + entry[e, ENTRY_RECORDS], 2):  # two records a line
+            prefetch_row(pool, r)
 
 
 @inlined
