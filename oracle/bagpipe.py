@@ -22,7 +22,7 @@ from oracle.kernels.layout import (
 )
 from oracle.kernels.merge import merge_runs
 from oracle.kernels.plan import plan_iteration
-from oracle.kernels.state import grow_ring, grow_store, new_events, new_state, pow2, reserve_keys
+from oracle.kernels.state import Events, grow_ring, grow_store, new_state, pow2, reserve_keys, reuse_events
 from oracle.rules import Batch, Planned, check_feasible
 
 _MIN_RING = 1 << 16
@@ -43,6 +43,7 @@ class BagpipeRules:
         self._base: dict[int, int] = {}  # first occurrence id of each unplanned batch
         self._next_id = 0
         self._planned = 0  # iterations planned
+        self._events: Events | None = None  # the event buffers, reused by every iteration
 
     def ingest(self, z: int, batch: Batch) -> None:
         live_from = min(self._base.values(), default=self._next_id)
@@ -73,26 +74,29 @@ class BagpipeRules:
         check_feasible(cfg, x, np.bincount(batch.pairs % t, minlength=t))
         flush = x > 0 and cfg.is_local_checkpoint(x - 1)
         flush_rows = t * cfg.capacity if flush else 0  # one per resident key at most
-        ev = new_events(batch.pairs.size, batch.used_keys.size, t, cfg.capacity, flush_rows)
+        ev = self._events = reuse_events(
+            self._events, batch.pairs.size, batch.used_keys.size, t, cfg.capacity, flush_rows
+        )
         base = self._base.pop(x)
         self._planned = x + 1
         plan_iteration(
             self._state, ev, x, batch.pairs, base, t, cfg.lookahead, flush, x - 1 - cfg.checkpoint_every
         )
         n = ev.counts
+        # copies: the buffers are the next iteration's (`reuse_events`); the events are few
         return Planned(
             pair_slot=ev.pair_slot,
-            fetch=ev.fetch[: n[N_FETCH]],
-            join_dst=ev.join_dst[: n[N_JOIN_DST]],
-            join_src=ev.join_src[: n[N_JOIN_SRC]],
-            group_keys=ev.group_keys[: n[N_GROUPS]],
-            group_slots=ev.group_slots[: n[N_GROUPS]],
-            leave_prev=ev.leave_prev[: n[N_LEAVE_PREV]],
-            leave_now=ev.leave_now[: n[N_LEAVE_NOW]],
-            write_prev=ev.write_prev[: n[N_WRITE_PREV]],
-            write_now=ev.write_now[: n[N_WRITE_NOW]],
-            flush_prev=ev.flush_prev[: n[N_FLUSH_PREV]],
-            stats=ev.stats,
+            fetch=ev.fetch[: n[N_FETCH]].copy(),
+            join_dst=ev.join_dst[: n[N_JOIN_DST]].copy(),
+            join_src=ev.join_src[: n[N_JOIN_SRC]].copy(),
+            group_keys=ev.group_keys[: n[N_GROUPS]].copy(),
+            group_slots=ev.group_slots[: n[N_GROUPS]].copy(),
+            leave_prev=ev.leave_prev[: n[N_LEAVE_PREV]].copy(),
+            leave_now=ev.leave_now[: n[N_LEAVE_NOW]].copy(),
+            write_prev=ev.write_prev[: n[N_WRITE_PREV]].copy(),
+            write_now=ev.write_now[: n[N_WRITE_NOW]].copy(),
+            flush_prev=ev.flush_prev[: n[N_FLUSH_PREV]].copy(),
+            stats=ev.stats.copy(),
         )
 
     def close(self, last: int) -> Planned | None:

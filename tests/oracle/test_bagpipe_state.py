@@ -9,7 +9,7 @@ import pytest
 import oracle.bagpipe
 from oracle.config import PlannerConfig, required_capacity
 from oracle.kernels.layout import ENTRY_ROWS, POOL_USED
-from oracle.kernels.state import BagpipeState
+from oracle.kernels.state import BagpipeState, reuse_events
 from oracle.planner import Planner
 from tests.oracle.reference_planner import reference_plan
 from tests.oracle.simulator import plan_incrementally, simulate, wire
@@ -61,3 +61,23 @@ def test_memory_per_key_does_not_grow_with_trainers() -> None:
         state = planner._rules._state  # type: ignore[attr-defined]
         used[trainers] = int(state.counters[POOL_USED])
     assert used[2] == used[64] == ENTRY_ROWS * 64 * 4
+
+
+def test_event_buffers_are_reused_while_large_enough_and_reset_for_each_iteration() -> None:
+    """`reuse_events`: the same buffers while an iteration fits (numpy's fresh buffers of
+    4 MB and more cost a zeroed huge page at each first touch), larger ones when it does
+    not; counts and stats start at zero and every pair without a slot, whatever the last
+    iteration left."""
+    ev = reuse_events(None, 100, 40, 3, 50, 0)
+    ev.counts[:] = 7
+    ev.stats[:] = 7
+    ev.pair_slot[:] = 5
+    again = reuse_events(ev, 90, 40, 3, 50, 0)
+    assert again.fetch is ev.fetch and again.group_slots is ev.group_slots
+    assert not again.counts.any() and not again.stats.any()
+    assert again.pair_slot.shape == (90,) and (again.pair_slot == -1).all()
+    bigger = reuse_events(again, 400, 40, 3, 50, 10)
+    assert bigger.fetch is not ev.fetch and bigger.fetch.shape[0] >= 400 + 3 * 40
+    assert bigger.join_dst.shape[0] >= 400 and bigger.flush_prev.shape[0] >= 10
+    assert bigger.group_slots is ev.group_slots  # still large enough
+    assert reuse_events(bigger, 10, 4, 5, 50, 0).stats.shape == (5, bigger.stats.shape[1])  # another T
