@@ -59,7 +59,9 @@ the helpers it calls per key or per pair take arrays, never the state, and are i
 (`jit.inlined`, numba's ``inline="always"``). A slice or a view costs the same: hot code
 indexes cells one at a time. The per-key loops prefetch the entries of the keys a few steps
 ahead, the cache lines each step reads (`records.prefetch_entry`), and the blocks of those
-nearer, once their entries are in. That second stage reads the entry, and stalls the loop
+nearer, once their entries are in, every line of a block; the per-pair loops prefetch the
+slot of the pair a few steps ahead, where its slot is known (hits are stamped in a pass of
+their own for that). That second stage reads the entry, and stalls the loop
 if it has not arrived, so it is left out where no key can have a block (T <= HOME_RECORDS).
 Entries and records are aligned to cache lines (`state.aligned_empty`): an entry is three
 lines, its cells, its home and its leavers' cells. Where a helper or a constant sits makes

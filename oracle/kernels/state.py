@@ -198,10 +198,11 @@ def reuse_events(
     """`new_events`' buffers for an iteration of these sizes, made from `ev`'s where each is
     large enough: its counts and stats zeroed and a fresh `pair_slot`, the rest as left
     (the kernels write before they read; the caller copies an iteration's events out
-    before the next). Buffers made afresh each iteration cost more than planning at large
-    T: numpy asks for huge pages for arrays of 4 MB and more, and the kernel zeroes 2 MB
-    at the first touch of each, though an iteration fills a few rows of them. A buffer
-    too small is made anew, a quarter larger than asked, so that growing stays rare."""
+    before the next). Buffers made afresh were tens of MB an iteration at large T, faulted
+    in and zeroed for the few rows an iteration fills (numpy asks for huge pages for arrays
+    of 4 MB and more: 2 MB at each first touch), and kept until the directives were final.
+    A buffer too small is made anew, a quarter larger than asked, so that growing stays
+    rare."""
     rows = _event_rows(num_pairs, num_keys, num_trainers, capacity)
     wanted = {"fetch": rows["fetches"], "join_dst": num_pairs, "join_src": num_keys,
               "leave_prev": rows["fetches"], "leave_now": rows["copies"], "write_prev": rows["fetches"],
