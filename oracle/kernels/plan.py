@@ -194,16 +194,29 @@ def _stamp_hits(slot: np.ndarray, pair_slot: np.ndarray, pairs: np.ndarray, x: i
     """Stamp the slots used at x that already held their key: a pass of its own, once every
     pair's slot is known, so that each slot's cache line is requested ahead of its write
     (the slots are spread over T x C rows, out of the CPU's caches at large T)."""
-    t_count, capacity = slot.shape[0], slot.shape[1]
-    rows = slot.reshape(t_count * capacity, slot.shape[2])
+    rows = _slot_rows(slot)
     n = pairs.shape[0]
     for i in range(n):
-        ahead = i + _AHEAD_PAIRS
-        if ahead < n and pair_slot[ahead] >= 0:
-            prefetch_row(rows, (pairs[ahead] % t_count) * capacity + pair_slot[ahead])
+        _prefetch_pair_slot(rows, slot.shape[0], slot.shape[1], pairs, pair_slot, i + _AHEAD_PAIRS)
         s = pair_slot[i]
         if s >= 0:
-            slot[pairs[i] % t_count, s, SLOT_STAMP] = x
+            slot[pairs[i] % slot.shape[0], s, SLOT_STAMP] = x
+
+
+@inlined
+def _slot_rows(slot: np.ndarray) -> np.ndarray:
+    """The slots [T, C, NUM_SLOT] as rows [T x C, NUM_SLOT], a view: a slot's cells as one
+    row, to prefetch (`_prefetch_pair_slot`)."""
+    return slot.reshape(slot.shape[0] * slot.shape[1], slot.shape[2])
+
+
+@inlined
+def _prefetch_pair_slot(
+    rows: np.ndarray, t_count: int, capacity: int, pairs: np.ndarray, pair_slot: np.ndarray, i: int
+) -> None:
+    """Start loading the slot of pair i, if there is such a pair and it has a slot yet."""
+    if i < pairs.shape[0] and pair_slot[i] >= 0:
+        prefetch_row(rows, (pairs[i] % t_count) * capacity + pair_slot[i])
 
 
 @kernel
@@ -407,10 +420,9 @@ def _after_use(
     pair_slot, group_keys, group_slots = ev.pair_slot, ev.group_keys, ev.group_slots
     leave_now, write_now, counts = ev.leave_now, ev.write_now, ev.counts
     t_count, capacity = slot.shape[0], slot.shape[1]
-    rows = slot.reshape(t_count * capacity, slot.shape[2])  # a slot's cells as one row, to prefetch
+    rows = _slot_rows(slot)
     mask = st.counters[RING_SIZE] - 1
     n_groups = groups.shape[0] - 1
-    n_pairs = pairs.shape[0]
     n_done = 0
     for g in range(n_groups):
         if g + _AHEAD_KEYS < n_groups:
@@ -422,9 +434,7 @@ def _after_use(
         if entry[e, ENTRY_COPIES] >= 2:
             _group(group_keys, group_slots, counts, entry, pool, e)
         for i in range(groups[g, GROUP_START], groups[g + 1, GROUP_START]):
-            ahead = i + _AHEAD_PAIRS
-            if ahead < n_pairs:  # every pair has its slot by now
-                prefetch_row(rows, (pairs[ahead] % t_count) * capacity + pair_slot[ahead])
+            _prefetch_pair_slot(rows, t_count, capacity, pairs, pair_slot, i + _AHEAD_PAIRS)
             j = pairs[i] % t_count
             r = pair_rec[i]
             nxt = occ_next_use[(base + i) & mask]

@@ -168,58 +168,59 @@ class Events(NamedTuple):
     counts: np.ndarray  # int64 [NUM_COUNTS]: N_*
 
 
-def new_events(
-    num_pairs: int, num_keys: int, num_trainers: int, capacity: int, flush_rows: int
-) -> Events:
-    """Buffers large enough for any iteration with these many pairs and keys (untouched
-    memory beyond what the iteration fills): a copy not used at x is one of the T x C."""
-    t = num_trainers
-    rows = _event_rows(num_pairs, num_keys, t, capacity)
-    return Events(
-        pair_slot=np.full(num_pairs, -1, np.int32),
-        fetch=np.empty((rows["fetches"], 4), np.int64),
-        join_dst=np.empty((num_pairs, 3), np.int64),
-        join_src=np.empty((num_keys, 3), np.int64),
-        leave_prev=np.empty((rows["fetches"], 3), np.int64),
-        leave_now=np.empty((rows["copies"], 3), np.int64),
-        write_prev=np.empty((rows["fetches"], 3), np.int64),
-        write_now=np.empty((num_keys, 3), np.int64),
-        flush_prev=np.empty((flush_rows, 3), np.int64),
-        group_keys=np.empty(num_keys, np.int64),
-        group_slots=np.empty((num_keys, t), np.int32),
-        stats=np.zeros((t, NUM_STATS), np.int64),
-        counts=np.zeros(NUM_COUNTS, np.int64),
-    )
-
-
 def reuse_events(
     ev: Events | None, num_pairs: int, num_keys: int, num_trainers: int, capacity: int, flush_rows: int
 ) -> Events:
-    """`new_events`' buffers for an iteration of these sizes, made from `ev`'s where each is
-    large enough: its counts and stats zeroed and a fresh `pair_slot`, the rest as left
-    (the kernels write before they read; the caller copies an iteration's events out
-    before the next). Buffers made afresh were tens of MB an iteration at large T, faulted
-    in and zeroed for the few rows an iteration fills (numpy asks for huge pages for arrays
-    of 4 MB and more: 2 MB at each first touch), and kept until the directives were final.
-    A buffer too small is made anew, a quarter larger than asked, so that growing stays
-    rare."""
-    rows = _event_rows(num_pairs, num_keys, num_trainers, capacity)
-    wanted = {"fetch": rows["fetches"], "join_dst": num_pairs, "join_src": num_keys,
-              "leave_prev": rows["fetches"], "leave_now": rows["copies"], "write_prev": rows["fetches"],
-              "write_now": num_keys, "flush_prev": flush_rows, "group_keys": num_keys, "group_slots": num_keys}
+    """Buffers large enough for any iteration with these many pairs and keys (a copy not
+    used at x is one of the T x C), made from `ev`'s where each is large enough: its counts
+    and stats zeroed and a fresh `pair_slot`, the rest as left (the kernels write before
+    they read; the caller copies an iteration's events out before the next). Buffers made
+    afresh were tens of MB an iteration at large T, faulted in and zeroed for the few rows
+    an iteration fills (numpy asks for huge pages for arrays of 4 MB and more: 2 MB at each
+    first touch), and kept until the directives were final. A buffer too small is made
+    anew, a quarter larger than asked, so that growing stays rare."""
+    rows = _event_rows(num_pairs, num_keys, num_trainers, capacity, flush_rows)
     if ev is None or ev.stats.shape[0] != num_trainers:
-        ev = new_events(0, 0, num_trainers, 0, 0)
-    grown = {}
-    for name, need in wanted.items():
-        old = getattr(ev, name)
-        if old.shape[0] < need:
-            grown[name] = np.empty((need + need // 4, *old.shape[1:]), old.dtype)
+        ev = Events(
+            pair_slot=np.zeros(0, np.int32),
+            **{name: _event_buffer(name, 0, num_trainers) for name in rows},
+            stats=np.zeros((num_trainers, NUM_STATS), np.int64),
+            counts=np.zeros(NUM_COUNTS, np.int64),
+        )
+    grown = {
+        name: _event_buffer(name, need + need // 4, num_trainers)
+        for name, need in rows.items()
+        if getattr(ev, name).shape[0] < need
+    }
     ev.stats[:] = 0
     ev.counts[:] = 0
     return ev._replace(pair_slot=np.full(num_pairs, -1, np.int32), **grown)
 
 
-def _event_rows(num_pairs: int, num_keys: int, num_trainers: int, capacity: int) -> dict[str, int]:
-    """The most copies not used at x, and the most fetches (and victims) at x."""
-    copies = min(num_keys * num_trainers, num_trainers * capacity)
-    return {"copies": copies, "fetches": num_pairs + copies}
+#: Columns of each event buffer that has a row per event (0: one value a row, -1: one per
+#: trainer), and its dtype.
+_EVENT_COLUMNS = {
+    "fetch": (4, np.int64), "join_dst": (3, np.int64), "join_src": (3, np.int64),
+    "leave_prev": (3, np.int64), "leave_now": (3, np.int64), "write_prev": (3, np.int64),
+    "write_now": (3, np.int64), "flush_prev": (3, np.int64), "group_keys": (0, np.int64),
+    "group_slots": (-1, np.int32),
+}  # fmt: skip
+
+
+def _event_rows(
+    num_pairs: int, num_keys: int, num_trainers: int, capacity: int, flush_rows: int
+) -> dict[str, int]:
+    """The most rows each event buffer may need at an iteration of these sizes."""
+    copies = min(num_keys * num_trainers, num_trainers * capacity)  # copies not used at x
+    fetches = num_pairs + copies  # fetches, and the victims making room for them
+    return {
+        "fetch": fetches, "join_dst": num_pairs, "join_src": num_keys, "leave_prev": fetches,
+        "leave_now": copies, "write_prev": fetches, "write_now": num_keys, "flush_prev": flush_rows,
+        "group_keys": num_keys, "group_slots": num_keys,
+    }  # fmt: skip
+
+
+def _event_buffer(name: str, rows: int, num_trainers: int) -> np.ndarray:
+    columns, dtype = _EVENT_COLUMNS[name]
+    shape = (rows,) if columns == 0 else (rows, num_trainers if columns < 0 else columns)
+    return np.empty(shape, dtype)
