@@ -35,7 +35,7 @@ GENERATED = ("bench/results", "docs/benchmarks.md")
 # The scripts that measure something (the other modules are their helpers), in the order
 # docs/benchmarks.md shows them.
 BENCHES = (
-    "e2e", "cluster", "recovery", "planner", "ps_fetch", "ps_waiting", "abuse", "sync_sum",
+    "e2e", "compute_cpu", "cluster", "recovery", "planner", "ps_fetch", "ps_waiting", "abuse", "sync_sum",
     "data", "export", "linkrate", "gpu_check", "scale", "online",
 )  # fmt: skip
 

@@ -40,7 +40,7 @@ from ps.startup import shard_config
 from ps.store import ShardStore
 from trainer.collectives import Collectives
 from trainer.device import select_device
-from trainer.engine import Engine, IterationStats
+from trainer.engine import Engine, IterationStats, RowSource
 from trainer.startup import build_engine, seeded_model
 
 TIMEOUT_S = 60.0  # a collective or fetch that waits longer has deadlocked
@@ -154,9 +154,9 @@ def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu", *,
     (`oracle.live`)."""
     torch.set_num_threads(1)
     world = job.spec.trainers.count
-    steps = _plan(job, segment_ends)
+    steps = plan_steps(job, segment_ends)
     local = job.spec.oracle.mode == "local"
-    rows = None if local else StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
+    rows = None if local else store_rows(job)
     groups, background = process_groups(world), process_groups(world, "background")
     devices = [select_device(device, 0) for _ in range(world)]
     models = [seeded_model(job, devices[rank]) for rank in range(world)]
@@ -186,7 +186,21 @@ def run_in_process(job: Job, device: Literal["cpu", "cuda"] = "cpu", *,
     return InProcessRun(model=FinalModel(dense, table, state), stats=stats, dense_grads=grads)
 
 
-def _plan(job: Job, segment_ends: Iterable[int]) -> list[list[Step]]:
+def store_rows(job: Job) -> StoreRows:
+    """The PS of `job` in this process: its shards' stores, as they start."""
+    return StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)])
+
+
+def lone_engine(job: Job, rows: RowSource | None, name: str) -> tuple[Engine, Collectives]:
+    """The engine of one trainer (`job` of T = 1) on the CPU, over `rows` (None in local mode), with process groups of its own named after `name` (one name per
+    engine in a process), and its collectives, to close after its drain."""
+    groups, background = process_groups(1, name), process_groups(1, f"{name}-background")
+    device = select_device("cpu", 0)
+    comm = Collectives(world_size=1, rank=0, group=groups[0], background=background[0])
+    return build_engine(job, device, comm, rows, seeded_model(job, device)), comm
+
+
+def plan_steps(job: Job, segment_ends: Iterable[int] = ()) -> list[list[Step]]:
     """Every iteration's steps, per trainer, from the production planner (cut into segments
     before each of `segment_ends`)."""
     workload = build_workload(job)

@@ -74,6 +74,7 @@ SMOKES = (
     # bench/netshape.py; CI's tier shapes links in the cluster and linkrate smokes
     Smoke("e2e", ("--shaped", "1gbit", "--no-torchrec"), out=True, needs=_namespaces_unavailable, nightly=True),
     Smoke("e2e", ("--torchrec",), out=True, needs=torchrec_unavailable),  # bench/torchrec_baseline.py
+    Smoke("compute_cpu", out=True),
     Smoke("cluster", out=True, needs=_namespaces_unavailable),
     Smoke("recovery", out=True),
     Smoke("planner"),

@@ -13,13 +13,10 @@ import pytest
 from common.errors import Unavailable
 from common.job import build_job
 from common.spec import load_spec
-from launcher.inprocess import StoreRows, _plan, process_groups
-from ps.startup import shard_config
-from ps.store import ShardStore
+from launcher.inprocess import StoreRows, lone_engine, plan_steps, store_rows
 from tests.cluster_helpers import write_spec
 from trainer.collectives import Collectives
-from trainer.device import select_device
-from trainer.startup import build_engine, seeded_model
+from trainer.engine import Engine
 
 
 class CountingRows:
@@ -56,35 +53,34 @@ class _Counted(concurrent.futures.Future):
         return super().done()
 
 
-def engine_and_steps(tmp_path: Path, fail_at: int | None) -> tuple[Any, list, CountingRows]:
+def engine_and_steps(tmp_path: Path, fail_at: int | None) -> tuple[Engine, Collectives, list, CountingRows]:
     spec = write_spec(tmp_path, "engine", {"oracle": {"mode": "bagpipe", "cache_rows": 140},
                                            "trainers": {"count": 1}, "train": {"max_iterations": 60}})
     job = build_job(load_spec(spec))
-    steps = [s[0] for s in _plan(job, [])]
-    rows = CountingRows(StoreRows([ShardStore(shard_config(job, s)) for s in range(job.spec.ps.num_shards)]), fail_at)
-    group, background = process_groups(1, f"engine-{fail_at}")[0], process_groups(1, f"engine-bg-{fail_at}")[0]
-    device = select_device("cpu", 0)
-    engine = build_engine(job, device, Collectives(world_size=1, rank=0, group=group, background=background), rows,
-                          seeded_model(job, device))
-    return engine, steps, rows
+    steps = [s[0] for s in plan_steps(job)]
+    rows = CountingRows(store_rows(job), fail_at)
+    engine, comm = lone_engine(job, rows, f"engine-{fail_at}")
+    return engine, comm, steps, rows
 
 
 def test_a_failed_write_back_surfaces_at_the_next_boundary(tmp_path: Path) -> None:
-    engine, steps, rows = engine_and_steps(tmp_path, fail_at=3)
+    engine, comm, steps, rows = engine_and_steps(tmp_path, fail_at=3)
     sent = []  # write-backs sent by the end of each step that completed
     with pytest.raises(Unavailable, match="refused the write-back"):
         for step in steps:
             engine.step(step.directive, step.labels, step.dense)
             sent.append(rows.writes)
+    comm.close()
     # the step that sent it completed; the next one raised at its boundary
     assert sent[-1] >= 3 and (len(sent) == 1 or sent[-2] < 3), sent
 
 
 def test_acknowledged_write_backs_are_not_asked_about_again(tmp_path: Path) -> None:
-    engine, steps, rows = engine_and_steps(tmp_path, fail_at=None)
+    engine, comm, steps, rows = engine_and_steps(tmp_path, fail_at=None)
     for step in steps:
         engine.step(step.directive, step.labels, step.dense)
     engine.drain()
+    comm.close()
     assert rows.writes >= 50, rows.writes  # about one an iteration
     # each once when done (and once more by the drain), where each boundary asked about every
     # write-back of the last WRITE_LAG iterations
