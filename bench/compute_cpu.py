@@ -2,7 +2,7 @@
 forward, backward and the dense optimizer step of one trainer on the same batches, in this
 process, its rows served by the PS stores in process (`launcher.inprocess`).
 
-    python bench/compute_cpu.py [--modes bagpipe no-cache] [--iterations 200] [--rounds 3]
+    python bench/compute_cpu.py [--modes bagpipe no-cache static-cache] [--iterations 300]
 
 A mode decides where rows live, never what the model computes on them: each trainer gathers
 the rows its inputs read from its cache tensor, and the rest is the same model on the same
@@ -13,23 +13,26 @@ the trainer's core, the shards serving prefetches, the oracle planning ahead, th
 background sums) runs beside it and takes its core and caches, where no-cache's trainer
 sleeps through it. This script takes the environment away to show what is the modes' own.
 
-One trainer (T = 1) trains on the e2e benchmark's per-trainer slice (`--batch`, default
-1,024: half of `bench/e2e.py --quick`'s global 2,048) of its synthetic Criteo-like data,
-with its DLRM and optimizers. Per mode: the training thread's CPU time in each compute
-phase (`trainer.timing`), the median over the measured iterations (the first fifth left
-out), then the median over rounds; rounds alternate the modes. `--smoke`: a small model
-and tables, 20 iterations, one round.
+One trainer (T = 1) per mode trains on the e2e benchmark's per-trainer slice (`--batch`,
+default 1,024: half of `bench/e2e.py --quick`'s global 2,048) of its synthetic
+Criteo-like data, with its DLRM and optimizers. The modes' trainers take turns, one
+iteration each and in a rotating order, so that the machine's drift (this one's speed moves
+by tens of percent within minutes) falls on every mode alike. Per mode: the training
+thread's CPU time in each compute phase (`trainer.timing`), the median over the measured
+iterations (the first fifth left out), and forward + backward against no-cache's, the
+median of the iteration-by-iteration ratios. `--smoke`: a small model and tables, 20
+iterations of 64 samples.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 if not __package__:  # run as a script: the repository root holds the packages
@@ -59,35 +62,37 @@ def job_of(mode: str, batch: int, iterations: int, smoke: bool, folder: Path) ->
     return build_job(load_spec(path))
 
 
-def measure(job: Job, steps: list, warmup: int, round_: int) -> dict[str, float]:
-    """One trainer through every step: the median CPU ms per iteration of each compute phase
-    over the iterations after `warmup`."""
-    engine, comm = lone_engine(job, store_rows(job), f"{NAME}-{job.spec.oracle.mode}-{round_}")
-    per_phase: dict[str, list[float]] = {p: [] for p in COMPUTE_PHASES}
-    for i, step in enumerate(steps):
-        engine.step(step.directive, step.labels, step.dense)
-        engine.timer.end_iteration()
-        if i >= warmup:
-            for phase, seconds in engine.timer.compute_cpu.items():
-                per_phase[phase].append(seconds * 1e3)
-    engine.drain()
-    comm.close()
-    return {p: statistics.median(v) for p, v in per_phase.items()}
+def measure(jobs: dict[str, Job], steps: dict[str, list], warmup: int) -> dict[str, dict[str, list[float]]]:
+    """Every mode's trainer through its steps, taking turns iteration by iteration: per mode
+    and compute phase, the CPU ms of each iteration after `warmup`."""
+    engines = {mode: lone_engine(job, store_rows(job), f"{NAME}-{mode}") for mode, job in jobs.items()}
+    cpu = {mode: {p: [] for p in COMPUTE_PHASES} for mode in jobs}
+    modes = list(jobs)
+    for i in range(len(next(iter(steps.values())))):
+        for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # a rotating order
+            engine, step = engines[mode][0], steps[mode][i]
+            engine.step(step.directive, step.labels, step.dense)
+            engine.timer.end_iteration()
+            if i >= warmup:
+                for phase, seconds in engine.timer.compute_cpu.items():
+                    cpu[mode][phase].append(seconds * 1e3)
+    for engine, comm in engines.values():
+        engine.drain()
+        comm.close()
+    return cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["bagpipe", "no-cache"],
+    parser.add_argument("--modes", nargs="+", default=["bagpipe", "no-cache", "static-cache"],
                         choices=["bagpipe", "no-cache", "static-cache"])
     parser.add_argument("--batch", type=int, default=1024, help="the trainer's batch (default 1,024)")
-    parser.add_argument("--iterations", type=int, help="per mode and round (default 200; 20 with --smoke)")
-    parser.add_argument("--rounds", type=int, help="alternating rounds (default 3; 1 with --smoke)")
+    parser.add_argument("--iterations", type=int, help="per mode (default 300; 20 with --smoke)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/compute_cpu"), help="specs (default %(default)s)")
-    add_result_options(parser, NAME, "a small DLRM on small tables, 20 iterations of 128, one round")
+    add_result_options(parser, NAME, "a small DLRM on small tables, 20 iterations of 64")
     args = parser.parse_args()
-    iterations = args.iterations or (20 if args.smoke else 200)
-    rounds = args.rounds or (1 if args.smoke else 3)
-    batch = 128 if args.smoke and args.batch == 1024 else args.batch
+    iterations = args.iterations or (20 if args.smoke else 300)
+    batch = 64 if args.smoke and args.batch == 1024 else args.batch  # half the e2e smoke's 128
     torch.set_num_threads(1)
     jobs = {mode: job_of(mode, batch, iterations, args.smoke, args.out.resolve()) for mode in args.modes}
     steps = {}
@@ -95,42 +100,38 @@ def main() -> None:
         print(f"planning {mode} ...", file=sys.stderr, flush=True)
         steps[mode] = [s[0] for s in plan_steps(job)]
     warmup = iterations // 5
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
-    for r in range(rounds):
-        for mode in args.modes:
-            runs[mode].append(measure(jobs[mode], steps[mode], warmup, r))
-            figures = runs[mode][-1]
-            print(f"round {r + 1} {mode:<13}" + "".join(f" {p} {v:7.2f}" for p, v in figures.items()), flush=True)
-    per_mode = {mode: _medians(results) for mode, results in runs.items()}
-    reference = per_mode.get("no-cache")
-    print(f"\nCPU ms per iteration of one trainer's {batch} samples, median of {rounds} rounds")
+    print(f"training {len(jobs)} trainers in turn ...", file=sys.stderr, flush=True)
+    cpu = measure(jobs, steps, warmup)
+    per_mode = {mode: _medians(phases, cpu.get("no-cache")) for mode, phases in cpu.items()}
+    print(f"\nCPU ms per iteration of one trainer's {batch} samples, median of {iterations - warmup} iterations")
     print(f"{'mode':<14}{'forward':>9}{'backward':>10}{'dense opt':>11}{'fwd+bwd':>9}{'vs no-cache':>13}")
     for mode, m in per_mode.items():
-        ratio = m["forward_backward"] / reference["forward_backward"] if reference else float("nan")
-        m["vs_no_cache"] = ratio
         print(f"{mode:<14}{m['forward']:>9.2f}{m['backward']:>10.2f}{m['dense_optimizer']:>11.2f}"
-              f"{m['forward_backward']:>9.2f}{ratio:>12.3f}x")
-    config = config_of(args, iterations=iterations, rounds=rounds, batch=batch, warmup=warmup)
+              f"{m['forward_backward']:>9.2f}{m['vs_no_cache']:>12.3f}x")
+    config = config_of(args, iterations=iterations, batch=batch, warmup=warmup)
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config,
-                  figures={"per_mode": per_mode, "rounds": {m: r for m, r in runs.items()}},
-                  headline=headline(per_mode), smoke=args.smoke)
+                  figures={"per_mode": per_mode}, headline=headline(per_mode), smoke=args.smoke)
 
 
-def _medians(results: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {p: statistics.median(r[p] for r in results) for p in COMPUTE_PHASES}
-    both = [r["forward"] + r["backward"] for r in results]
-    out["forward_backward"] = statistics.median(both)
-    out["forward_backward_range"] = [min(both), max(both)]
+def _medians(phases: dict[str, list[float]], no_cache: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Median CPU ms of each phase and of forward + backward, its quartiles, and the median
+    ratio of forward + backward to no-cache's in the same iterations (NaN without no-cache)."""
+    both = np.add(phases["forward"], phases["backward"])
+    out: dict[str, Any] = {p: float(np.median(v)) for p, v in phases.items()}
+    out["forward_backward"] = float(np.median(both))
+    out["forward_backward_quartiles"] = np.percentile(both, [25, 75]).tolist()
+    reference = np.add(no_cache["forward"], no_cache["backward"]) if no_cache else None
+    out["vs_no_cache"] = float(np.median(both / reference)) if reference is not None else float("nan")
     return out
 
 
 def headline(per_mode: dict[str, dict[str, Any]]) -> Table:
     """Per mode: CPU ms per iteration in forward, backward, the dense step, forward +
-    backward with its spread over rounds, and forward + backward against no-cache's."""
-    columns = ("mode", "forward ms", "backward ms", "dense opt ms", "fwd+bwd ms", "spread", "vs no-cache")
+    backward with its quartiles, and forward + backward against no-cache's."""
+    columns = ("mode", "forward ms", "backward ms", "dense opt ms", "fwd+bwd ms", "quartiles", "vs no-cache")
     return Table(columns, tuple(
         (mode, m["forward"], m["backward"], m["dense_optimizer"], m["forward_backward"],
-         f"{m['forward_backward_range'][0]:.2f}–{m['forward_backward_range'][1]:.2f}", m["vs_no_cache"])
+         "{:.2f}–{:.2f}".format(*m["forward_backward_quartiles"]), m["vs_no_cache"])
         for mode, m in per_mode.items()))
 
 
