@@ -24,7 +24,7 @@ import numpy as np
 
 from common.arrays import find_sorted, in_sorted
 from common.directive import WRITE_LAG, Directive
-from trainer.kernels import used_slots
+from trainer.kernels import end_indices, in_ascending, used_slots
 
 _NO_I32 = np.zeros(0, np.int32)
 _NO_I64 = np.zeros(0, np.int64)
@@ -268,7 +268,7 @@ class Boundary:
         if prev is None:
             return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
         keys = prev.write_keys
-        hold = in_sorted(keys, prev.sync_later_keys)
+        hold = in_ascending(np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(prev.sync_later_keys, np.int64))
         flush = prev.write_flush.astype(bool)
         if hold.any():
             later = self._later[prev.iteration]
@@ -281,19 +281,17 @@ class Boundary:
     # -- the end of x ------------------------------------------------------------------
 
     def _end(self, d: Directive, used: _UsedSlots) -> list[Action]:
-        now_positions = used.positions(d.sync_now_slots)
-        later_positions = used.positions(d.sync_later_slots)
-        alone = used.not_at(now_positions, later_positions)
+        end = used.end_indices(d)
         if len(d.sync_later_keys):
-            stay = (d.sync_later_slots >= 0) & ~_slots_in(d.sync_later_slots, d.leave_slots)
             self._later[d.iteration] = _LaterRound(
-                keys=d.sync_later_keys, stay_slots=d.sync_later_slots[stay], stay_positions=np.flatnonzero(stay),
+                keys=d.sync_later_keys, stay_slots=end.stay_slots, stay_positions=end.stay_positions,
             )
         return [
-            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=now_positions),
-            UpdateAlone(slots=used.slots[alone].astype(np.int32), positions=alone),
+            SyncNow(keys=d.sync_now_keys, slots=d.sync_now_slots, positions=end.now_positions),
+            UpdateAlone(slots=end.alone_slots, positions=end.alone_positions),
             LaunchSyncLater(
-                iteration=d.iteration, keys=d.sync_later_keys, slots=d.sync_later_slots, positions=later_positions,
+                iteration=d.iteration, keys=d.sync_later_keys, slots=d.sync_later_slots,
+                positions=end.later_positions,
             ),
         ]
 
@@ -315,6 +313,18 @@ def _by_target(targets: np.ndarray) -> list[tuple[int, slice | np.ndarray]]:
 def _write_joins(d: Directive) -> WriteJoins:
     positions = np.flatnonzero(d.join_recv_slots >= 0)
     return WriteJoins(slots=d.join_recv_slots[positions], positions=positions)
+
+
+@dataclass(frozen=True, eq=False)
+class EndIndices:
+    """The indices the end of an iteration needs, among the used slots (`_UsedSlots`)."""
+
+    now_positions: np.ndarray  # int64: each sync_now slot's index among the used slots, or -1
+    later_positions: np.ndarray  # int64: the same for each sync_later slot
+    alone_positions: np.ndarray  # int64: the used slots in neither sync list, ascending
+    alone_slots: np.ndarray  # int32: those slots
+    stay_positions: np.ndarray  # int64: the sync_later entries whose copy stays after x
+    stay_slots: np.ndarray  # int32: their slots
 
 
 class _UsedSlots:
@@ -348,6 +358,18 @@ class _UsedSlots:
         among[self.positions(slots)] = True
         return int(np.count_nonzero(among[:-1]))
 
+    def end_indices(self, d: Directive) -> EndIndices:
+        """The indices of iteration `d`'s end: over the table in one kernel
+        (`trainer.kernels.end_indices`), else in numpy."""
+        if self._index is not None:
+            return EndIndices(*end_indices(self._index, self.slots, _int32(d.sync_now_slots),
+                                           _int32(d.sync_later_slots), _int32(d.leave_slots)))
+        now, later = self.positions(d.sync_now_slots), self.positions(d.sync_later_slots)
+        alone = self.not_at(now, later)
+        stay = np.flatnonzero((d.sync_later_slots >= 0) & ~_slots_in(d.sync_later_slots, d.leave_slots))
+        return EndIndices(now, later, alone, self.slots[alone].astype(np.int32), stay,
+                          d.sync_later_slots[stay].astype(np.int32))
+
     def not_at(self, *position_lists: np.ndarray) -> np.ndarray:
         """The indices of the used slots at none of the `positions` of the lists (-1: none),
         ascending."""
@@ -375,6 +397,11 @@ def _slots_in(slots: np.ndarray, pool: np.ndarray) -> np.ndarray:
     table[pool] = True
     table[-1] = False
     return table[slots]
+
+
+def _int32(slots: np.ndarray) -> np.ndarray:
+    """Slots as the kernels take them: contiguous int32 (a directive's already are)."""
+    return np.ascontiguousarray(slots, np.int32)
 
 
 def _table_size(*slot_lists: np.ndarray) -> int:

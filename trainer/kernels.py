@@ -16,6 +16,10 @@
   for the copy, and a cache's rows are two tensors; prefetched as the step is.
 * `used_slots`: the slots an iteration reads, and each input's index among them
   (`trainer.boundary._UsedSlots`), on every device: the directive's bookkeeping is host work.
+* `end_indices`, `in_ascending`: the rest of that bookkeeping's passes over the directive's
+  lists (`trainer.boundary.Boundary`: the indices of the end of an iteration, and which
+  written keys are in sync_later), one pass each where numpy took a dozen between them:
+  `Boundary.plan` 240 rather than 320 us an iteration at T = 2 (bench/e2e.py's quick job).
 
 numba costs about 0.4 s and 40 MB of a trainer's memory to import, which the trainers' zygote
 pays once (launcher/zygote.py); the kernels are compiled for their signatures when this
@@ -191,3 +195,86 @@ def used_slots(flat: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.
     for i in range(flat.shape[0]):
         inverse[i] = index[flat[i]]
     return slots[:n], index, inverse
+
+
+_ASCENDING = [types.boolean[::1](_read_only(types.int64, 1), _read_only(types.int64, 1))]
+
+
+@KERNELS.compiled(_ASCENDING, nogil=True)
+def in_ascending(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """``np.isin(values, pool)`` for two strictly ascending arrays (a directive's key lists),
+    by one merge of the two: O(n + m), where a binary search per value is O(n log m) and
+    several numpy passes (`common.arrays.in_sorted`). ValueError if either is not strictly
+    ascending."""
+    n, m = values.shape[0], pool.shape[0]
+    for i in range(1, n):
+        if values[i] <= values[i - 1]:
+            raise ValueError("in_ascending: values not strictly ascending")
+    for j in range(1, m):
+        if pool[j] <= pool[j - 1]:
+            raise ValueError("in_ascending: pool not strictly ascending")
+    found = np.zeros(n, np.bool_)
+    j = 0
+    for i in range(n):
+        while j < m and pool[j] < values[i]:
+            j += 1
+        if j == m:
+            break
+        found[i] = pool[j] == values[i]
+    return found
+
+
+_END = [types.Tuple((types.int64[::1], types.int64[::1], types.int64[::1], types.int32[::1], types.int64[::1],
+                     types.int32[::1]))(
+    _read_only(types.int64, 1), _read_only(types.int64, 1), _read_only(types.int32, 1), _read_only(types.int32, 1),
+    _read_only(types.int32, 1))]
+
+
+@KERNELS.compiled(_END, nogil=True)
+def end_indices(
+    index: np.ndarray, used: np.ndarray, now_slots: np.ndarray, later_slots: np.ndarray, leave_slots: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The indices of an iteration's end (`trainer.boundary.EndIndices`) from `used_slots`'s
+    `used` slots and their `index` (by slot, its index among them, -1 elsewhere and at its
+    last entry, which slot -1 reads): each sync_now and each sync_later slot's index among
+    the used slots (-1: not used, or -1 itself); the used slots in neither list, as indices
+    and as slots; and the sync_later entries that stay (slot >= 0 and not among
+    `leave_slots`), as indices into the list and as slots. Every sync slot must be below
+    ``index.shape[0] - 1`` (IndexError otherwise); a leave slot may be anywhere. One pass
+    over each list, where numpy takes a dozen."""
+    size, count = index.shape[0] - 1, used.shape[0]
+    left = np.ones(count + 1, np.bool_)  # the last entry takes the slots not used
+    lists = (now_slots, later_slots)
+    positions = (np.empty(now_slots.shape[0], np.int64), np.empty(later_slots.shape[0], np.int64))
+    for k in range(2):
+        slots, out = lists[k], positions[k]
+        for i in range(slots.shape[0]):
+            s = slots[i]
+            if s < -1 or s >= size:
+                raise IndexError("end_indices: a sync slot is outside the table")
+            p = index[s] if s >= 0 else -1
+            out[i] = p
+            left[p if p >= 0 else count] = False
+    alone = np.empty(count, np.int64)
+    n = 0
+    for p in range(count):
+        alone[n] = p
+        n += left[p]
+    alone_slots = np.empty(n, np.int32)
+    for i in range(n):
+        alone_slots[i] = used[alone[i]]
+    leaving = np.zeros(size + 1, np.bool_)
+    for i in range(leave_slots.shape[0]):
+        s = leave_slots[i]
+        if 0 <= s < size:  # a slot the table does not reach is no sync_later slot
+            leaving[s] = True
+    stay = np.empty(later_slots.shape[0], np.int64)
+    m = 0
+    for i in range(later_slots.shape[0]):
+        s = later_slots[i]
+        stay[m] = i
+        m += s >= 0 and not leaving[s]
+    stay_slots = np.empty(m, np.int32)
+    for i in range(m):
+        stay_slots[i] = later_slots[stay[i]]
+    return positions[0], positions[1], alone[:n], alone_slots, stay[:m], stay_slots

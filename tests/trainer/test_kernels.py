@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.kernels import gather_rows, scatter_rows, used_slots
+from common.arrays import in_sorted
+from trainer.kernels import end_indices, gather_rows, in_ascending, scatter_rows, used_slots
 
 
 @settings(max_examples=80, deadline=None)
@@ -61,3 +62,60 @@ def test_a_slot_outside_the_table_or_a_wrong_shape_changes_nothing(kernel: objec
     with pytest.raises(ValueError, match="shapes do not match"):
         kernel(table, state, np.array([1, 2], np.int32), np.ones((2, 3), np.float32), row_state)  # type: ignore[operator]
     assert not table.any() and not state.any() and np.all(rows == 1) and np.all(row_state == 1)
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.setflags(write=False)  # as a directive decoded from its wire buffer
+    return values
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 300), m=st.integers(0, 300), span=st.integers(1, 1000), seed=st.integers(0, 2**31 - 1))
+def test_in_ascending_is_numpys_isin(n: int, m: int, span: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    values, pool = (_read_only(np.unique(rng.integers(-span, span, size=k))) for k in (n, m))
+    found = in_ascending(values, pool)
+    assert found.dtype == np.bool_ and np.array_equal(found, np.isin(values, pool))
+    assert np.array_equal(found, in_sorted(values, pool))
+
+
+@pytest.mark.parametrize("values", [[1, 1], [2, 1]])
+def test_in_ascending_refuses_lists_out_of_order(values: list[int]) -> None:
+    with pytest.raises(ValueError, match="not strictly ascending"):
+        in_ascending(np.array(values, np.int64), np.arange(3))
+    with pytest.raises(ValueError, match="not strictly ascending"):
+        in_ascending(np.arange(3), np.array(values, np.int64))
+
+
+@settings(max_examples=80, deadline=None)
+@given(inputs=st.integers(1, 300), capacity=st.integers(1, 300), sync=st.integers(0, 200), leave=st.integers(0, 200),
+       seed=st.integers(0, 2**31 - 1))
+def test_end_indices_are_their_numpy_definitions(inputs: int, capacity: int, sync: int, leave: int, seed: int) -> None:
+    """Over sync lists with slots used, not used and -1, and leave slots anywhere (beyond the
+    table too): each sync slot's index among the used ones, the used ones in neither list,
+    and the sync_later entries whose slot is >= 0 and does not leave."""
+    rng = np.random.default_rng(seed)
+    flat = _read_only(rng.integers(0, capacity, size=inputs).astype(np.int32))
+    now, later = (_read_only(rng.integers(-1, capacity, size=sync).astype(np.int32)) for _ in range(2))
+    leaving = _read_only(rng.integers(0, 2 * capacity, size=leave).astype(np.int32))
+    size = capacity  # every slot of the lists above is below it
+    used, index, _ = used_slots(flat, size)
+    now_at, later_at, alone, alone_slots, stay, stay_slots = end_indices(index, used, now, later, leaving)
+
+    def positions(slots: np.ndarray) -> np.ndarray:
+        return np.array([np.searchsorted(used, s) if s >= 0 and s in used else -1 for s in slots], np.int64)
+
+    assert np.array_equal(now_at, positions(now)) and np.array_equal(later_at, positions(later))
+    want_alone = np.flatnonzero(~np.isin(used, np.concatenate([now, later])))
+    assert np.array_equal(alone, want_alone) and np.array_equal(alone_slots, used[want_alone].astype(np.int32))
+    want_stay = np.flatnonzero((later >= 0) & ~np.isin(later, leaving))
+    assert np.array_equal(stay, want_stay) and np.array_equal(stay_slots, later[want_stay])
+    assert {a.dtype for a in (now_at, later_at, alone, stay)} == {np.dtype(np.int64)}
+    assert alone_slots.dtype == stay_slots.dtype == np.int32
+
+
+def test_end_indices_refuse_a_sync_slot_beyond_the_table() -> None:
+    used, index, _ = used_slots(np.array([0, 2], np.int32), 3)
+    with pytest.raises(IndexError, match="outside the table"):
+        end_indices(index, used, np.array([3], np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+
