@@ -192,8 +192,9 @@ def store_rows(job: Job) -> StoreRows:
 
 
 def lone_engine(job: Job, rows: RowSource | None, name: str) -> tuple[Engine, Collectives]:
-    """The engine of one trainer (`job` of T = 1) on the CPU, over `rows` (None in local mode), with process groups of its own named after `name` (one name per
-    engine in a process), and its collectives, to close after its drain."""
+    """The engine of one trainer (`job` of T = 1) on the CPU, over `rows` (None in local
+    mode), with process groups of its own named after `name` (one name per engine in a
+    process), and its collectives, to close after its drain."""
     groups, background = process_groups(1, name), process_groups(1, f"{name}-background")
     device = select_device("cpu", 0)
     comm = Collectives(world_size=1, rank=0, group=groups[0], background=background[0])

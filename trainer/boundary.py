@@ -268,7 +268,7 @@ class Boundary:
         if prev is None:
             return Leave(iteration=-1, keys=_NO_I64, slots=_NO_I32, flush=_NO_BOOL, hold=_NO_BOOL, freed=_NO_I32)
         keys = prev.write_keys
-        hold = in_ascending(np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(prev.sync_later_keys, np.int64))
+        hold = in_ascending(_int64(keys), _int64(prev.sync_later_keys))
         flush = prev.write_flush.astype(bool)
         if hold.any():
             later = self._later[prev.iteration]
@@ -402,6 +402,11 @@ def _slots_in(slots: np.ndarray, pool: np.ndarray) -> np.ndarray:
 def _int32(slots: np.ndarray) -> np.ndarray:
     """Slots as the kernels take them: contiguous int32 (a directive's already are)."""
     return np.ascontiguousarray(slots, np.int32)
+
+
+def _int64(keys: np.ndarray) -> np.ndarray:
+    """Keys as the kernels take them: contiguous int64 (a directive's already are)."""
+    return np.ascontiguousarray(keys, np.int64)
 
 
 def _table_size(*slot_lists: np.ndarray) -> int:
