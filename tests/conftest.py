@@ -50,7 +50,7 @@ _COMPILERS = (("bagpipe",), tuple(m for m in MODES if m != "bagpipe"))
 def pytest_configure(config: pytest.Config) -> None:
     """In the controller (or a run without workers): start compiling the kernels at once,
     in processes that share one lock on the compile lock file and hold it until they end."""
-    if hasattr(config, "workerinput") or config.option.collectonly:
+    if hasattr(config, "workerinput") or config.option.collectonly or _plans_nothing(config.args, config.rootpath):
         return
     from oracle.compiled import is_compiled
 
@@ -67,6 +67,13 @@ def pytest_configure(config: pytest.Config) -> None:
 #: Tests that never plan, in process or in an oracle they start: they run while the kernels
 #: compile (a run with cold kernels would otherwise leave a core idle for about 15 s).
 _PLAN_NOTHING = ("tests/ps/", "tests/common/")
+
+
+def _plans_nothing(args: list[str], root: Path) -> bool:
+    """Whether every path pytest was given lies in `_PLAN_NOTHING` (`pytest tests/ps`)."""
+    paths = [(Path.cwd() / a.split("::")[0]).resolve() for a in args]
+    folders = [(root / f).resolve() for f in _PLAN_NOTHING]
+    return bool(paths) and all(any(p.is_relative_to(f) for f in folders) for p in paths)
 
 
 class _Kernels:
