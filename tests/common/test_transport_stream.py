@@ -21,6 +21,20 @@ def test_reader_reassembles_any_split(messages: list[bytes], cuts: list[int]) ->
     stream = b"".join(encode_message(m) for m in messages)
     reader = MessageReader()
     out = [m for chunk in _split(stream, cuts) for m in reader.feed(chunk)]
+    assert out == messages and all(type(m) is bytes for m in out)
+    assert reader.at_boundary
+
+
+@given(st.lists(st.binary(max_size=300), max_size=12), st.lists(st.integers(0, 10_000)))
+def test_reader_copies_what_it_keeps_of_a_reused_buffer(messages: list[bytes], cuts: list[int]) -> None:
+    """A transport may hand over views of one buffer it refills for every chunk: what waits
+    for the rest of its message is copied, not viewed."""
+    stream = b"".join(encode_message(m) for m in messages)
+    reader, buffer, out = MessageReader(), bytearray(len(stream) + 1), []
+    for chunk in _split(stream, cuts):
+        buffer[: len(chunk)] = chunk
+        out += reader.feed(memoryview(buffer)[: len(chunk)])
+        buffer[:] = b"\xff" * len(buffer)  # the next read overwrites it
     assert out == messages
     assert reader.at_boundary
 
