@@ -30,7 +30,7 @@ if not __package__:  # run as a script: the repository root holds the packages
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
-from trainer.collectives import Collectives  # noqa: E402
+from trainer.collectives import Collectives, calm_gloo_loops  # noqa: E402
 
 NAME = "sync_sum"
 METHODS = ("all_reduce", "sum_rows", "gather_fold")
@@ -46,6 +46,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    calm_gloo_loops()  # as a trainer does
     comm = Collectives(world_size=world, rank=rank, group=dist.group.WORLD)
     for rows in sizes:
         timings: dict[str, list[float]] = {name: [] for name in METHODS}

@@ -58,6 +58,7 @@ from common.spec import load_spec
 from launcher.memory import RSS_FILE, RssRecorder
 from launcher.summary import RunSummary, summarise
 from oracle.startup import build_workload
+from trainer.collectives import calm_gloo_loops
 from trainer.models import build_model
 from trainer.optim import build_dense_optimizer
 from trainer.records import FinalRecord, IterationRecord, RecordWriter, ThreadsRecord, read_run
@@ -128,6 +129,7 @@ def _rank_main(rank: int, spec_path: Path, run_dir: Path, init_method: str | Non
     torch.set_num_threads(job.spec.trainers.threads)
     rendezvous = init_method or (run_dir / "rendezvous").resolve().as_uri()
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    calm_gloo_loops()  # as our trainers do (trainer/collectives.py)
     records = RecordWriter(run_dir / f"trainer-{rank}.jsonl")
     try:
         batches = _local_batches(job, rank, world)

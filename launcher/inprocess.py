@@ -38,7 +38,7 @@ from oracle.startup import build_workload, planner_config
 from ps.client import Rows
 from ps.startup import shard_config
 from ps.store import ShardStore
-from trainer.collectives import Collectives
+from trainer.collectives import Collectives, calm_gloo_loops
 from trainer.device import select_device
 from trainer.engine import Engine, IterationStats, RowSource
 from trainer.startup import build_engine, seeded_model
@@ -127,6 +127,7 @@ def process_groups(world_size: int, name: str = "main") -> list[Any]:
         groups[rank] = group
 
     _run_ranks(world_size, join)
+    calm_gloo_loops()
     return groups
 
 

@@ -4,14 +4,24 @@ DDP's communication hook, for the dense ones."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.inprocess import _run_ranks, process_groups
-from trainer.collectives import TRAINING_THREAD_TAG, Collectives, PairSum, ordered_sum, peers_unreachable
+from trainer.collectives import (
+    GLOO_LOOP_THREAD,
+    TRAINING_THREAD_TAG,
+    Collectives,
+    PairSum,
+    calm_gloo_loops,
+    ordered_sum,
+    peers_unreachable,
+)
 
 
 def _ranks(world: int, name: str, work: Callable[[Collectives], object]) -> list[object]:
@@ -173,3 +183,15 @@ def test_a_collective_whose_peers_do_not_answer_names_them_and_the_timeout() -> 
 def test_other_failures_are_left_as_they_are(exc: BaseException) -> None:
     assert peers_unreachable(exc, 0, 2, 8.0) is None
     assert peers_unreachable(RuntimeError("Timed out"), 0, 1, 8.0) is None  # one trainer has no peers
+
+
+def test_gloo_loop_threads_do_not_preempt_the_threads_that_send() -> None:
+    """A group's gloo loop thread runs under SCHED_BATCH once the in-process harness has made
+    it, so that it never preempts a sender holding its connection's lock and spins in
+    epoll_wait until the tick (`calm_gloo_loops`)."""
+    process_groups(2, "calm")
+    tasks = Path("/proc/self/task")
+    loops = [int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == GLOO_LOOP_THREAD]
+    assert loops, "gloo no longer names its loop threads gloo_tcp_loop: calm_gloo_loops finds none"
+    assert all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in loops)
+    assert sorted(calm_gloo_loops()) == sorted(loops)
