@@ -49,10 +49,23 @@ def _search_sorted(values: np.ndarray, pool: np.ndarray) -> tuple[np.ndarray, np
 
 
 def has_duplicates(values: np.ndarray) -> bool:
-    """Whether some value occurs twice: by sorting, several times faster than `np.unique`,
-    which hashes integers in numpy 2."""
+    """Whether some value occurs twice: by sorting (see `sorted_unique`)."""
     ordered = np.sort(values)
     return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)``: the distinct values of any shape's elements, ascending. By one
+    sort: numpy 2's `np.unique` hashes integers and then sorts what it found, 4 to 9 times
+    slower for 6,400 to 26,624 keys (2 to 2.5 times where a few keys repeat a lot). Its
+    `return_inverse` and `return_counts` forms sort, and are not slower."""
+    ordered = np.sort(values, axis=None)
+    if ordered.size < 2:
+        return ordered
+    first = np.empty(ordered.size, bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
 
 
 def rows_where(mask: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.arrays import sorted_unique
 from common.checkpoints import is_checkpoint
 from common.directive import WRITE_LAG, landed_through
 from common.errors import ConfigError
@@ -231,7 +232,7 @@ def required_capacity(config: PlannerConfig, batches: Iterable[np.ndarray]) -> i
     for batch in batches:
         per = check_batch_size(config, batch.shape[0])
         for j in range(config.num_trainers):
-            used = np.unique(batch[j * per : (j + 1) * per])
+            used = sorted_unique(batch[j * per : (j + 1) * per])
             used = used[~np.isin(used, hot)]
             if workers > 1:
                 need = max(need, int(np.bincount(key_partitions(used, workers), minlength=workers).max()))

@@ -160,7 +160,8 @@ class LivePlanner:
             if self._carried.keys.size:
                 landed = self.config.landed_through(y)
                 directives = [self._carried.raise_min_versions(d, landed) for d in directives]
-            self._recent.append((y, np.unique(np.concatenate([d.write_keys for d in directives]))))
+            # a key written by several trainers is there several times: `_Versions.of` keeps one
+            self._recent.append((y, np.concatenate([d.write_keys for d in directives])))
             out.append(directives)
         return out
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.arrays import in_sorted
+from common.arrays import in_sorted, sorted_unique
 from common.directive import Directive
 from common.spec import Mode
 from oracle.bagpipe import BagpipeRules
@@ -344,7 +344,7 @@ def _joins(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The keys joined (ascending), and per trainer and key the slot it sends and the slot it
     receives into, or -1: int32 [T, keys] each."""
-    keys = np.unique(dst[:, EV_KEY])
+    keys = sorted_unique(dst[:, EV_KEY])
     send = np.full((num_trainers, keys.size), -1, np.int32)
     recv = np.full((num_trainers, keys.size), -1, np.int32)
     send[src[:, EV_TRAINER], np.searchsorted(keys, src[:, EV_KEY])] = src[:, EV_SLOT]

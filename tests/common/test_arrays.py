@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.arrays import FEW, bounds, find_sorted, has_duplicates, in_sorted, lazy_zeros, rows_where
+from common.arrays import FEW, bounds, find_sorted, has_duplicates, in_sorted, lazy_zeros, rows_where, sorted_unique
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -27,6 +27,16 @@ def test_has_duplicates_is_unique_shorter(seed: int) -> None:
     rng = np.random.default_rng(seed)
     values = rng.integers(0, 60, rng.integers(0, 12))
     assert has_duplicates(values) == (len(np.unique(values)) < len(values))
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32])
+def test_sorted_unique_is_unique(seed: int, dtype: type) -> None:
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-40, 60, (rng.integers(0, 5), rng.integers(0, 9))).astype(dtype)  # any shape
+    got = sorted_unique(values)
+    assert got.dtype == values.dtype
+    np.testing.assert_array_equal(got, np.unique(values))
 
 
 def test_has_duplicates_at_the_edges() -> None:
