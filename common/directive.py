@@ -177,7 +177,9 @@ class Directive:
         for name in ("prefetch_keys", "join_keys", "sync_now_keys", "sync_later_keys", "write_keys"):
             _check(getattr(self, name).size == 0 or getattr(self, name).min() >= 0, f"{name} < 0")
         for name in ("join_keys", "sync_now_keys", "sync_later_keys", "write_keys"):
-            _check(bool(np.all(np.diff(getattr(self, name)) > 0)), f"{name} not strictly ascending")
+            keys = getattr(self, name)
+            # compared in place: np.diff would allocate the differences first (twice the time)
+            _check(bool((keys[1:] > keys[:-1]).all()), f"{name} not strictly ascending")
         _check(
             self.prefetch_targets.size == 0 or self.prefetch_targets.min() >= self.iteration,
             "prefetch_targets before the directive's iteration",

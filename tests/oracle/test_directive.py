@@ -52,6 +52,7 @@ def test_round_trip_is_exact() -> None:
     [
         {"prefetch_slots": np.array([4], np.int32)},  # lengths differ
         {"join_keys": np.array([12, 11], np.int64)},  # not ascending
+        {"join_keys": np.array([12, 12], np.int64)},  # not strictly
         {"sync_now_slots": np.array([-2], np.int32)},
         {"prefetch_targets": np.array([2, 5], np.int32)},  # before the iteration
         {"write_slots": np.array([2, 3], np.int32)},  # lengths differ
