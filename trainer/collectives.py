@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import logging
 import os
 import queue
 import socket
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from common.addresses import address_towards
 from common.errors import Unavailable
 from common.spec import Endpoint
+
+log = logging.getLogger(__name__)
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -316,6 +319,9 @@ def calm_gloo_loops() -> list[int]:
             os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
         except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
             continue
+        except PermissionError as exc:  # a sandbox that forbids it (seccomp): slower, still correct
+            log.warning("gloo's loop threads keep their scheduling policy: SCHED_BATCH is forbidden here (%s)", exc)
+            return calmed
         calmed.append(int(task))
     return calmed
 

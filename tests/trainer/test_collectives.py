@@ -195,3 +195,17 @@ def test_gloo_loop_threads_do_not_preempt_the_threads_that_send() -> None:
     assert loops, "gloo no longer names its loop threads gloo_tcp_loop: calm_gloo_loops finds none"
     assert all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in loops)
     assert sorted(calm_gloo_loops()) == sorted(loops)
+
+
+def test_a_sandbox_that_forbids_the_policy_leaves_the_loops_as_they_are(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where seccomp forbids sched_setscheduler, a trainer starts anyway and says so."""
+    process_groups(2, "calm")
+
+    def forbidden(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", forbidden)
+    assert calm_gloo_loops() == []
+    assert "SCHED_BATCH is forbidden here" in caplog.text
