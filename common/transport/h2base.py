@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -26,9 +27,10 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import numpy as np
 from h2.errors import ErrorCodes
 from h2.frame_buffer import FrameBuffer
-from hyperframe.exceptions import InvalidPaddingError
+from hyperframe.exceptions import InvalidDataError, InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import (
     DataFrame,
     Frame,
@@ -62,6 +64,9 @@ SMALL_BODY = 64 * 1024
 #: MAX_FRAME_SIZE (64 MiB) before decoding, or judging, any of it (`BoundedFrameBuffer`).
 MAX_HEADER_BLOCK = 32 * 1024
 _FRAME_HEADER = 9
+# hyperframe's frame header: length (24 bits, as 16 + 8), type, flags, stream id.
+_HEADER = struct.Struct(">HBBBL")
+_DATA, _END_STREAM, _PADDED = 0x0, 0x1, 0x8
 _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
 
 
@@ -98,8 +103,26 @@ class BoundedFrameBuffer(FrameBuffer):
     def __next__(self) -> Frame:
         if len(self._data) >= _FRAME_HEADER:
             self._judge(self._data)
+            if self._data[3] == _DATA and not self._data[4] & _PADDED and not self._headers_buffer:
+                return self._data_frame()
         # FrameBuffer reads on by calling self.__next__ again: every frame passes here.
         return super().__next__()
+
+    def _data_frame(self) -> Frame:
+        """The next frame, an unpadded DATA frame, with its payload copied once out of the
+        buffer (h2 copies it twice: a slice of the buffer, then `tobytes`)."""
+        try:
+            frame, length = Frame.parse_frame_header(memoryview(self._data[:_FRAME_HEADER]))
+        except (InvalidDataError, InvalidFrameError) as err:  # a DATA frame on stream 0
+            raise h2.exceptions.ProtocolError(f"Received frame with invalid header: {err!s}") from err
+        end = _FRAME_HEADER + length
+        if len(self._data) < end:
+            raise StopIteration
+        with memoryview(self._data) as view:
+            frame.data = view[_FRAME_HEADER:end].tobytes()
+        frame.body_len = length
+        del self._data[:end]
+        return frame
 
     def _judge(self, head: bytearray) -> None:
         length, kind = int.from_bytes(head[:3], "big"), head[3]
@@ -162,6 +185,55 @@ class QuietH2Connection(h2.connection.H2Connection):
         table = self._frame_dispatch_table
         for cls, quiet in _QUIET.items():
             table[quiet] = table[cls]
+        # Output queued behind `_data_to_send`: the uncopied payloads, each after the frames
+        # queued before it (`outbound`).
+        self._uncopied: list[bytes | memoryview] = []
+
+    def send_data_uncopied(self, stream_id: int, payload: memoryview, *, end_stream: bool) -> None:
+        """`send_data` without a copy of `payload`: the payload itself, not h2's serialised
+        copy of it, goes to the transport (`outbound`), so it must not change until written.
+
+        h2 copies a DATA frame's payload four times before it reaches the socket (the
+        stream's `tobytes`, hyperframe's body and header joins, the connection's buffer and
+        `data_to_send`'s `bytes`), each into a fresh allocation the size of the payload: on a
+        PS shard answering 1 MB fetches that was a third of its CPU, and the fresh pages most
+        of the rest (docs/design.md#transport). h2 copies a memoryview but keeps a numpy
+        array as it is, and takes its length for flow control; `_prepare_for_sending` then
+        queues the array's buffer behind the frame's header rather than serialising it."""
+        self.send_data(stream_id, np.frombuffer(payload, np.uint8), end_stream=end_stream)
+
+    def _prepare_for_sending(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            data = frame.data if isinstance(frame, DataFrame) else None
+            if not isinstance(data, np.ndarray):
+                self._data_to_send += frame.serialize()
+                continue
+            flags = _END_STREAM if "END_STREAM" in frame.flags else 0  # never PADDED: ours
+            length = len(data)
+            self._data_to_send += _HEADER.pack(length >> 8, length & 0xFF, _DATA, flags, frame.stream_id)
+            self._uncopied.append(bytes(self._data_to_send))
+            self._uncopied.append(memoryview(data))
+            self._data_to_send = bytearray()
+
+    def outbound(self) -> list[bytes | memoryview]:
+        """What to write to the transport next, in order (`data_to_send` as buffers: the
+        payloads of `send_data_uncopied` among them, not copied)."""
+        parts, self._uncopied = self._uncopied, []
+        if self._data_to_send:
+            parts.append(bytes(self._data_to_send))
+            self._data_to_send = bytearray()
+        return parts
+
+    def data_to_send(self, amount: int | None = None) -> bytes:
+        if amount is not None and self._uncopied:
+            raise ValueError("data_to_send(amount) with uncopied payloads queued: use outbound()")
+        if not self._uncopied:
+            return super().data_to_send(amount)
+        return b"".join(self.outbound())
+
+    def clear_outbound_data_buffer(self) -> None:
+        super().clear_outbound_data_buffer()
+        self._uncopied = []
 
     def receive_frames(
         self, data: bytes, limit: int, handle: Callable[[list[h2.events.Event]], bool]
@@ -414,9 +486,12 @@ class H2Protocol(asyncio.Protocol):
 
     # -- the one writer ------------------------------------------------------------------
     def flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        parts = self.conn.outbound()
+        if parts and self.transport is not None and not self.transport.is_closing():
+            if len(parts) == 1:
+                self.transport.write(parts[0])
+            else:
+                self.transport.writelines(parts)  # one writev, payloads uncopied
 
     def flush_soon(self) -> None:
         """Flush once the callers the event loop runs in this turn have queued their frames:
@@ -466,14 +541,16 @@ class H2Protocol(asyncio.Protocol):
         self, stream_id: int, parts: Sequence[bytes | memoryview], *, end_stream: bool
     ) -> None:
         """Send `parts` as DATA frames within the peer's windows; raises StreamGone if the
-        peer resets the stream, the connection's error if it dies."""
+        peer resets the stream, the connection's error if it dies. The parts go to the
+        socket without a copy (`send_data_uncopied`): they must not change until the stream
+        has ended (a request's until its answer came, an answer's ever: ours are fresh)."""
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
         try:
             for i, view in enumerate(views):
                 while view.nbytes:
                     n = await self._window_for(stream_id, view.nbytes)
                     last = end_stream and i == len(views) - 1 and n == view.nbytes
-                    self.conn.send_data(stream_id, view[:n], end_stream=last)
+                    self.conn.send_data_uncopied(stream_id, view[:n], end_stream=last)
                     view = view[n:]
                     self.flush()
                     await self.drain()

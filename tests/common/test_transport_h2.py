@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
+import numpy as np
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
@@ -263,6 +265,67 @@ def test_received_data_frames_are_not_hex_formatted(monkeypatch: pytest.MonkeyPa
     events = server.receive_data(client.data_to_send())
     received = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
     assert sum(map(len, received)) == MAX_FRAME_SIZE
+
+
+_POST = [(":method", "POST"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+
+
+def test_an_uncopied_payload_goes_out_as_itself_in_the_bytes_h2_would_send() -> None:
+    ours, server = _handshake()
+    reference, _ = _handshake()
+    payload = np.arange(3_000, dtype=np.float32)  # 12,000 bytes
+    view = memoryview(payload).cast("B")
+    for conn in (ours, reference):
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, _POST)
+    ours.send_data_uncopied(stream_id, view[:8_000], end_stream=False)
+    ours.send_data_uncopied(stream_id, view[8_000:], end_stream=True)
+    reference.send_data(stream_id, view[:8_000].tobytes())
+    reference.send_data(stream_id, view[8_000:].tobytes(), end_stream=True)
+
+    parts = ours.outbound()
+    assert b"".join(parts) == reference.data_to_send()
+    uncopied = [p for p in parts if isinstance(p, memoryview)]
+    assert [p.nbytes for p in uncopied] == [8_000, 4_000]
+    assert all(np.shares_memory(np.asarray(p), payload) for p in uncopied)
+    assert ours.local_flow_control_window(stream_id) == reference.local_flow_control_window(stream_id)
+    assert ours.outbound() == []
+
+    events = server.receive_data(b"".join(parts))
+    received = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert received == view.tobytes()
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+
+
+def test_data_to_send_still_returns_everything_queued_in_order() -> None:
+    client, _ = _handshake()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, _POST)
+    client.send_data_uncopied(stream_id, memoryview(b"payload"), end_stream=False)
+    client.ping(b"12345678")  # a frame queued after the payload goes after it
+    sent = client.data_to_send()
+    assert sent.index(b"payload") < sent.index(b"12345678")
+    assert client.outbound() == []
+
+
+def test_received_data_frames_padded_or_not_carry_their_payload() -> None:
+    client, server = _handshake()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, _POST)
+    client.send_data(stream_id, b"plain")
+    client.send_data(stream_id, b"padded", pad_length=7)  # h2's own parser
+    client.send_data(stream_id, b"", end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    assert [e.data for e in events if isinstance(e, h2.events.DataReceived)] == [b"plain", b"padded", b""]
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+
+
+def test_a_data_frame_on_stream_zero_is_a_protocol_error() -> None:
+    _, server = _handshake()
+    frame = DataFrame(1, data=b"x").serialize()
+    frame = frame[:5] + bytes(4) + frame[9:]  # stream 0
+    with pytest.raises(h2.exceptions.ProtocolError):
+        server.receive_data(frame)
 
 
 def _request_and_answer(client: h2.connection.H2Connection, server: h2.connection.H2Connection) -> None:
