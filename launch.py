@@ -232,10 +232,11 @@ def role_tls(args: argparse.Namespace, spec: ClusterSpec | None) -> TlsSection |
 
 
 def run_role(args: argparse.Namespace) -> int:
-    from common.runtime import configure_logging, pin_process, raise_file_limit
+    from common.runtime import configure_logging, pin_process, raise_file_limit, tune_malloc
 
     configure_logging(f"{args.role}[{'?' if args.index is None else args.index}]")
     raise_file_limit()
+    tune_malloc()
     if args.cpus:
         pin_process(args.cpus)
     if args.coordinator:

@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
 from bench.fetch_load import FetchLoad, Fetches, H2Requests  # noqa: E402
 from common.keys import TableLayout  # noqa: E402
+from common.runtime import tune_malloc  # noqa: E402
 from common.spec import Endpoint, TlsSection  # noqa: E402
 from common.transport import H2Server, Http1Server, Tls, run  # noqa: E402
 from common.transport.http import Request, start_handler  # noqa: E402
@@ -127,6 +128,8 @@ def _service(dim: int, rows: int = TABLE_ROWS, shard: int = 0, num_shards: int =
 def _serve(dim: int, rows: int, ports: mp.Queue, stop: mp.Event, tls_files: TlsSection | None = None,
            shard: int = 0, num_shards: int = 1) -> None:
     """The shard: HTTP/2 and HTTP/1.1 ports, and the same over TLS with `tls_files` (`PORTS`)."""
+    tune_malloc()  # as every role does (launch.py)
+
     async def main() -> None:
         service = _service(dim, rows, shard, num_shards)
         tls = _tls(tls_files)
@@ -410,6 +413,7 @@ async def _count_fetches(
 
 def _fetch_client(jobs: mp.Queue, answers: mp.Queue) -> None:
     """A client process: runs `_count_fetches` for each job until it gets None."""
+    tune_malloc()
     while (job := jobs.get()) is not None:
         run(_count_fetches(*job, jobs, answers))
 
@@ -722,6 +726,7 @@ def _print_row(r: dict) -> None:
 
 
 def main() -> int:
+    tune_malloc()  # this process is the client, tuned as a trainer is (launch.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter runs (under a minute)")
     parser.add_argument("--in-flight", type=int, default=8)

@@ -1,5 +1,5 @@
 """Process plumbing shared by the long-running roles: logging, the file-descriptor limit,
-the cores a trainer keeps to, the ready file, the servers' limits, stopping, and starting
+malloc's reuse of large blocks, the cores a trainer keeps to, the ready file, the servers' limits, stopping, and starting
 again as a fresh process (an elastic job's next term).
 
 A role started by the launcher writes a small JSON "ready file" once its servers listen, so
@@ -10,6 +10,7 @@ stop the servers in order.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import resource
@@ -54,6 +55,32 @@ def raise_file_limit() -> int:
             return soft
     log.info("open-file limit %d", hard)
     return hard
+
+
+#: glibc's malloc serves blocks up to this size from its heap, reusing freed ones (`tune_malloc`).
+MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper bound on 64-bit
+#: Free memory at the top of the heap that glibc keeps rather than handing back to the kernel.
+MALLOC_TRIM_THRESHOLD = 64 * 1024 * 1024
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+
+
+def tune_malloc() -> bool:
+    """Let glibc's malloc reuse large freed blocks rather than map fresh pages for each one;
+    whether it applied (False where the C library has no `mallopt`).
+
+    By default glibc maps every block above its threshold (128 KiB at first, raised by
+    frees up to 32 MiB, with the heap trimmed above twice that) afresh and unmaps it when
+    freed, so a buffer of a fetch's rows costs a page fault per 4 KiB each time it is made:
+    on a PS shard answering 1 MB fetches that was half its CPU (bench/ps_fetch.py: 0.71
+    against 0.35 us per row served), on a trainer 1,700 faults a second. With fixed
+    thresholds the heap keeps up to `MALLOC_TRIM_THRESHOLD` of freed memory for the next
+    block instead (docs/design.md#transport)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) & mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
 def trainer_cpus(available: Iterable[int], trainers: int, threads: int, rank: int) -> tuple[int, ...] | None:
