@@ -17,6 +17,7 @@ in one turn of the event loop together. A small body (`fits_now`) goes as one DA
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import struct
 from collections.abc import Callable, Sequence
@@ -27,7 +28,6 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-import numpy as np
 from h2.errors import ErrorCodes
 from h2.frame_buffer import FrameBuffer
 from hyperframe.exceptions import InvalidDataError, InvalidFrameError, InvalidPaddingError
@@ -189,30 +189,31 @@ class QuietH2Connection(h2.connection.H2Connection):
         # queued before it (`outbound`).
         self._uncopied: list[bytes | memoryview] = []
 
-    def send_data_uncopied(self, stream_id: int, payload: memoryview, *, end_stream: bool) -> None:
-        """`send_data` without a copy of `payload`: the payload itself, not h2's serialised
-        copy of it, goes to the transport (`outbound`), so it must not change until written.
+    def send_data_uncopied(self, stream_id: int, buffers: list[memoryview], *, end_stream: bool) -> None:
+        """`send_data` of one DATA frame whose payload is `buffers` in turn, none of them
+        copied: they go to the transport as they are (`outbound`), so they must not change
+        until written.
 
         h2 copies a DATA frame's payload four times before it reaches the socket (the
         stream's `tobytes`, hyperframe's body and header joins, the connection's buffer and
         `data_to_send`'s `bytes`), each into a fresh allocation the size of the payload: on a
-        PS shard answering 1 MB fetches that was a third of its CPU, and the fresh pages most
-        of the rest (docs/design.md#transport). h2 copies a memoryview but keeps a numpy
-        array as it is, and takes its length for flow control; `_prepare_for_sending` then
-        queues the array's buffer behind the frame's header rather than serialising it."""
-        self.send_data(stream_id, np.frombuffer(payload, np.uint8), end_stream=end_stream)
+        PS shard answering 1 MB fetches that was a third of its CPU (docs/design.md#transport).
+        h2 copies a memoryview but keeps any other payload as it is, needing only its length
+        (flow control); `_prepare_for_sending` queues an `_Uncopied` payload's buffers behind
+        the frame header it packs instead of serialising the frame."""
+        self.send_data(stream_id, _Uncopied(buffers), end_stream=end_stream)
 
     def _prepare_for_sending(self, frames: list[Frame]) -> None:
         for frame in frames:
-            data = frame.data if isinstance(frame, DataFrame) else None
-            if not isinstance(data, np.ndarray):
+            payload = frame.data if isinstance(frame, DataFrame) else None
+            if not isinstance(payload, _Uncopied):
                 self._data_to_send += frame.serialize()
                 continue
             flags = _END_STREAM if "END_STREAM" in frame.flags else 0  # never PADDED: ours
-            length = len(data)
+            length = len(payload)
             self._data_to_send += _HEADER.pack(length >> 8, length & 0xFF, _DATA, flags, frame.stream_id)
             self._uncopied.append(bytes(self._data_to_send))
-            self._uncopied.append(memoryview(data))
+            self._uncopied.extend(payload.buffers)
             self._data_to_send = bytearray()
 
     def outbound(self) -> list[bytes | memoryview]:
@@ -349,6 +350,35 @@ class Waiters:
 
 # Events after which a blocked sender must look again: more window, or no stream left.
 _WINDOW_EVENTS = (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged, h2.events.StreamReset)
+
+
+class _Uncopied:
+    """A DATA frame's payload as buffers sent as they are (`send_data_uncopied`); h2 needs
+    only its length."""
+
+    __slots__ = ("buffers", "nbytes")
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self.buffers, self.nbytes = buffers, sum(b.nbytes for b in buffers)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def _take(views: collections.deque[memoryview], n: int) -> list[memoryview]:
+    """The first `n` bytes of `views` (byte views), taken off its front: whole views, and
+    the start of the last one where it does not fit."""
+    taken: list[memoryview] = []
+    while n:
+        view = views[0]
+        if view.nbytes <= n:
+            taken.append(views.popleft())
+            n -= view.nbytes
+        else:
+            taken.append(view[:n])
+            views[0] = view[n:]
+            n = 0
+    return taken
 
 
 class StreamGone(Exception):
@@ -544,19 +574,20 @@ class H2Protocol(asyncio.Protocol):
         peer resets the stream, the connection's error if it dies. The parts go to the
         socket without a copy (`send_data_uncopied`): they must not change until the stream
         has ended (a request's until its answer came, an answer's ever: ours are fresh)."""
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        views = collections.deque(v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes)
+        left = sum(v.nbytes for v in views)
         try:
-            for i, view in enumerate(views):
-                while view.nbytes:
-                    n = await self._window_for(stream_id, view.nbytes)
-                    last = end_stream and i == len(views) - 1 and n == view.nbytes
-                    self.conn.send_data_uncopied(stream_id, view[:n], end_stream=last)
-                    view = view[n:]
-                    self.flush()
-                    await self.drain()
-            if end_stream and not views:
+            if end_stream and not left:
                 self.conn.end_stream(stream_id)
                 self.flush()
+            # Frames as large as the window allows, each across as many parts as fit: one
+            # frame, not one a part, for a message of a header and a few arrays.
+            while left:
+                n = await self._window_for(stream_id, left)
+                left -= n
+                self.conn.send_data_uncopied(stream_id, _take(views, n), end_stream=end_stream and not left)
+                self.flush()
+                await self.drain()
         except h2.exceptions.StreamClosedError as exc:
             raise StreamGone(f"stream {stream_id} closed") from exc
 

@@ -4,6 +4,7 @@ and the sans-IO connection setup (two h2 connections wired together in memory)."
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import string
@@ -33,6 +34,7 @@ from common.transport.h2base import (
     MAX_FRAME_SIZE,
     MAX_HEADER_BLOCK,
     STREAM_WINDOW,
+    _take,
     initiate,
     new_connection,
 )
@@ -278,15 +280,15 @@ def test_an_uncopied_payload_goes_out_as_itself_in_the_bytes_h2_would_send() -> 
     for conn in (ours, reference):
         stream_id = conn.get_next_available_stream_id()
         conn.send_headers(stream_id, _POST)
-    ours.send_data_uncopied(stream_id, view[:8_000], end_stream=False)
-    ours.send_data_uncopied(stream_id, view[8_000:], end_stream=True)
+    ours.send_data_uncopied(stream_id, [view[:8_000]], end_stream=False)
+    ours.send_data_uncopied(stream_id, [view[8_000:10_000], view[10_000:]], end_stream=True)  # one frame
     reference.send_data(stream_id, view[:8_000].tobytes())
     reference.send_data(stream_id, view[8_000:].tobytes(), end_stream=True)
 
     parts = ours.outbound()
     assert b"".join(parts) == reference.data_to_send()
     uncopied = [p for p in parts if isinstance(p, memoryview)]
-    assert [p.nbytes for p in uncopied] == [8_000, 4_000]
+    assert [p.nbytes for p in uncopied] == [8_000, 2_000, 2_000]
     assert all(np.shares_memory(np.asarray(p), payload) for p in uncopied)
     assert ours.local_flow_control_window(stream_id) == reference.local_flow_control_window(stream_id)
     assert ours.outbound() == []
@@ -297,11 +299,19 @@ def test_an_uncopied_payload_goes_out_as_itself_in_the_bytes_h2_would_send() -> 
     assert any(isinstance(e, h2.events.StreamEnded) for e in events)
 
 
+def test_frames_are_cut_across_parts_by_the_window_not_one_a_part() -> None:
+    parts = collections.deque(memoryview(b) for b in (b"head", b"0123456789", b"xy"))
+    frames = [_take(parts, n) for n in (3, 9, 4)]
+    assert [[bytes(v) for v in frame] for frame in frames] == [
+        [b"hea"], [b"d", b"01234567"], [b"89", b"xy"]]
+    assert not parts
+
+
 def test_data_to_send_still_returns_everything_queued_in_order() -> None:
     client, _ = _handshake()
     stream_id = client.get_next_available_stream_id()
     client.send_headers(stream_id, _POST)
-    client.send_data_uncopied(stream_id, memoryview(b"payload"), end_stream=False)
+    client.send_data_uncopied(stream_id, [memoryview(b"payload")], end_stream=False)
     client.ping(b"12345678")  # a frame queued after the payload goes after it
     sent = client.data_to_send()
     assert sent.index(b"payload") < sent.index(b"12345678")
