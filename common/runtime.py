@@ -1,6 +1,6 @@
 """Process plumbing shared by the long-running roles: logging, the file-descriptor limit,
-malloc's reuse of large blocks, the cores a trainer keeps to, the ready file, the servers' limits, stopping, and starting
-again as a fresh process (an elastic job's next term).
+malloc's reuse of large blocks, the cores a trainer keeps to, the ready file, the servers'
+limits, stopping, and starting again as a fresh process (an elastic job's next term).
 
 A role started by the launcher writes a small JSON "ready file" once its servers listen, so
 the launcher learns the ports chosen for port 0 without parsing logs; SIGTERM and SIGINT
