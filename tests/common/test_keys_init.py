@@ -53,6 +53,15 @@ def test_split_by_shard_is_stable_and_complete() -> None:
     assert [p.tolist() for p in parts] == [[2], [3, 4], [0, 1, 5]]
 
 
+@pytest.mark.parametrize("num_shards", [2, 3, 8, 300])
+def test_split_by_shard_gives_each_shard_its_positions_in_order(num_shards: int) -> None:
+    keys = np.random.default_rng(num_shards).integers(0, 1 << 40, 5_000)
+    parts = split_by_shard(keys, num_shards)
+    assert len(parts) == num_shards
+    for shard, positions in enumerate(parts):
+        assert positions.tolist() == np.flatnonzero(keys % num_shards == shard).tolist()
+
+
 def test_initial_rows_are_pure_in_seed_and_key() -> None:
     keys = np.array([0, 5, 10, 19])
     rows = initial_rows(LAYOUT, 42, keys, 8)
