@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ _FAULTS_OF_MEGABYTE_BUFFERS = (
 )
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_tuned_malloc_reuses_large_blocks_instead_of_faulting_in_fresh_pages() -> None:
     def faults(mode: str) -> int:
         out = subprocess.run([sys.executable, "-c", _FAULTS_OF_MEGABYTE_BUFFERS, mode], cwd=ROOT,
