@@ -1,7 +1,8 @@
 """What the exact embedding-gradient sum costs: `Collectives.sum_rows` (rank-ordered above two
-trainers: an all-to-all, a fold in rank order and an all-gather, `trainer.collectives.ordered_sum`)
-against gloo's ring all-reduce, and against what it replaced (every buffer gathered and folded),
-over real trainer processes on loopback, for the buffer sizes a sync list has.
+trainers: each chunk sent to its rank, folded there in rank order and sent to every rank,
+`trainer.collectives.OrderedSum`) against gloo's ring all-reduce, and against what it replaced
+(every buffer gathered and folded), over real trainer processes on loopback, for the buffer
+sizes a sync list has.
 
     python bench/sync_sum.py [--trainers 3 4 8] [--rows 512 4096 32768] [--dim 16] [--rounds 20]
 
@@ -30,6 +31,7 @@ if not __package__:  # run as a script: the repository root holds the packages
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import Table, add_result_options, config_of, results_path, write_results  # noqa: E402
+from common.runtime import tune_malloc  # noqa: E402
 from trainer.collectives import Collectives, calm_gloo_loops  # noqa: E402
 
 NAME = "sync_sum"
@@ -44,6 +46,7 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: int, out: dict) -> None:
     torch.set_num_threads(1)
+    tune_malloc()  # as every role does (launch.py): a sum's fresh result reuses freed memory
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     calm_gloo_loops()  # as a trainer does

@@ -115,9 +115,11 @@ class Collectives:
         could differ in its last bits, and modes lay their sync buffers out differently.
 
         Two trainers need no care (a + b = b + a): a `PairSum`, one exchange. More reduce in
-        rank order at the cost of a ring all-reduce (`ordered_sum`): each trainer receives
+        rank order at the cost of a ring all-reduce (`OrderedSum`): each trainer receives
         about 2 (T - 1) / T of the buffer whatever T is. Above two trainers the result is a
-        new tensor (the input's values are kept); at two it is the input, summed in place.
+        new tensor (the input's values are kept, and must not change until `wait()`); at two
+        it is the input, summed in place. Sums started on the training thread are waited
+        for in the order they were started.
 
         Joins are summed here too, though any order would do for them (one trainer sends
         each row, the others zeros): `ordered_sum` is faster than gloo's all-reduce from
@@ -128,12 +130,14 @@ class Collectives:
         if not background:
             if self.world_size == 2:
                 return _sum_of_two(self.group, tensor, self.rank, TRAINING_THREAD_TAG)
+            if tensor.is_cpu:
+                return RowSum(None, OrderedSum(self.group, tensor, self.rank, self.world_size, TRAINING_THREAD_TAG).wait)
             total = ordered_sum(self.group, tensor, self.rank, self.world_size)
             return RowSum(None, lambda: total)
         # Started on the background thread at any T: what starts a sum runs on the calling
-        # thread (an exchange's socket writes, 177 us for 56k floats; an all-to-all's launch
-        # copy), which the training thread need not pay for.
-        sum_of = _background_sum_of_two if self.world_size == 2 else ordered_sum
+        # thread (the socket writes of its sends, 177 us for 56k floats), and the fold on
+        # the thread that waits, neither of which the training thread need pay for.
+        sum_of = _background_sum_of_two if self.world_size == 2 else _background_ordered_sum
         future = self._background_runner().submit(sum_of, self.background, tensor, self.rank, self.world_size)
         return RowSum(None, future.result)
 
@@ -221,31 +225,101 @@ def _background_sum_of_two(group: Any, tensor: torch.Tensor, rank: int, world_si
     return _sum_of_two(group, tensor, rank, BACKGROUND_TAG).wait()
 
 
-def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """The elementwise sum of `tensor` over the group's T ranks, added in rank order, as a new
-    tensor shaped like it (blocking).
+def _background_ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """`ordered_sum` on the background thread, with its tags."""
+    return ordered_sum(group, tensor, rank, world_size, BACKGROUND_TAG)
 
-    The flat buffer is cut into T chunks. An all-to-all sends chunk r of every rank to rank
-    r, which adds the T copies in rank order; an all-gather then gives every rank every
-    folded chunk. Each rank receives (T - 1) chunks twice: 2 (T - 1) / T of the buffer, what
-    a ring all-reduce receives, where gathering every buffer would take T - 1 of them.
-    """
-    flat = tensor.reshape(-1)
+
+class OrderedSum:
+    """The elementwise sum of `tensor` over the group's T ranks, added in rank order, into a
+    new tensor shaped like it: started here, finished by `wait()`. Host memory (gloo's send
+    and recv); `tensor` must not change until `wait()` returns.
+
+    The flat buffer is cut into T chunks. Every rank sends its chunk r to rank r, which adds
+    the T copies in rank order as they arrive and sends the folded chunk to every rank. Each
+    rank receives T - 1 chunks twice: 2 (T - 1) / T of the buffer, what a ring all-reduce
+    receives, where gathering every buffer would take T - 1 of them.
+
+    Every message is posted at once, each rank's gathered chunks received where they belong
+    in the result: gloo's all-to-all exchanges with one peer after another, and two of them
+    took 1.4-2.7x the time of an all-reduce for 32k rows of 16 floats at T = 3-8, against
+    0.8-1.3x this way (docs/design.md, "Embedding sync"). Messages of one tag pair up in the
+    order they were sent, so the sums a thread starts on a group must be waited for in the
+    order they were started (every rank starting them in the same order)."""
+
+    def __init__(self, group: Any, tensor: torch.Tensor, rank: int, world_size: int, tag: int) -> None:
+        flat = tensor.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        n = flat.numel()
+        chunk = -(-n // world_size)
+        spans = [(min(r * chunk, n), min((r + 1) * chunk, n)) for r in range(world_size)]
+        scatter, gather = _ordered_tags(tag)
+        peers = [r for r in range(world_size) if r != rank]
+        begin, end = spans[rank]
+        self._shape, self._rank = tensor.shape, rank
+        self._own = flat[begin:end]
+        self._out = torch.empty(n, dtype=flat.dtype, device=flat.device)
+        self._folded = self._out[begin:end]
+        copies = torch.empty(len(peers), end - begin, dtype=flat.dtype, device=flat.device)
+        self._copies = dict(zip(peers, copies, strict=True))
+        self._arrivals = {r: group.recv([self._copies[r]], r, scatter) for r in peers if end > begin}
+        # a rank whose chunk is empty (fewer elements than ranks) sends and receives none of it
+        others = [(r, *spans[r]) for r in peers if spans[r][0] < spans[r][1]]
+        self._gathered = [group.recv([self._out[b:e]], r, gather) for r, b, e in others]
+        self._sent = [group.send([flat[b:e]], r, scatter) for r, b, e in others]
+        self._group, self._peers, self._gather_tag = group, peers, gather
+
+    def wait(self) -> torch.Tensor:
+        if len(self._folded):
+            parts = [self._part(r) for r in range(2)]
+            torch.add(parts[0], parts[1], out=self._folded)
+            for r in range(2, len(self._peers) + 1):
+                self._folded.add_(self._part(r))
+            self._sent += [self._group.send([self._folded], r, self._gather_tag) for r in self._peers]
+        for work in self._gathered + self._sent:
+            work.wait()
+        return self._out.view(self._shape)
+
+    def _part(self, rank: int) -> torch.Tensor:
+        """Rank `rank`'s copy of this rank's chunk, once it has arrived."""
+        if rank == self._rank:
+            return self._own
+        self._arrivals[rank].wait()
+        return self._copies[rank]
+
+
+def _ordered_tags(tag: int) -> tuple[int, int]:
+    """The tags of an `OrderedSum`'s scattered chunks and gathered ones, for a thread's tag:
+    apart from each other and from every thread's `PairSum`."""
+    return 16 + 2 * tag, 17 + 2 * tag
+
+
+def ordered_sum(group: Any, tensor: torch.Tensor, rank: int, world_size: int, tag: int = TRAINING_THREAD_TAG) -> torch.Tensor:
+    """The elementwise sum of `tensor` over the group's T > 2 ranks, added in rank order, as
+    a new tensor shaped like it (blocking): an `OrderedSum` in host memory, two all-to-alls
+    on a device (`ordered_sum_by_all_to_all`; NCCL's all-to-all is one call)."""
+    if tensor.is_cpu:
+        return OrderedSum(group, tensor, rank, world_size, tag).wait()
+    return ordered_sum_by_all_to_all(group, tensor, rank, world_size)
+
+
+def ordered_sum_by_all_to_all(group: Any, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """`OrderedSum`'s chunks, folds and bits by two all-to-alls (blocking): for tensors on a
+    device, where gloo's send and recv take host memory only."""
+    flat = tensor.reshape(-1).contiguous()
     n = flat.numel()
     chunk = -(-n // world_size)
     sizes = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
     mine = sizes[rank]
     received = torch.empty(world_size * mine, dtype=flat.dtype, device=flat.device)
-    group.alltoall_base(received, flat.contiguous(), [mine] * world_size, sizes).wait()
+    group.alltoall_base(received, flat, [mine] * world_size, sizes).wait()
     folded = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
     copies = received.view(world_size, mine)
     folded[:mine] = copies[0]
     for r in range(1, world_size):
         folded[:mine].add_(copies[r])
     gathered = torch.empty(world_size * chunk, dtype=flat.dtype, device=flat.device)
-    # The all-gather, as an all-to-all that sends this rank's chunk to every rank: the same
-    # bytes, and gloo's all-to-all is faster than its all-gather (32k rows at T = 8, the
-    # whole sum: 21 against 27 ms; bench/sync_sum.py, two alternating runs of 20 rounds).
     group.alltoall_base(gathered, folded.repeat(world_size), [chunk] * world_size, [chunk] * world_size).wait()
     return gathered[:n].view(tensor.shape)
 

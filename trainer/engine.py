@@ -219,7 +219,7 @@ class Engine:
             # by position, not by mask: torch's boolean index_put finds the positions itself
             buf.index_copy_(0, self.cache.index(send), torch.cat([rows, state], dim=1))
         # One holder sends, the others add zeros: exact copies. At T = 2 step 3 runs while it
-        # travels; above, `ordered_sum` is blocking, and still faster than an all-reduce.
+        # travels; above, its chunks do (`OrderedSum`), the fold and the gather at step 4.
         self._joined = self.comm.sum_rows(buf)
 
     def _leave(self, a: Leave) -> None:

@@ -20,6 +20,7 @@ from trainer.collectives import (
     PairSum,
     calm_gloo_loops,
     ordered_sum,
+    ordered_sum_by_all_to_all,
     peers_unreachable,
 )
 
@@ -63,6 +64,47 @@ def test_ordered_sum_adds_every_element_in_rank_order(world: int, shape: tuple[i
     for got in _ranks(world, f"ordered-{world}", work):
         assert isinstance(got, torch.Tensor) and got.shape == shape
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("shape", [(2, 3), (1000, 16)])
+def test_the_device_path_by_all_to_all_has_the_same_bits(world: int, shape: tuple[int, ...]) -> None:
+    """What a tensor on a device takes (gloo runs its all-to-all on host memory too)."""
+    def work(comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+        t = _operands(comm.rank, shape)
+        return ordered_sum_by_all_to_all(comm.group, t, comm.rank, comm.world_size), t
+
+    want = _in_rank_order([_operands(r, shape) for r in range(world)])
+    for rank, got in enumerate(_ranks(world, f"all-to-all-{world}", work)):
+        assert isinstance(got, tuple) and torch.equal(got[0], want)
+        assert torch.equal(got[1], _operands(rank, shape))  # the input is kept
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_sums_in_flight_on_both_threads_pair_up_in_the_order_started(world: int) -> None:
+    """Above two trainers a training-thread sum travels from `sum_rows` to `wait()` (a join
+    while step 3 runs): several at once, of sizes down to fewer elements than ranks, beside
+    background sums on the same group (the in-process harness's default), each ends as the
+    rank-ordered sum, and its input unchanged."""
+    shapes = [(1,), (7, 16), (3000, 17), (2,)]
+
+    def work(comm: Collectives) -> list[torch.Tensor]:
+        comm = Collectives(world_size=comm.world_size, rank=comm.rank, group=comm.group)  # background = group
+        inputs = [_operands(comm.rank + 10 * i, s) for i, s in enumerate(shapes)]
+        later = [comm.sum_rows(_operands(comm.rank + 20 * i, s), background=True) for i, s in enumerate(shapes)]
+        now = [comm.sum_rows(t) for t in inputs]
+        try:
+            got = [s.wait() for s in now + later]
+        finally:
+            comm.close()
+        assert all(torch.equal(t, _operands(comm.rank + 10 * i, s)) for i, (t, s) in enumerate(zip(inputs, shapes, strict=True)))
+        return got
+
+    want = ([_in_rank_order([_operands(r + 10 * i, s) for r in range(world)]) for i, s in enumerate(shapes)]
+            + [_in_rank_order([_operands(r + 20 * i, s) for r in range(world)]) for i, s in enumerate(shapes)])
+    for got in _ranks(world, f"in-flight-{world}", work):
+        assert isinstance(got, list)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_ring_all_reduce_adds_in_another_order() -> None:
