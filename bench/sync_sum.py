@@ -7,10 +7,12 @@ sizes a sync list has.
     python bench/sync_sum.py [--trainers 3 4 8] [--rows 512 4096 32768] [--dim 16] [--rounds 20]
 
 Prints, per trainer count and buffer size, the median time of each (rounds alternate between
-them) and the bytes each trainer receives, computed from each algorithm (the most any rank
-receives): a ring all-reduce 2 (T - 1) / T of the buffer, `sum_rows` (T - 1) chunks of it
-twice, gather-and-fold T - 1 whole buffers. The results add the spread (min, max) over the
-rounds. `--smoke`: 3 trainers, 64 rows, 2 rounds.
+them), `sum_rows`'s time over the all-reduce's as the ratio of the medians and as the median
+of the ratios within a round (each round times the methods one after another, so the
+machine's drift between rounds cancels), and the bytes each trainer receives, computed from
+each algorithm (the most any rank receives): a ring all-reduce 2 (T - 1) / T of the buffer,
+`sum_rows` (T - 1) chunks of it twice, gather-and-fold T - 1 whole buffers. The results add
+the spread (min, max) over the rounds. `--smoke`: 3 trainers, 64 rows, 2 rounds.
 """
 
 from __future__ import annotations
@@ -66,9 +68,20 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], dim: int, rounds: 
                 _gather_fold(comm, buf)
             timings[name].append(time.perf_counter() - start)
         if rank == 0:
+            # each round times the methods one after another: the ratio within a round is
+            # what the machine's drift (a third from minute to minute here) disturbs least
+            pairs = [s / a for s, a in zip(timings["sum_rows"], timings["all_reduce"], strict=True)]
             out[rows] = {k: statistics.median(v) * 1e3 for k, v in timings.items()} | {
-                f"{k}_range": [min(v) * 1e3, max(v) * 1e3] for k, v in timings.items()}
+                f"{k}_range": [min(v) * 1e3, max(v) * 1e3] for k, v in timings.items()} | {
+                "ratio_of_rounds": statistics.median(pairs), "ratio_of_rounds_quartiles": _quartiles(pairs)}
     dist.destroy_process_group()
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
 
 
 def _gather_fold(comm: Collectives, buf: torch.Tensor) -> torch.Tensor:
@@ -110,14 +123,15 @@ def main() -> None:
         out = mp.Manager().dict()
         mp.spawn(_rank, args=(t, _free_port(), sizes, args.dim, rounds, out), nprocs=t)
         print(f"{t} trainers, dim {args.dim}, median of {rounds} alternating rounds (ms); KiB received")
-        print(f"{'rows':>8} {'all_reduce':>11} {'sum_rows':>9} {'gather_fold':>12} {'ratio':>6} "
+        print(f"{'rows':>8} {'all_reduce':>11} {'sum_rows':>9} {'gather_fold':>12} {'ratio':>6} {'by round':>9} "
               f"{'recv all_reduce':>16} {'recv sum_rows':>14} {'recv gather':>12}")
         for rows in sizes:
             ms = out[rows]
             recv = {m: received_bytes(m, t, rows, row_bytes) for m in METHODS}
             print(f"{rows:>8} {ms['all_reduce']:>11.3f} {ms['sum_rows']:>9.3f} {ms['gather_fold']:>12.3f} "
-                  f"{ms['sum_rows'] / ms['all_reduce']:>5.2f}x {recv['all_reduce'] / 1024:>16.1f} "
-                  f"{recv['sum_rows'] / 1024:>14.1f} {recv['gather_fold'] / 1024:>12.1f}")
+                  f"{ms['sum_rows'] / ms['all_reduce']:>5.2f}x {ms['ratio_of_rounds']:>8.2f}x "
+                  f"{recv['all_reduce'] / 1024:>16.1f} {recv['sum_rows'] / 1024:>14.1f} "
+                  f"{recv['gather_fold'] / 1024:>12.1f}")
             result.append({"trainers": t, "rows": rows, **ms, **{f"recv_bytes_{m}": recv[m] for m in METHODS}})
     config = config_of(args, trainers=counts, rows=sizes, rounds=rounds)
     figures = {
@@ -127,6 +141,9 @@ def main() -> None:
                              for r in result if r["rows"] == max(sizes)},
         "sync_time_ratio": {str(r["trainers"]): r["sum_rows"] / r["all_reduce"]
                             for r in result if r["rows"] == max(sizes)},
+        # the median over rounds of sum_rows / all_reduce timed in the same round
+        "sync_time_ratio_of_rounds": {str(r["trainers"]): r["ratio_of_rounds"]
+                                      for r in result if r["rows"] == max(sizes)},
     }
     write_results(results_path(NAME, args.json, args.smoke), bench=NAME, config=config, figures=figures,
                   headline=headline(result), smoke=args.smoke)
@@ -136,10 +153,11 @@ def headline(result: list[dict]) -> Table:
     """Per trainer count and buffer size: median ms of each (the spread of sum_rows), the
     ratio to the all-reduce, the KiB each receives."""
     columns = ("trainers", "rows", "all_reduce ms", "sum_rows ms", "spread", "gather_fold ms", "ratio",
-               "recv KiB all_reduce", "recv KiB sum_rows", "recv KiB gather_fold")
+               "ratio by round", "quartiles", "recv KiB all_reduce", "recv KiB sum_rows", "recv KiB gather_fold")
     return Table(columns, tuple(
         (r["trainers"], r["rows"], r["all_reduce"], r["sum_rows"], _spread(r["sum_rows_range"]), r["gather_fold"],
-         r["sum_rows"] / r["all_reduce"], r["recv_bytes_all_reduce"] / 1024, r["recv_bytes_sum_rows"] / 1024,
+         r["sum_rows"] / r["all_reduce"], r["ratio_of_rounds"], _spread(r["ratio_of_rounds_quartiles"]),
+         r["recv_bytes_all_reduce"] / 1024, r["recv_bytes_sum_rows"] / 1024,
          r["recv_bytes_gather_fold"] / 1024) for r in result))
 
 
