@@ -242,8 +242,8 @@ class OrderedSum:
 
     Every message is posted at once, each rank's gathered chunks received where they belong
     in the result: gloo's all-to-all exchanges with one peer after another, and two of them
-    took 1.4-2.7x the time of an all-reduce for 32k rows of 16 floats at T = 3-8, against
-    0.8-1.3x this way (docs/design.md, "Embedding sync"). Messages of one tag pair up in the
+    took 1.0-2.7x the time of an all-reduce for 32k rows of 16 floats at T = 3-8, against
+    0.7-1.45x this way (docs/design.md, "Embedding sync"). Messages of one tag pair up in the
     order they were sent, so the sums a thread starts on a group must be waited for in the
     order they were started (every rank starting them in the same order)."""
 
