@@ -269,8 +269,14 @@ class OrderedSum:
         self._gathered = [group.recv([self._out[b:e]], r, gather) for r, b, e in others]
         self._sent = [group.send([flat[b:e]], r, scatter) for r, b, e in others]
         self._group, self._peers, self._gather_tag = group, peers, gather
+        self._done = False
 
     def wait(self) -> torch.Tensor:
+        """The sum; the first call finishes it (a gloo request may be waited for once),
+        later ones return it again."""
+        if self._done:
+            return self._out.view(self._shape)
+        self._done = True
         if len(self._folded):
             parts = [self._part(r) for r in range(2)]
             torch.add(parts[0], parts[1], out=self._folded)

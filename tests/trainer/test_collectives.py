@@ -17,6 +17,7 @@ from trainer.collectives import (
     GLOO_LOOP_THREAD,
     TRAINING_THREAD_TAG,
     Collectives,
+    OrderedSum,
     PairSum,
     calm_gloo_loops,
     ordered_sum,
@@ -64,6 +65,18 @@ def test_ordered_sum_adds_every_element_in_rank_order(world: int, shape: tuple[i
     for got in _ranks(world, f"ordered-{world}", work):
         assert isinstance(got, torch.Tensor) and got.shape == shape
         assert torch.equal(got, want)
+
+
+def test_an_ordered_sum_waited_twice_is_finished_once() -> None:
+    def work(comm: Collectives) -> torch.Tensor:
+        started = OrderedSum(comm.group, _operands(comm.rank, (30, 4)), comm.rank, comm.world_size, TRAINING_THREAD_TAG)
+        got = started.wait()
+        again = started.wait()  # a second wait on gloo's requests would wait out the timeout
+        assert again.data_ptr() == got.data_ptr() and torch.equal(again, got)
+        return got
+
+    want = _in_rank_order([_operands(r, (30, 4)) for r in range(3)])
+    assert all(torch.equal(got, want) for got in _ranks(3, "twice-3", work))
 
 
 @pytest.mark.parametrize("world", [3, 8])
