@@ -5,11 +5,14 @@ DDP's communication hook, for the dense ones."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.inprocess import _run_ranks, process_groups
@@ -231,6 +234,37 @@ def test_a_collective_whose_peers_do_not_answer_names_them_and_the_timeout() -> 
     assert "Timed out waiting 20000ms" in error.message and error.fields["peers"] == [0, 2]
     reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.4]:123")
     assert peers_unreachable(reset, 0, 2, 8.0).message.startswith("trainer 0: a collective with trainer 1 failed")
+
+
+def test_an_ordered_sum_whose_peer_never_comes_fails_naming_it_within_the_timeout() -> None:
+    """Above two trainers a sum waits on every peer: one that never starts it (a trainer
+    dead or cut off) fails the others after the group's timeout, with the error that names
+    the peers and the setting, not a hang."""
+    world, timeout_s = 3, 2.0
+    store, groups = dist.HashStore(), [None] * world
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("absent-peer", store), rank, world,
+                                             timedelta(seconds=timeout_s))
+
+    _run_ranks(world, join)
+    errors: dict[int, object] = {}
+
+    def work(rank: int) -> None:
+        if rank == 2:
+            return  # never starts the sum
+        with pytest.raises(RuntimeError) as raised:
+            OrderedSum(groups[rank], torch.ones(300, 4), rank, world, TRAINING_THREAD_TAG).wait()
+        errors[rank] = peers_unreachable(raised.value, rank, world, timeout_s)
+
+    start = time.monotonic()
+    _run_ranks(world, work)
+    assert time.monotonic() - start < 10 * timeout_s
+    for rank in (0, 1):
+        error = errors[rank]
+        assert error is not None, f"rank {rank}'s failure is not recognised as a peer's"
+        assert error.message.startswith(f"trainer {rank}: a collective with trainers ")  # type: ignore[attr-defined]
+        assert error.fields["peers"] == [r for r in range(world) if r != rank]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("exc", [ValueError("Timed out"), RuntimeError("CUDA out of memory"),
