@@ -176,6 +176,15 @@ def _send(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> 
         sock.send(data)
 
 
+def _ready(sock: socket.socket, events: int, timeout_s: float) -> None:
+    """Wait until the socket is ready for `events` or `timeout_s` passes. poll, not select:
+    select cannot watch a descriptor numbered 1024 or above, which a trainer with many
+    connections and files open reaches."""
+    poller = select.poll()
+    poller.register(sock, events)
+    poller.poll(timeout_s * 1000)
+
+
 # -- the trainer's side ------------------------------------------------------------------------
 
 
@@ -308,7 +317,7 @@ class SharedRows:
                 _send(self._sock, message, fds)
                 return
             except BlockingIOError:
-                select.select([self._sock], [self._sock], [], 1.0)
+                _ready(self._sock, select.POLLIN | select.POLLOUT, 1.0)
                 self._read()
             except OSError as exc:
                 self._lost(exc)
@@ -332,7 +341,7 @@ class SharedRows:
                 if concurrent.futures.Future.done(future):
                     return
             # the socket's readiness, outside the lock: another thread may read meanwhile
-            select.select([self._sock], [], [], 0.5 if left is None else min(left, 0.5))
+            _ready(self._sock, select.POLLIN, 0.5 if left is None else min(left, 0.5))
 
     def _read(self) -> None:
         while self._gone is None:

@@ -82,6 +82,29 @@ def test_fetches_and_write_backs_match_a_client_in_this_process(shards: Shards) 
         shards.io.run(direct.close())
 
 
+@pytest.fixture
+def descriptors_past_1024() -> Iterator[None]:
+    """Over a thousand descriptors open before the channel's socket is made, as in a trainer
+    with many connections and files (select() cannot watch such a descriptor; poll can)."""
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    while held[-1] < 1100:
+        held.append(os.dup(held[0]))
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_channel_whose_descriptor_is_past_1024_still_waits_and_reads(descriptors_past_1024: None,
+                                                                       shards: Shards) -> None:
+    assert shards.helper.rows._sock.fileno() >= 1024
+    keys = np.arange(40, dtype=np.int64)
+    got = shards.helper.rows.fetch(keys, np.full(len(keys), -1)).result(10)
+    assert got.rows.shape == (40, DIM)
+    shards.helper.rows.release(got)
+
+
 def test_the_shared_memory_is_lent_again_once_released(shards: Shards) -> None:
     rows = shards.helper.rows
     keys = np.arange(40, dtype=np.int64)
