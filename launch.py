@@ -53,6 +53,7 @@ import dataclasses
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.spec), resume=args.resume, run_dir=args.run_dir, quiet=args.quiet, until=args.until,
             tls=TlsChoice(generate=args.tls, mutual=args.tls_mutual, files=tls_files(args, None))))
     faulthandler.enable()  # a role killed by a signal leaves every thread's Python stack in its log
+    # and `kill -USR1 PID` writes them there while it runs: where a role that seems stuck waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.role != "trainer":
         return _reporting_errors(lambda: run_role(args))
     # A trainer leaves without interpreter finalisation. Its process group outlives

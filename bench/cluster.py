@@ -42,10 +42,12 @@ and `--rates` say otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +104,21 @@ class Role:
         lines = self.log_path.read_text(errors="replace").splitlines()[-15:] if self.log_path.exists() else []
         body = "\n".join(f"    {line}" for line in lines) or "    (empty log)"
         return f"{self.name} exited with code {self.process.returncode}; the end of {self.log_path}:\n{body}"
+
+    def dump_stacks(self, timeout_s: float = 5.0) -> bool:
+        """Have a role that is still running write every thread's Python stack into its log
+        (launch.py's SIGUSR1), and wait until it is there; whether it came."""
+        size = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with open(self.log_path, "rb") as log:
+                log.seek(size)
+                if b"most recent call first" in log.read():
+                    return True
+            time.sleep(0.05)
+        return False
 
 
 def start_roles(net: Topology, spec: Path, run_dir: Path, *, port: int) -> list[Role]:

@@ -72,6 +72,9 @@ def run_with_faults(tmp_path: Path, spec: Path, faults: Sequence[Fault], *, unti
             time.sleep(0.05)  # a poll interval: what it waits for is in the records and exit codes
         faults_in.heal()
         codes = {r.name: r.process.poll() for r in trainers}
+        for role in trainers:  # still running when the time was up: where it waits, into its log
+            if codes[role.name] is None:
+                role.dump_stacks()
         if all(code == 0 for code in codes.values()):  # the services exit by themselves once trainers have
             for role in roles:
                 codes[role.name] = role.process.wait(timeout=60)

@@ -374,7 +374,7 @@ def test_a_role_whose_port_is_taken_says_so_in_one_line(tmp_path: Path, role: st
     assert "Traceback" not in done.stderr, done.stderr
 
 
-def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_one_ps_role_serves_health_writes_its_stacks_on_sigusr1_and_stops_on_sigterm(tmp_path: Path) -> None:
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     spec = write_spec(tmp_path, "solo", {})
@@ -412,11 +412,16 @@ def test_one_ps_role_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert status == 200 and shard["shard"] == 0 and shard["num_shards"] == 2, body
         authorised = curl("-X", "POST", "-H", bearer, f"http://127.0.0.1:{port}/v1/fetch")
         assert authorised[0] == 400, authorised
+        # SIGUSR1 writes every thread's stack into the log (where a stuck role waits); it
+        # goes on serving
+        process.send_signal(signal.SIGUSR1)
+        assert curl(f"http://127.0.0.1:{port}/v1/health")[0] == 200
 
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=STOP_S)[0].decode(errors="replace")
         assert process.returncode == 0, output
         assert "stop signal received" in output, output
+        assert "Current thread" in output and "most recent call first" in output, output
         assert_port_free(port)
     finally:
         if process.poll() is None:
