@@ -172,6 +172,13 @@ class Collectives:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def background_failure(self) -> BaseException | None:
+        """The error of a background sum that failed, if one has: a peer is gone. A training
+        thread that waits for something else meanwhile raises it rather than wait on, for
+        what it waits for may never come: a prefetch of a row at the version that peer was
+        to write back, once that sum had ended (`trainer.engine.request_result`)."""
+        return self._runner[0].failure if self._runner else None
+
     def close(self) -> None:
         """Stop the background thread, after the sums it was given."""
         for runner in self._runner:
@@ -190,6 +197,7 @@ class _Runner:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None  # the first call that raised
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -208,6 +216,8 @@ class _Runner:
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # the trainer's thread re-raises it at wait()
+                if self.failure is None:
+                    self.failure = exc
                 future.set_exception(exc)
 
 

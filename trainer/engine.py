@@ -41,6 +41,8 @@ from trainer.collectives import Collectives, RowSum
 from trainer.timing import PhaseTimer
 
 Future = concurrent.futures.Future
+#: How often a wait for the PS looks whether a background sum has failed (`request_result`).
+_FAILURE_CHECK_S = 0.5
 #: Called once every write-back of checkpoint c has been sent, with their futures.
 CheckpointCallback = Callable[[int, list[Future]], None]
 
@@ -158,7 +160,7 @@ class Engine:
         keep = []
         for version, future in self._writes:
             if up_to is None or version <= up_to:
-                future.result()
+                request_result(future, self.comm)
             else:
                 keep.append((version, future))
         self._writes = keep
@@ -258,8 +260,8 @@ class Engine:
         for fetch, staged, slots in self._fetches.pop(a.target, []):
             # The fetch first: a source whose answers are read by whoever waits for them
             # (`trainer.ps_process`) completes it, and so stages it, only then.
-            fetched = fetch.result()
-            self.cache.insert(slots, staged.result())
+            fetched = request_result(fetch, self.comm)
+            self.cache.insert(slots, request_result(staged, self.comm))
             self.rows.release(fetched)  # type: ignore[union-attr]  (a fetch needs a PS)
         self.fetched_rows += len(a.slots)
         assert self._stats is not None
@@ -331,6 +333,23 @@ class Engine:
         """``rows[positions]`` (positions >= 0) by `index_select`: the same copy as indexing
         with a tensor, several times faster on the CPU for rows of a few dozen values."""
         return rows.index_select(0, self.cache.index(positions))
+
+
+def request_result(future: Future, comm: Collectives) -> Any:
+    """`future.result()` of a PS request, raising instead the error of a background sum that
+    fails meanwhile: the peer it waited for is gone, and the request may be waiting for that
+    peer's write-back (a prefetch's version), which the PS would wait out for fetch_timeout_s
+    and the trainer then report as the PS's fault, or not at all while it retries. Looked at
+    every `_FAILURE_CHECK_S`; a request that has answered returns at once."""
+    while True:
+        try:
+            return future.result(timeout=_FAILURE_CHECK_S)
+        except TimeoutError:
+            if future.done():  # the request's own error
+                raise
+            failure = comm.background_failure()
+            if failure is not None:
+                raise failure from None
 
 
 def _acknowledged(write: Future) -> bool:

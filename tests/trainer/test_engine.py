@@ -4,19 +4,23 @@ WRITE_LAG iterations later, and acknowledged ones are not asked about again."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
 from common.errors import Unavailable
 from common.job import build_job
 from common.spec import load_spec
-from launcher.inprocess import StoreRows, lone_engine, plan_steps, store_rows
+from launcher.inprocess import StoreRows, _run_ranks, lone_engine, plan_steps, store_rows
 from tests.cluster_helpers import write_spec
-from trainer.collectives import Collectives
-from trainer.engine import Engine
+from trainer.collectives import Collectives, peers_unreachable
+from trainer.engine import Engine, request_result
 
 
 class CountingRows:
@@ -85,3 +89,50 @@ def test_acknowledged_write_backs_are_not_asked_about_again(tmp_path: Path) -> N
     # each once when done (and once more by the drain), where each boundary asked about every
     # write-back of the last WRITE_LAG iterations
     assert rows.asked <= 2 * rows.writes, (rows.asked, rows.writes)
+
+
+def _waited(future: concurrent.futures.Future, comm: Collectives, limit_s: float) -> tuple[Any, BaseException | None]:
+    """`request_result(future, comm)` on a thread of its own, given at most `limit_s`."""
+    outcome: list[tuple[Any, BaseException | None]] = []
+
+    def wait() -> None:
+        try:
+            outcome.append((request_result(future, comm), None))
+        except BaseException as exc:  # noqa: BLE001  (what the test looks at)
+            outcome.append((None, exc))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(limit_s)
+    assert outcome, f"the wait did not end within {limit_s} s"
+    return outcome[0]
+
+
+def test_a_wait_for_the_ps_ends_with_the_error_of_a_background_sum_that_failed() -> None:
+    """Trainer 0's sync_later sum fails (trainer 1 is gone) while its training thread waits
+    for a PS request only trainer 1 could have answered (a prefetch at the version trainer 1
+    was to write back): the wait ends with the sum's error, within the group's timeout, and
+    the trainer reports its peer, not a PS that timed out fetch_timeout_s later."""
+    world, timeout_s = 2, 1.0
+    store, groups = dist.HashStore(), [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gone-peer", store), rank, world,
+                                             timedelta(seconds=timeout_s))
+
+    _run_ranks(world, join)
+    comm = Collectives(world_size=world, rank=0, group=groups[0], background=groups[0])
+    try:
+        answered: concurrent.futures.Future = concurrent.futures.Future()
+        answered.set_result("rows")
+        assert _waited(answered, comm, 5) == ("rows", None)
+        own_error: concurrent.futures.Future = concurrent.futures.Future()
+        own_error.set_exception(TimeoutError("the PS's own"))
+        assert str(_waited(own_error, comm, 5)[1]) == "the PS's own"
+
+        comm.sum_rows(torch.ones(64, 4), background=True)  # trainer 1 never starts its half
+        _, error = _waited(concurrent.futures.Future(), comm, 10 * timeout_s)  # answered by no one
+        assert isinstance(error, RuntimeError)
+        assert peers_unreachable(error, 0, world, timeout_s) is not None, error
+    finally:
+        comm.close()
