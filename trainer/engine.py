@@ -339,8 +339,8 @@ def request_result(future: Future, comm: Collectives) -> Any:
     """`future.result()` of a PS request, raising instead the error of a background sum that
     fails meanwhile: the peer it waited for is gone, and the request may be waiting for that
     peer's write-back (a prefetch's version), which the PS would wait out for fetch_timeout_s
-    and the trainer then report as the PS's fault, or not at all while it retries. Looked at
-    every `_FAILURE_CHECK_S`; a request that has answered returns at once."""
+    (120 s by default) before the trainer reported it as the PS's fault. Looked at every
+    `_FAILURE_CHECK_S`; a request that has answered returns at once."""
     while True:
         try:
             return future.result(timeout=_FAILURE_CHECK_S)
