@@ -46,6 +46,7 @@ from typing import Protocol
 
 import orjson
 
+from common.poll import ready
 from common.spec import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            if timeout is not None and not _readable(self._pidfd, max(0.0, timeout)):
+            if timeout is not None and not ready(self._pidfd, select.POLLIN, max(0.0, timeout)):
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self._reaped(os.waitpid(self.pid, 0)[1])
         assert self.returncode is not None
@@ -174,7 +175,7 @@ class Zygote:
         return ForkedProcess(pid, [sys.executable, start.script, *start.argv])
 
     def _expect(self, stdout: io.BufferedReader, word: bytes | None) -> bytes:
-        if not _readable(stdout.fileno(), _READY_TIMEOUT_S):
+        if not ready(stdout.fileno(), select.POLLIN, _READY_TIMEOUT_S):
             raise OSError(f"the {self.kind} zygote did not answer within {_READY_TIMEOUT_S:.0f} s")
         line = stdout.readline().strip()
         if not line or (word is not None and line != word):
@@ -412,11 +413,3 @@ def _set_cmdline(text: bytes) -> None:
         return
     data = text[:room].ljust(room, b"\0")
     ctypes.memmove(start, data, room)
-
-
-def _readable(fd: int, timeout_s: float) -> bool:
-    """Whether `fd` becomes readable within `timeout_s` (poll: select() refuses a descriptor
-    above 1023, which a long-lived process such as a test worker may hand out)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(timeout_s * 1000))

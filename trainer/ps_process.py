@@ -45,6 +45,7 @@ import numpy as np
 
 from common import errors
 from common.errors import BagpipeError, Unavailable
+from common.poll import ready
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +175,6 @@ def _send(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> 
         socket.send_fds(sock, [data], fds)
     else:
         sock.send(data)
-
-
-def _ready(sock: socket.socket, events: int, timeout_s: float) -> None:
-    """Wait until the socket is ready for `events` or `timeout_s` passes. poll, not select:
-    select cannot watch a descriptor numbered 1024 or above, which a trainer with many
-    connections and files open reaches."""
-    poller = select.poll()
-    poller.register(sock, events)
-    poller.poll(timeout_s * 1000)
 
 
 # -- the trainer's side ------------------------------------------------------------------------
@@ -317,7 +309,7 @@ class SharedRows:
                 _send(self._sock, message, fds)
                 return
             except BlockingIOError:
-                _ready(self._sock, select.POLLIN | select.POLLOUT, 1.0)
+                ready(self._sock, select.POLLIN | select.POLLOUT, 1.0)
                 self._read()
             except OSError as exc:
                 self._lost(exc)
@@ -341,7 +333,7 @@ class SharedRows:
                 if concurrent.futures.Future.done(future):
                     return
             # the socket's readiness, outside the lock: another thread may read meanwhile
-            _ready(self._sock, select.POLLIN, 0.5 if left is None else min(left, 0.5))
+            ready(self._sock, select.POLLIN, 0.5 if left is None else min(left, 0.5))
 
     def _read(self) -> None:
         while self._gone is None:

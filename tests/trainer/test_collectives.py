@@ -45,6 +45,18 @@ def _ranks(world: int, name: str, work: Callable[[Collectives], object]) -> list
     return out
 
 
+def gloo_groups(world: int, name: str, timeout_s: float) -> list[dist.ProcessGroupGloo]:
+    """A world's gloo groups, one per rank, made afresh (not cached, as `process_groups`'
+    are) with a short timeout: for tests of a peer that never answers."""
+    store, groups = dist.HashStore(), [None] * world
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, timedelta(seconds=timeout_s))
+
+    _run_ranks(world, join)
+    return groups  # type: ignore[return-value]
+
+
 def _in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
     total = parts[0].clone()
     for part in parts[1:]:
@@ -241,13 +253,7 @@ def test_an_ordered_sum_whose_peer_never_comes_fails_naming_it_within_the_timeou
     dead or cut off) fails the others after the group's timeout, with the error that names
     the peers and the setting, not a hang."""
     world, timeout_s = 3, 2.0
-    store, groups = dist.HashStore(), [None] * world
-
-    def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("absent-peer", store), rank, world,
-                                             timedelta(seconds=timeout_s))
-
-    _run_ranks(world, join)
+    groups = gloo_groups(world, "absent-peer", timeout_s)
     errors: dict[int, object] = {}
 
     def work(rank: int) -> None:

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from common.errors import Unavailable
 from common.job import build_job
 from common.spec import load_spec
-from launcher.inprocess import StoreRows, _run_ranks, lone_engine, plan_steps, store_rows
+from launcher.inprocess import StoreRows, lone_engine, plan_steps, store_rows
 from tests.cluster_helpers import write_spec
+from tests.trainer.test_collectives import gloo_groups
 from trainer.collectives import Collectives, peers_unreachable
 from trainer.engine import Engine, request_result
 
@@ -114,13 +113,7 @@ def test_a_wait_for_the_ps_ends_with_the_error_of_a_background_sum_that_failed()
     was to write back): the wait ends with the sum's error, within the group's timeout, and
     the trainer reports its peer, not a PS that timed out fetch_timeout_s later."""
     world, timeout_s = 2, 1.0
-    store, groups = dist.HashStore(), [None, None]
-
-    def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gone-peer", store), rank, world,
-                                             timedelta(seconds=timeout_s))
-
-    _run_ranks(world, join)
+    groups = gloo_groups(world, "gone-peer", timeout_s)
     comm = Collectives(world_size=world, rank=0, group=groups[0], background=groups[0])
     try:
         answered: concurrent.futures.Future = concurrent.futures.Future()
