@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import gc
 import logging
 import mmap
 import os
@@ -429,6 +430,10 @@ class PsProcess:
     def start(cls, *, dim: int, state_width: int, wait_s: float) -> PsProcess:
         rows_here, rows_there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         control_here, control_there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # What the trainer holds is never garbage-collected in the helper: a collection there
+        # would run the destructors of objects whose threads did not come along (gloo's
+        # groups: a segmentation fault), and touching them would copy the pages they share.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the helper
             code = 1
@@ -442,6 +447,7 @@ class PsProcess:
                 log.exception("the PS client process failed")
             finally:
                 os._exit(code)
+        gc.unfreeze()
         rows_there.close()
         control_there.close()
         return cls(pid, SharedRows(rows_here, dim=dim, state_width=state_width, wait_s=wait_s),

@@ -4,6 +4,7 @@ trainer waits, shared memory reused, and a helper that dies failing every reques
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from collections.abc import Iterator
@@ -12,12 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from common.errors import BadRequest, TimedOut, Unavailable
 from common.spec import Endpoint
 from ps.client import PsClient
 from ps.service import PsService
 from tests.ps.conftest import DIM, LAYOUT, TOKEN, make_server, make_service
+from tests.trainer.test_collectives import gloo_groups
+from launcher.inprocess import _run_ranks
+from trainer.collectives import TRAINING_THREAD_TAG, OrderedSum
 from trainer.io_thread import IoThread
 from trainer.ps_process import PsProcess, SegmentPool
 
@@ -101,6 +106,36 @@ def test_a_channel_whose_descriptor_is_past_1024_still_waits_and_reads(descripto
     assert shards.helper.rows._sock.fileno() >= 1024
     keys = np.arange(40, dtype=np.int64)
     got = shards.helper.rows.fetch(keys, np.full(len(keys), -1)).result(10)
+    assert got.rows.shape == (40, DIM)
+    shards.helper.rows.release(got)
+
+
+@pytest.fixture
+def gloo_garbage_at_fork() -> Iterator[None]:
+    """Gloo groups that only the cycle collector can free when the helper is forked, as a
+    test process leaves them (a sum that failed: its traceback holds them in a cycle).
+    Collected in the helper, whose copy has none of their threads, their destructors crash."""
+    groups, errors = gloo_groups(3, "garbage-at-fork", 0.5), {}
+    errors["itself"] = errors  # a cycle: what holds the errors is freed by the collector alone
+
+    def work(rank: int) -> None:
+        if rank < 2:  # rank 2 never answers
+            try:
+                OrderedSum(groups[rank], torch.ones(300, 4), rank, 3, TRAINING_THREAD_TAG).wait()
+            except RuntimeError as exc:
+                errors[rank] = exc  # its traceback holds the group
+
+    gc.disable()
+    try:
+        _run_ranks(3, work)
+        del groups, errors
+    finally:
+        gc.enable()  # the helper is forked next, before allocations trigger a collection
+    yield
+
+
+def test_a_helper_forked_beside_garbage_of_gloo_groups_serves(gloo_garbage_at_fork: None, shards: Shards) -> None:
+    got = shards.helper.rows.fetch(np.arange(40, dtype=np.int64), np.full(40, -1)).result(10)
     assert got.rows.shape == (40, DIM)
     shards.helper.rows.release(got)
 
