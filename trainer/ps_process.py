@@ -464,17 +464,27 @@ class PsProcess:
         return await self.control.call("watch_restarts", *args, **kwargs)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close the helper's client, wait for it to exit (killed after `timeout_s`)."""
+        """Close the helper's client, wait for it to exit (killed after `timeout_s`), and
+        reap it."""
         self.rows.close(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            done, _ = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                return
-            time.sleep(0.01)
-        with contextlib.suppress(Exception):
-            os.kill(self.pid, signal.SIGKILL)
+        if not _exits_within(self.pid, timeout_s):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # reaped already
             os.waitpid(self.pid, 0)
+
+
+def _exits_within(pid: int, timeout_s: float) -> bool:
+    """Whether child `pid` has exited, or exits within `timeout_s`: its pidfd turns readable
+    then (until it is reaped), so the wait is one poll, not a loop of sleeps."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # reaped already
+        return True
+    try:
+        return ready(fd, select.POLLIN, timeout_s)
+    finally:
+        os.close(fd)
 
 
 # -- the helper's side -------------------------------------------------------------------------

@@ -189,6 +189,16 @@ def test_a_helper_that_dies_fails_every_request_clearly(shards: Shards) -> None:
         shards.io.run(shards.helper.snapshot(1))
 
 
+def test_close_reaps_the_helper_and_kills_one_that_does_not_exit() -> None:
+    for stopped in (False, True):
+        helper = PsProcess.start(dim=DIM, state_width=STATE_WIDTH, wait_s=0.5)
+        if stopped:  # it can answer nothing and exit never: close must kill it
+            os.kill(helper.pid, signal.SIGSTOP)
+        helper.close(timeout_s=1.0)
+        with pytest.raises(ChildProcessError):  # reaped: no zombie left behind
+            os.waitpid(helper.pid, os.WNOHANG)
+
+
 def test_a_pool_keeps_only_so_many_free_bytes() -> None:
     announced, forgotten = [], []
     pool = SegmentPool(lambda s, fd: announced.append(s.id), lambda s: forgotten.append(s.id), keep_bytes=3 << 16)
