@@ -22,7 +22,8 @@ slow parts replaced by indexable state:
   none is read yet) and when it was last used or filled (`copies`);
 * free slots: one min-heap per trainer (the smallest free slot is handed out; `heaps`);
 * Belady victims: per trainer that must evict at x, its copies not used at x in buckets by
-  next use (one counting-sort pass over its slots), each bucket made a heap only when
+  next use (one pass over its slots counts them; only the first buckets are then ordered,
+  by a counting sort over two bytes a slot), each bucket made a heap only when
   victims are taken from it (`heaps`).
 
 Everything is sized by the caches (T x C) or by the keys and pairs in the window, and the

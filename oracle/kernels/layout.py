@@ -83,7 +83,11 @@ VICTIMS_BUILT_AT = 0  # the iteration the victims were gathered for; stale at an
 VICTIMS_BUCKET = 1  # the bucket being taken from
 VICTIMS_LO = 2  # its heap: rows [VICTIMS_LO, VICTIMS_HI) of the trainer's victims,
 VICTIMS_HI = 3  # empty once every bucket is taken
-NUM_VICTIMS_INFO = 4
+VICTIMS_FILLED = 4  # buckets [0, VICTIMS_FILLED) are in the victims array; later ones only counted
+NUM_VICTIMS_INFO = 5
+
+# victim_bucket, int16 [T, C]: per trainer and slot, the bucket of its copy as a victim at
+# VICTIMS_BUILT_AT, VICTIM_BUCKETS if it is none (free, or used then).
 
 # Event rows (Events.fetch, join_*, leave_*, write_*; `Planned` in oracle/rules.py).
 EV_TRAINER = 0

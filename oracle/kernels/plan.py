@@ -253,11 +253,11 @@ def _evict_for(
     """Rule 4: each trainer evicts until its `need` new copies at x fit."""
     entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
-    heaps, starts, info = st.victims, st.victim_starts, st.victims_info
+    heaps, starts, info, bucket_of = st.victims, st.victim_starts, st.victims_info, st.victim_bucket
     leave_prev, counts = ev.leave_prev, ev.counts
     for j in range(need.shape[0]):
         for _ in range(need[j] - heap_size[j]):
-            top_victim(slot, heaps, starts, info, j, x, horizon)  # gathers them on the first call
+            top_victim(slot, bucket_of, heaps, starts, info, j, x, horizon)  # counts them on the first call
             s = pop_victim(heaps, starts, info, j)
             _evict(entry, pool, slot, heap, heap_size, leave_prev, counts, ended, j, s, x)
 
@@ -340,7 +340,7 @@ def _prefetch_later(
     record of the key (an unplanned use), so only the key's records are looked at."""
     entry, pool, slot, heap = st.entry, st.pool, st.slot, st.heap
     heap_size = st.heap_size
-    heaps, starts, info = st.victims, st.victim_starts, st.victims_info
+    heaps, starts, info, bucket_of = st.victims, st.victim_starts, st.victims_info, st.victim_bucket
     fetch, leave_prev, counts = ev.fetch, ev.leave_prev, ev.counts
     for g in range(groups.shape[0] - 1):
         if groups[g, GROUP_SRC] >= 0:
@@ -355,7 +355,7 @@ def _prefetch_later(
             j = pool[r, REC_TRAINER]
             if heap_size[j] == 0:
                 if (
-                    top_victim(slot, heaps, starts, info, j, x, horizon) < 0
+                    top_victim(slot, bucket_of, heaps, starts, info, j, x, horizon) < 0
                     or victim_next(heaps, info, j) <= u
                 ):
                     continue

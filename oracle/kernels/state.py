@@ -48,6 +48,7 @@ class BagpipeState(NamedTuple):
     victims: np.ndarray  # int64 [T, C, NUM_VICTIM]: VICTIM_*
     victim_starts: np.ndarray  # int64 [T, VICTIM_BUCKETS + 1]
     victims_info: np.ndarray  # int64 [T, NUM_VICTIMS_INFO]: VICTIMS_*
+    victim_bucket: np.ndarray  # int16 [T, C]: each slot's victim bucket at VICTIMS_BUILT_AT
     index: IntMap  # key -> entry, or its last write-back (intmap: CELL_VALUE)
     pool: np.ndarray  # int64 [R, NUM_REC]: the store's rows: records (REC_*), in homes and blocks
     entry: np.ndarray  # int64 [R / ENTRY_ROWS, NUM_ENTRY]: the same store as entries (ENTRY_*)
@@ -75,6 +76,7 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Bagp
         victims=np.zeros((t, c, NUM_VICTIM), np.int64),
         victim_starts=np.zeros((t, VICTIM_BUCKETS + 1), np.int64),
         victims_info=np.full((t, NUM_VICTIMS_INFO), -1, np.int64),
+        victim_bucket=np.empty((t, c), np.int16),  # written by each gather before any read
         index=new_map(pow2(2 * t * c)),
         **_store(aligned_empty((ENTRY_ROWS * max(entries, 1) * NUM_REC,))),  # filled as handed out
         entry_free=np.empty(max(entries, 1), np.int64),

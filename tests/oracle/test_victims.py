@@ -58,7 +58,7 @@ def test_victims_come_out_in_rule_4_order(seed: int, capacity: int, x: int, look
     heaps, starts, info = state.victims, state.victim_starts, state.victims_info
     for j in range(trainers):
         taken = []
-        while (s := top_victim(slot, heaps, starts, info, j, x, horizon)) >= 0:
+        while (s := top_victim(slot, state.victim_bucket, heaps, starts, info, j, x, horizon)) >= 0:
             nxt = victim_next(heaps, info, j)
             assert pop_victim(heaps, starts, info, j) == s
             taken.append((s, nxt))
@@ -71,11 +71,11 @@ def test_victims_are_gathered_again_at_the_next_iteration() -> None:
     state = new_state(1, 50, 16, 8)
     slot = _random_cache(7, 1, 50, x, horizon)
     heaps, starts, info = state.victims, state.victim_starts, state.victims_info
-    top_victim(slot, heaps, starts, info, 0, x, horizon)
+    top_victim(slot, state.victim_bucket, heaps, starts, info, 0, x, horizon)
     for _ in range(3):
         pop_victim(heaps, starts, info, 0)
     taken = []
-    while (s := top_victim(slot, heaps, starts, info, 0, x + 1, horizon + 1)) >= 0:
+    while (s := top_victim(slot, state.victim_bucket, heaps, starts, info, 0, x + 1, horizon + 1)) >= 0:
         taken.append((s, victim_next(heaps, info, 0)))
         pop_victim(heaps, starts, info, 0)
     assert taken == _expected(slot, 0, x + 1, horizon + 1)
