@@ -24,7 +24,7 @@ distinct (key, trainer) pairs (each trainer's copy of a key it uses: planning, t
 lists); the plan's fetches and capacity victims; the shared keys' rows of T slots in the sync
 lists; and, for each trainer that evicts, one pass over its C slots that counts its copies in
 buckets by next use (only the first buckets are then ordered, and made heaps as victims come
-from them), about 7 ns x T x C here, the slots being out of the CPU's caches at T = 32. On a stream whose hot keys every
+from them), about 4 ns x T x C here, the slots being out of the CPU's caches at T = 32. On a stream whose hot keys every
 trainer uses, all of these but the key uses grow with T, the same global batches planned: from
 T = 2 to 32 here, per batch, the pairs 1.9 x (51,862 to 96,600 of 425,984 key uses), the
 fetches 2.2 x (17,681 to 38,238), the victims 3.2 x (7,862 to 25,517), the sync lists' slots

@@ -75,9 +75,10 @@ def pop_free_slot(heap: np.ndarray, size: np.ndarray, j: int) -> int:
 # its bucket exactly, so the order is the same as one heap's. Reading every slot of the
 # trainer once remains, and at large T x C, where the slots are out of the CPU's caches,
 # it is most of the cost. Filling every bucket, as an earlier version did, read every slot
-# twice and wrote every copy into the victims array: 19.6 against 7.4 ns a slot for 32
-# trainers of 12,540 slots (7.9 against 3.0 ms an iteration; half the copies with no use
-# in the window, the rest spread over it).
+# twice and wrote every copy into the victims array: for 32 trainers of 12,540 slots, until
+# the first victim can be taken, 10.1 against 4.2 ns a slot where 2% of the copies have no
+# use in the window and the rest are spread over it (bench/planner.py's stream has 1-2%),
+# 19.7 against 15.9 where half have none (that one bucket is then filled and made a heap).
 @inlined
 def top_victim(
     slot: np.ndarray,
@@ -92,13 +93,9 @@ def top_victim(
     """Trainer j's best remaining capacity victim at x (a slot), or -1; its next use is
     `victim_next`. Counts them on the first call at x, and fills the victims array with the
     bucket being taken from when it is not in it yet."""
-    if info[j, VICTIMS_BUILT_AT] != x:
-        _count_victims(slot, bucket_of, starts, info, j, x, horizon)
-        _open_bucket(heaps, starts, info, j, 0)
     b = info[j, VICTIMS_BUCKET]
-    if b < VICTIM_BUCKETS and b >= info[j, VICTIMS_FILLED]:
-        _fill_victims(slot, bucket_of, heaps, starts, info, j, b, horizon)
-        _open_bucket(heaps, starts, info, j, b)
+    if info[j, VICTIMS_BUILT_AT] != x or (b < VICTIM_BUCKETS and b >= info[j, VICTIMS_FILLED]):
+        _ready_victims(slot, bucket_of, heaps, starts, info, j, x, horizon)
     lo = info[j, VICTIMS_LO]
     return heaps[j, lo, VICTIM_SLOT] if lo < info[j, VICTIMS_HI] else -1
 
@@ -143,6 +140,23 @@ def _bucket(nxt: int, horizon: int, ranks: int, scale: int) -> int:
 
 
 @kernel
+def _ready_victims(
+    slot: np.ndarray, bucket_of: np.ndarray, heaps: np.ndarray, starts: np.ndarray, info: np.ndarray,
+    j: int, x: int, horizon: int,
+) -> None:  # fmt: skip
+    """Trainer j's victims at x ready to take: counted on the first call at x, and the
+    bucket being taken from put in the victims array and made a heap if it is not in yet
+    (one kernel: `top_victim`, inlined where victims are taken, stays small)."""
+    if info[j, VICTIMS_BUILT_AT] != x:
+        _count_victims(slot, bucket_of, starts, info, j, x, horizon)
+        _open_bucket(heaps, starts, info, j, 0)
+    b = info[j, VICTIMS_BUCKET]
+    if b < VICTIM_BUCKETS and b >= info[j, VICTIMS_FILLED]:
+        _fill_victims(slot, bucket_of, heaps, starts, info, j, b, horizon)
+        _open_bucket(heaps, starts, info, j, b)
+
+
+@inlined
 def _count_victims(
     slot: np.ndarray, bucket_of: np.ndarray, starts: np.ndarray, info: np.ndarray,
     j: int, x: int, horizon: int,
@@ -165,7 +179,7 @@ def _count_victims(
     info[j, VICTIMS_FILLED] = 0
 
 
-@kernel
+@inlined
 def _fill_victims(
     slot: np.ndarray, bucket_of: np.ndarray, heaps: np.ndarray, starts: np.ndarray, info: np.ndarray,
     j: int, b: int, horizon: int,
