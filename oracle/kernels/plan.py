@@ -342,10 +342,21 @@ def _prefetch_later(
     heap_size = st.heap_size
     heaps, starts, info, bucket_of = st.victims, st.victim_starts, st.victims_info, st.victim_bucket
     fetch, leave_prev, counts = ev.fetch, ev.leave_prev, ev.counts
+    t_count = slot.shape[0]
+    # the admitted keys' entries in a list of their own, to request their cells ahead (the
+    # other keys' would be loaded for nothing)
+    admitted = np.empty(groups.shape[0] - 1, np.int64)
+    n = 0
     for g in range(groups.shape[0] - 1):
-        if groups[g, GROUP_SRC] >= 0:
-            continue
-        e = groups[g, GROUP_ENTRY]
+        if groups[g, GROUP_SRC] < 0:
+            admitted[n] = groups[g, GROUP_ENTRY]
+            n += 1
+    for i in range(n):
+        if i + _AHEAD_KEYS < n:
+            prefetch_entry(entry, pool, admitted[i + _AHEAD_KEYS], 2)
+        if t_count > HOME_RECORDS and i + _AHEAD_KEYS // 2 < n:
+            prefetch_block(entry, pool, admitted[i + _AHEAD_KEYS // 2])
+        e = admitted[i]
         first = entry[e, ENTRY_BLOCK]
         for r in range(first, first + entry[e, ENTRY_RECORDS]):
             # heads are not advanced yet: a trainer using the key at x has u == x
