@@ -71,10 +71,10 @@ def pop_free_slot(heap: np.ndarray, size: np.ndarray, j: int) -> int:
 # notes each slot's bucket (`bucket_of`, two bytes a slot); the victims array then gets
 # only the first buckets, about C / 16 victims, from a pass over those notes (a counting
 # sort, ranges of `victims` in bucket order), and the next ones, as many again as it
-# holds, only if the iteration takes that many. Only the bucket being taken from is made a heap; a heap orders
-# its bucket exactly, so the order is the same as one heap's. Reading every slot of the
-# trainer once remains, and at large T x C, where the slots are out of the CPU's caches,
-# it is most of the cost. Filling every bucket, as an earlier version did, read every slot
+# holds, only if the iteration takes that many. Only the bucket being taken from is made a
+# heap; a heap orders its bucket exactly, so the order is the same as one heap's. Reading
+# every slot of the trainer once remains, and at large T x C, where the slots are out of
+# the CPU's caches, it is most of the cost. Filling every bucket, as an earlier version did, read every slot
 # twice and wrote every copy into the victims array: for 32 trainers of 12,540 slots, until
 # the first victim can be taken, 10.1 against 4.2 ns a slot where 2% of the copies have no
 # use in the window and the rest are spread over it (bench/planner.py's stream has 1-2%),
@@ -185,9 +185,10 @@ def _fill_victims(
     j: int, b: int, horizon: int,
 ) -> None:  # fmt: skip
     """Trainer j's victims of buckets b, b + 1, ... into the victims array, in slot order,
-    until they are C / 16, and as many as are in it already, or the buckets end. The slots of those buckets are as they
-    were counted: a copy changes during x only by being taken as a victim (or filled at x,
-    no victim then), and those taken so far were in buckets filled before."""
+    until they are C / 16, and as many as are in it already, or the buckets end. The slots
+    of those buckets are as they were counted: a copy changes during x only by being taken
+    as a victim (or filled at x, no victim then), and those taken so far were in buckets
+    filled before."""
     hi = b + 1
     # at least as many as all fills before: a few passes even where an iteration takes most
     want = max(_FILL_MIN, slot.shape[1] >> 4, starts[j, b] - starts[j, 0])
