@@ -1,6 +1,7 @@
 """The heaps of each trainer's cache: the free slots (a min-heap, the smallest free slot is
-handed out) and the Belady victims of iteration x (its copies not used at x, gathered only
-when that trainer must evict at x, in buckets by next use, each made a heap when reached)."""
+handed out) and the Belady victims of iteration x (its copies not used at x, counted only
+when that trainer must evict at x, in buckets by next use, each put in order and made a heap
+when reached)."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ VICTIM_BUCKETS = 256
 # victim_starts, int64 [T, VICTIM_BUCKETS + 1]: where each bucket of a trainer's victims starts.
 
 # victims_info, int64 [T, NUM_VICTIMS_INFO]
-VICTIMS_BUILT_AT = 0  # the iteration the victims were gathered for; stale at any other
+VICTIMS_BUILT_AT = 0  # the iteration the victims were counted for; stale at any other
 VICTIMS_BUCKET = 1  # the bucket being taken from
 VICTIMS_LO = 2  # its heap: rows [VICTIMS_LO, VICTIMS_HI) of the trainer's victims,
 VICTIMS_HI = 3  # empty once every bucket is taken

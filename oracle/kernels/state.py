@@ -76,7 +76,7 @@ def new_state(num_trainers: int, capacity: int, ring: int, entries: int) -> Bagp
         victims=np.zeros((t, c, NUM_VICTIM), np.int64),
         victim_starts=np.zeros((t, VICTIM_BUCKETS + 1), np.int64),
         victims_info=np.full((t, NUM_VICTIMS_INFO), -1, np.int64),
-        victim_bucket=np.empty((t, c), np.int16),  # written by each gather before any read
+        victim_bucket=np.empty((t, c), np.int16),  # written by each count before any read
         index=new_map(pow2(2 * t * c)),
         **_store(aligned_empty((ENTRY_ROWS * max(entries, 1) * NUM_REC,))),  # filled as handed out
         entry_free=np.empty(max(entries, 1), np.int64),
