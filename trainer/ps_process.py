@@ -425,6 +425,9 @@ class PsProcess:
 
     def __init__(self, pid: int, rows: SharedRows, control: ControlChannel) -> None:
         self.pid, self.rows, self.control = pid, rows, control
+        # readable once the helper exits (as launcher.zygote's ForkedProcess waits): our
+        # child, so its pid is not reused before we reap it
+        self._pidfd = os.pidfd_open(pid)
 
     @classmethod
     def start(cls, *, dim: int, state_width: int, wait_s: float) -> PsProcess:
@@ -467,24 +470,11 @@ class PsProcess:
         """Close the helper's client, wait for it to exit (killed after `timeout_s`), and
         reap it."""
         self.rows.close(timeout_s)
-        if not _exits_within(self.pid, timeout_s):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+        if not ready(self._pidfd, select.POLLIN, timeout_s):
+            os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):  # reaped already
             os.waitpid(self.pid, 0)
-
-
-def _exits_within(pid: int, timeout_s: float) -> bool:
-    """Whether child `pid` has exited, or exits within `timeout_s`: its pidfd turns readable
-    then (until it is reaped), so the wait is one poll, not a loop of sleeps."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # reaped already
-        return True
-    try:
-        return ready(fd, select.POLLIN, timeout_s)
-    finally:
-        os.close(fd)
+        os.close(self._pidfd)
 
 
 # -- the helper's side -------------------------------------------------------------------------
